@@ -1,0 +1,386 @@
+//! The host<->agent protocol.
+//!
+//! The agent dials the host (a Unix socket or an inherited socket in the
+//! sandbox backend, AF_VSOCK to [`HOST_CID`]:[`AGENT_PORT`] in a VM) and sends
+//! [`AgentMessage::Hello`]. From then on both sides exchange messages inside
+//! the frames of [`crate::framing`]:
+//!
+//! ```text
+//! frame body = u32 BE header length | header (JSON) | payload (raw bytes)
+//! ```
+//!
+//! The JSON header says what the message is; the payload carries bulk bytes
+//! (process output, stdin, file contents) so they never pay base64 or JSON
+//! escaping on this link. Host requests carry a `u64` id and are answered by
+//! exactly one [`AgentMessage::Response`] with the same id, in any order.
+//! Process output, exits and guest-originated requests flow as unsolicited
+//! agent messages. Output of one process is delivered in order, and its
+//! `Exit` follows the last byte of both its stdout and stderr.
+//!
+//! Limits: a message must fit one frame ([`MAX_MESSAGE`]); bulk producers
+//! chunk at [`MAX_CHUNK`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Version sent in the hello; the host refuses agents with another major.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// vsock CID of the host, as fixed by the virtio-vsock specification.
+pub const HOST_CID: u32 = 2;
+
+/// vsock port the agent dials on the host (the official agent's port).
+pub const AGENT_PORT: u32 = 51234;
+
+/// Largest frame on the agent link.
+pub const MAX_MESSAGE: usize = crate::framing::MAX_CLIENT_FRAME;
+
+/// Largest payload a producer puts in one message (stdout chunk, file chunk).
+pub const MAX_CHUNK: usize = 256 * 1024;
+
+/// Errors decoding a message.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("message shorter than its header length prefix")]
+    Short,
+    #[error("header length {0} runs past the end of the message")]
+    HeaderLength(usize),
+    #[error("malformed message header: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// A decoded message: the typed header and the raw payload that followed it.
+#[derive(Debug)]
+pub struct Envelope<T> {
+    pub header: T,
+    pub payload: Vec<u8>,
+}
+
+/// Encodes `header` and `payload` as one frame body.
+pub fn encode<T: Serialize>(header: &T, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + payload.len());
+    encode_into(&mut out, header, payload);
+    out
+}
+
+/// Appends a complete frame (length prefix included) for `header`+`payload` to `out`.
+pub fn encode_frame_into<T: Serialize>(out: &mut Vec<u8>, header: &T, payload: &[u8]) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    encode_into(out, header, payload);
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+fn encode_into<T: Serialize>(out: &mut Vec<u8>, header: &T, payload: &[u8]) {
+    let at = out.len();
+    out.extend_from_slice(&[0; 4]);
+    // Serializing our own plain data types into a Vec cannot fail.
+    serde_json::to_writer(&mut *out, header).expect("protocol header serializes");
+    let hlen = (out.len() - at - 4) as u32;
+    out[at..at + 4].copy_from_slice(&hlen.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// Decodes a frame body into header and payload.
+pub fn decode<T: for<'de> Deserialize<'de>>(mut body: Vec<u8>) -> Result<Envelope<T>, ProtoError> {
+    if body.len() < 4 {
+        return Err(ProtoError::Short);
+    }
+    let hlen = u32::from_be_bytes([body[0], body[1], body[2], body[3]]) as usize;
+    if hlen > body.len() - 4 {
+        return Err(ProtoError::HeaderLength(hlen));
+    }
+    let header = serde_json::from_slice(&body[4..4 + hlen])?;
+    let payload = body.split_off(4 + hlen);
+    Ok(Envelope { header, payload })
+}
+
+/// A string that never appears in logs or `Debug` output (OAuth tokens).
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// Boot timestamps the agent reports, in microseconds since its kernel booted
+/// (CLOCK_BOOTTIME) or since the agent process started when not PID 1.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BootTimes {
+    /// When the agent's `main` started.
+    pub agent_start_us: u64,
+    /// When early init (mounts, modules) was done; equals start outside a VM.
+    pub init_done_us: u64,
+    /// When the connection to the host was established.
+    pub connected_us: u64,
+}
+
+/// First message of every agent connection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hello {
+    pub protocol: u32,
+    /// The agent crate's version.
+    pub version: String,
+    /// Whether the agent runs as PID 1 (the VM's init).
+    pub is_init: bool,
+    pub boot: BootTimes,
+    /// Kernel release (`uname -r`) as the agent sees it.
+    pub kernel: String,
+}
+
+/// How a session mount may be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MountMode {
+    /// Read-only.
+    Ro,
+    /// Read-write; deleting pre-existing files is not allowed where the
+    /// backend can enforce it.
+    Rw,
+    /// Read-write with deletion.
+    Rwd,
+}
+
+impl MountMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "ro" => Some(Self::Ro),
+            "rw" => Some(Self::Rw),
+            "rwd" => Some(Self::Rwd),
+            _ => None,
+        }
+    }
+    pub fn writable(self) -> bool {
+        !matches!(self, Self::Ro)
+    }
+}
+
+/// One session mount: `source` (a path in the agent's own view, chosen by the
+/// backend) appears at `/sessions/<session>/mnt/<name>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MountSpec {
+    pub session: String,
+    /// Mount name relative to the session's `mnt/`; may be nested (`.claude/skills`).
+    pub name: String,
+    pub source: String,
+    pub mode: MountMode,
+}
+
+/// A process to start.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpawnSpec {
+    /// Client-chosen process id (unique among live processes of the agent).
+    pub id: String,
+    /// Session name; the process runs in `/sessions/<name>` unless `cwd` says otherwise.
+    pub name: String,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment, as sent by the client. The agent drops empty values and
+    /// applies the OAuth rule with `oauth_token`.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub oauth_token: Option<Secret>,
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
+    #[serde(default)]
+    pub is_resume: bool,
+    #[serde(default)]
+    pub one_shot: bool,
+    #[serde(default)]
+    pub mount_skeleton_home: bool,
+    #[serde(default)]
+    pub allowed_domains: Option<Vec<String>>,
+}
+
+/// Environment variables that carry credentials: their values are never logged,
+/// and their presence stops the agent from injecting the OAuth token.
+pub const CREDENTIAL_VARS: [&str; 3] =
+    ["CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY"];
+
+impl fmt::Debug for SpawnSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Env values may hold secrets: show names only.
+        f.debug_struct("SpawnSpec")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("command", &self.command)
+            .field("args", &self.args.len())
+            .field("cwd", &self.cwd)
+            .field("env_keys", &self.env.keys().collect::<Vec<_>>())
+            .field("oauth_token", &self.oauth_token.as_ref().map(|_| "<redacted>"))
+            .field("mounts", &self.mounts)
+            .field("is_resume", &self.is_resume)
+            .field("one_shot", &self.one_shot)
+            .finish()
+    }
+}
+
+/// Operations the host asks of the agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "camelCase")]
+pub enum Op {
+    /// Liveness check; result `{}`.
+    Ping,
+    /// Start a process; result `{"failedMounts": [names]}`.
+    Spawn(SpawnSpec),
+    /// Write the message payload to the process's stdin, in order.
+    WriteStdin { id: String },
+    /// Close the process's stdin.
+    CloseStdin { id: String },
+    /// Send `signal` (a number) to the process group; result `{}`.
+    Kill { id: String, signal: i32 },
+    /// Result `{"running": bool, "exitCode"?: i32}`; unknown ids are an error.
+    ProcessStatus { id: String },
+    /// Result: the file's bytes as payload. `path` is absolute, or relative to
+    /// `/sessions/<session>`; it must resolve inside `/sessions/<session>`.
+    ReadFile { session: String, path: String },
+    /// Make `source` (the CLI binary, in the agent's view) available as
+    /// `/usr/local/bin/claude`; idempotent.
+    InstallSdk { source: String, version: String },
+    /// Add a mount to a (possibly running) session; result `{}`.
+    Mount(MountSpec),
+    /// Result as the client's `getSessionsDiskInfo`.
+    DiskInfo { low_water_bytes: u64 },
+    /// Result as the client's `deleteSessionDirs`.
+    DeleteSessionDirs { names: Vec<String> },
+    /// Result as the client's `pruneSessionCaches`.
+    PruneSessionCaches {
+        only_if_free_bytes_below: Option<u64>,
+        include_session_tmp: bool,
+        session_tmp_older_than_seconds: Option<u64>,
+    },
+    /// Kill every process (exit events follow), then answer; the agent then
+    /// powers the machine off when it is init, or exits otherwise.
+    Shutdown,
+}
+
+/// Messages from host to agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum HostMessage {
+    /// A request; the agent answers with a `Response` of the same id.
+    Request { id: u64, op: Op },
+    /// The client's answer to a guest-originated request.
+    #[serde(rename_all = "camelCase")]
+    GuestResponse { id: String, result_json: Option<String>, error: Option<String> },
+}
+
+/// Messages from agent to host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "camelCase")]
+pub enum AgentMessage {
+    Hello(Hello),
+    /// Answer to `HostMessage::Request`; bulk results travel in the payload.
+    Response {
+        id: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+        #[serde(default)]
+        result: serde_json::Value,
+    },
+    /// Payload: a chunk of the process's stdout.
+    Stdout { id: String },
+    /// Payload: a chunk of the process's stderr.
+    Stderr { id: String },
+    /// The process ended; sent after its stdout and stderr reached EOF.
+    #[serde(rename_all = "camelCase")]
+    Exit {
+        id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exit_code: Option<i32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signal: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        oom_kill_count: Option<u64>,
+    },
+    /// A process-scoped error (`fatal` means the process is gone).
+    Error { id: String, message: String, fatal: bool },
+    /// A guest-originated request for the client.
+    Request { id: String, method: String, params: serde_json::Value },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelope_round_trip_keeps_payload_bytes() {
+        let msg = AgentMessage::Stdout { id: "p1".into() };
+        let payload: Vec<u8> = (0..=255).collect();
+        let env: Envelope<AgentMessage> = decode(encode(&msg, &payload)).unwrap();
+        assert_eq!(env.header, msg);
+        assert_eq!(env.payload, payload);
+    }
+
+    #[test]
+    fn frame_into_prefixes_length() {
+        let mut out = Vec::new();
+        encode_frame_into(&mut out, &HostMessage::Request { id: 7, op: Op::Ping }, b"xy");
+        let len = u32::from_be_bytes([out[0], out[1], out[2], out[3]]) as usize;
+        assert_eq!(len, out.len() - 4);
+        let env: Envelope<HostMessage> = decode(out[4..].to_vec()).unwrap();
+        assert_eq!(env.header, HostMessage::Request { id: 7, op: Op::Ping });
+        assert_eq!(env.payload, b"xy");
+    }
+
+    #[test]
+    fn malformed_messages_are_errors_not_panics() {
+        assert!(matches!(decode::<AgentMessage>(vec![0, 0]), Err(ProtoError::Short)));
+        assert!(matches!(
+            decode::<AgentMessage>(vec![0, 0, 0, 9, b'{']),
+            Err(ProtoError::HeaderLength(9))
+        ));
+        assert!(matches!(
+            decode::<AgentMessage>(vec![0, 0, 0, 2, b'{', b'}']),
+            Err(ProtoError::Json(_))
+        ));
+        let unknown = encode(&serde_json::json!({"type": "nope"}), b"");
+        assert!(decode::<AgentMessage>(unknown).is_err());
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug() {
+        let mut env = BTreeMap::new();
+        env.insert("ANTHROPIC_API_KEY".to_string(), "sk-secret-value".to_string());
+        let spec = SpawnSpec {
+            id: "a".into(),
+            name: "s".into(),
+            command: "/bin/true".into(),
+            args: vec![],
+            cwd: None,
+            env,
+            oauth_token: Some(Secret("oauth-secret-value".into())),
+            mounts: vec![],
+            is_resume: false,
+            one_shot: false,
+            mount_skeleton_home: false,
+            allowed_domains: None,
+        };
+        let shown = format!("{:?}", Op::Spawn(spec));
+        assert!(!shown.contains("sk-secret-value"), "{shown}");
+        assert!(!shown.contains("oauth-secret-value"), "{shown}");
+        assert!(shown.contains("ANTHROPIC_API_KEY"));
+    }
+
+    #[test]
+    fn mount_mode_parse() {
+        assert_eq!(MountMode::parse("ro"), Some(MountMode::Ro));
+        assert_eq!(MountMode::parse("rwd"), Some(MountMode::Rwd));
+        assert_eq!(MountMode::parse("RW"), None);
+        assert!(MountMode::Rw.writable() && !MountMode::Ro.writable());
+    }
+}

@@ -1,0 +1,1 @@
+//! The in-process KVM microVM (x86_64). See issue "vmm: an in-process KVM microVM".
