@@ -1,0 +1,337 @@
+//! A virtio test device: fills the driver's buffers with a known pattern.
+//!
+//! It exists to exercise the transport end to end (unit tests and the KVM
+//! guest test): on every kick of a queue its worker thread takes each
+//! available descriptor chain, writes `seed + i` (mod 256) into byte `i` of
+//! the chain's device-writable buffers, puts the chain in the used ring with
+//! the number of bytes written, and signals the used queue.
+//!
+//! Config space (little-endian, 8 bytes):
+//! * `0x0` `seed` (u32, read-write; only its low byte shapes the pattern),
+//! * `0x4` `completed` (u32, read-only): chains used since activation.
+//!
+//! A chain whose buffers lie outside guest memory, or a malformed available
+//! ring, makes the worker report [`VirtioInterrupt::signal_needs_reset`] and
+//! stop. Limits: not a real virtio device type; no readable-buffer handling
+//! (device-readable descriptors are skipped).
+
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{debug, warn};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Address, Bytes, GuestAddress};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{features, read_config_bytes, write_config_bytes};
+use super::{ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt};
+
+/// Device ID of the test device. Unassigned by the virtio spec, so no guest
+/// driver other than our test's binds to it.
+pub const TEST_DEVICE_ID: u32 = 0xc0de;
+/// A device-specific feature the test device offers (bit 0), so tests can
+/// tell the device's bits from the transport's.
+pub const TEST_F_PATTERN: u64 = 1 << 0;
+/// Config space offset of the pattern seed.
+pub const CONFIG_SEED: u64 = 0;
+/// Config space offset of the completed-chains counter.
+pub const CONFIG_COMPLETED: u64 = 4;
+/// Size of the config space.
+pub const CONFIG_SIZE: usize = 8;
+/// Largest buffer chunk the worker writes at once.
+const CHUNK: usize = 4096;
+
+/// Byte `i` of the pattern for `seed`.
+pub fn pattern_byte(seed: u32, i: usize) -> u8 {
+    (seed as u8).wrapping_add(i as u8)
+}
+
+/// State shared between the device and its worker.
+#[derive(Default)]
+struct Counters {
+    seed: AtomicU32,
+    completed: AtomicU32,
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<()>,
+}
+
+/// The pattern-writing test device.
+pub struct PatternDevice {
+    max_sizes: Vec<u16>,
+    acked: u64,
+    counters: Arc<Counters>,
+    worker: Option<Worker>,
+}
+
+impl PatternDevice {
+    /// A device with one queue per entry of `max_sizes`.
+    pub fn new(max_sizes: Vec<u16>) -> Self {
+        Self {
+            max_sizes,
+            acked: 0,
+            counters: Arc::default(),
+            worker: None,
+        }
+    }
+
+    /// Features the driver accepted at the last FEATURES_OK.
+    pub fn acked_features(&self) -> u64 {
+        self.acked
+    }
+
+    /// Whether a worker thread is running.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> bool {
+        let Some(w) = self.worker.take() else {
+            return true;
+        };
+        if let Err(e) = w.stop.write(1) {
+            warn!("testdev: cannot stop the worker: {e}");
+            // Keep the handle so a later reset can retry.
+            self.worker = Some(w);
+            return false;
+        }
+        w.thread.join().is_ok()
+    }
+}
+
+impl Drop for PatternDevice {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+impl VirtioDevice for PatternDevice {
+    fn device_type(&self) -> u32 {
+        TEST_DEVICE_ID
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        features::VERSION_1 | features::RING_EVENT_IDX | TEST_F_PATTERN
+    }
+
+    fn ack_features(&mut self, features: u64) -> bool {
+        self.acked = features;
+        true
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let mut cfg = [0u8; CONFIG_SIZE];
+        cfg[..4].copy_from_slice(&self.counters.seed.load(Ordering::SeqCst).to_le_bytes());
+        cfg[4..].copy_from_slice(&self.counters.completed.load(Ordering::SeqCst).to_le_bytes());
+        read_config_bytes(&cfg, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // Only the seed is writable.
+        let mut seed = self.counters.seed.load(Ordering::SeqCst).to_le_bytes();
+        if write_config_bytes(&mut seed, offset, data) {
+            self.counters
+                .seed
+                .store(u32::from_le_bytes(seed), Ordering::SeqCst);
+        } else {
+            debug!(offset, "testdev: write outside the seed ignored");
+        }
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        // Blocking, so a failed worker can park on it until reset.
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        // Token = queue position + 1; 0 = stop.
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                raw_fd(&stop),
+                EpollEvent::new(EventSet::IN, 0),
+            )
+            .map_err(ActivateError::Worker)?;
+        for (pos, q) in queues.iter().enumerate() {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    raw_fd(&q.notify),
+                    EpollEvent::new(EventSet::IN, pos as u64 + 1),
+                )
+                .map_err(ActivateError::Worker)?;
+        }
+        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        self.counters.completed.store(0, Ordering::SeqCst);
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            queues,
+            counters: self.counters.clone(),
+            epoll,
+            stop: worker_stop,
+        };
+        let thread = std::thread::Builder::new()
+            .name("virtio-testdev".into())
+            .spawn(move || ctx.run())
+            .map_err(ActivateError::Worker)?;
+        self.worker = Some(Worker { stop, thread });
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        self.stop_worker()
+    }
+}
+
+fn raw_fd(evt: &EventFd) -> i32 {
+    use std::os::fd::AsRawFd;
+    evt.as_raw_fd()
+}
+
+/// Why the worker gave up on the queues.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    #[error("virtqueue {index}: {source}")]
+    Queue {
+        index: u16,
+        source: virtio_queue::Error,
+    },
+    #[error("virtqueue {index}: buffer at {addr:#x} is not in guest memory: {source}")]
+    Buffer {
+        index: u16,
+        addr: u64,
+        source: vm_memory::GuestMemoryError,
+    },
+    #[error("epoll failed: {0}")]
+    Epoll(io::Error),
+}
+
+struct WorkerCtx {
+    mem: GuestMemoryMmap,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    queues: Vec<ActiveQueue>,
+    counters: Arc<Counters>,
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+impl WorkerCtx {
+    fn run(mut self) {
+        if let Err(e) = self.event_loop() {
+            warn!("testdev: {e}; device needs reset");
+            if let Err(e) = self.interrupt.signal_needs_reset() {
+                warn!("testdev: cannot signal needs-reset: {e}");
+            }
+            // Park until the transport resets (or drops) us.
+            let _ = self.stop.read();
+        }
+    }
+
+    fn event_loop(&mut self) -> Result<(), WorkerError> {
+        let mut events = vec![EpollEvent::default(); self.queues.len() + 1];
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WorkerError::Epoll(e)),
+            };
+            for ev in &events[..n] {
+                let token = ev.data();
+                if token == 0 {
+                    return Ok(());
+                }
+                let pos = (token - 1) as usize;
+                // Reset the counter; EAGAIN just means a spurious wakeup.
+                let _ = self.queues[pos].notify.read();
+                self.process(pos)?;
+            }
+        }
+    }
+
+    fn process(&mut self, pos: usize) -> Result<(), WorkerError> {
+        let seed = self.counters.seed.load(Ordering::SeqCst);
+        let mem = &self.mem;
+        let aq = &mut self.queues[pos];
+        let index = aq.index;
+        let q: &mut Queue = &mut aq.queue;
+        let qerr = |source| WorkerError::Queue { index, source };
+        let mut used_any = false;
+        loop {
+            q.disable_notification(mem).map_err(qerr)?;
+            loop {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(source) => return Err(qerr(source)),
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let mut written: usize = 0;
+                for desc in chain.writable() {
+                    fill_pattern(mem, desc.addr(), desc.len(), seed, &mut written).map_err(
+                        |source| WorkerError::Buffer {
+                            index,
+                            addr: desc.addr().0,
+                            source,
+                        },
+                    )?;
+                }
+                let len = u32::try_from(written).unwrap_or(u32::MAX);
+                q.add_used(mem, head, len).map_err(qerr)?;
+                self.counters.completed.fetch_add(1, Ordering::SeqCst);
+                used_any = true;
+            }
+            if !q.enable_notification(mem).map_err(qerr)? {
+                break;
+            }
+        }
+        if used_any && q.needs_notification(mem).map_err(qerr)? {
+            if let Err(e) = self.interrupt.signal_used_queue(index) {
+                warn!("testdev: cannot signal queue {index}: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes the pattern into `[addr, addr + len)`, continuing from byte
+/// `*written` of the chain.
+fn fill_pattern(
+    mem: &GuestMemoryMmap,
+    addr: GuestAddress,
+    len: u32,
+    seed: u32,
+    written: &mut usize,
+) -> Result<(), vm_memory::GuestMemoryError> {
+    let mut buf = [0u8; CHUNK];
+    let mut done: usize = 0;
+    let len = len as usize;
+    while done < len {
+        let n = (len - done).min(CHUNK);
+        for (i, b) in buf[..n].iter_mut().enumerate() {
+            *b = pattern_byte(seed, *written + i);
+        }
+        let at = addr
+            .checked_add(done as u64)
+            .ok_or(vm_memory::GuestMemoryError::InvalidGuestAddress(addr))?;
+        mem.write_slice(&buf[..n], at)?;
+        done += n;
+        *written += n;
+    }
+    Ok(())
+}
