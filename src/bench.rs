@@ -1,0 +1,610 @@
+//! `cowork-helper bench [--quick]`: starts a helper (this executable, or
+//! `--helper PATH`) on a temporary socket with the sandbox backend, drives it
+//! through [`crate::client`] as the desktop client does, and prints a table of
+//! one-shot RPC latency, pipe throughput, spawn→exit latency, stdout
+//! throughput of a 64 MiB output and the processes' peak RSS, next to the
+//! targets.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::client::{Client, Pipe, Subscription};
+
+/// Targets from the issue, and what the Node reference daemon does here.
+const TARGET_SPAWN_EXIT_MS: f64 = 2.5;
+const TARGET_STDOUT_MIBS: f64 = 350.0;
+const TARGET_RSS_MIB: f64 = 30.0;
+
+const STDOUT_BYTES: u64 = 64 * 1024 * 1024;
+
+struct Opts {
+    quick: bool,
+    helper: Option<PathBuf>,
+    keep_logs: bool,
+}
+
+fn usage() -> &'static str {
+    "usage: cowork-helper bench [--quick] [--helper PATH] [--keep-logs]\n\
+     Starts a helper with the sandbox backend on a temporary socket and measures\n\
+     RPC latency, pipe throughput, spawn->exit latency, stdout throughput and peak RSS."
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts {
+        quick: false,
+        helper: None,
+        keep_logs: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "bench" => {}
+            "--quick" | "-quick" => o.quick = true,
+            "--keep-logs" => o.keep_logs = true,
+            "--helper" => o.helper = Some(it.next().ok_or("--helper needs a path")?.into()),
+            s if s.starts_with("--helper=") => o.helper = Some(s["--helper=".len()..].into()),
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(o)
+}
+
+/// Entry point of the `bench` subcommand; `args` are the arguments after
+/// `bench` (a leading `bench` is tolerated). Returns the process exit code.
+pub fn main_with_args(args: Vec<String>) -> i32 {
+    let opts = match parse(&args) {
+        Ok(o) => o,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("bench: {e}");
+            }
+            eprintln!("{}", usage());
+            return if e.is_empty() { 0 } else { 2 };
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("bench: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(run(opts)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            1
+        }
+    }
+}
+
+/// The helper under test; killed (SIGTERM, then SIGKILL) on drop.
+struct Helper {
+    child: Child,
+    dir: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    keep: bool,
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if self.keep {
+            eprintln!("bench: helper log kept at {}", self.log.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+impl Helper {
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+fn start_helper(opts: &Opts) -> Result<Helper, String> {
+    let exe = match &opts.helper {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?,
+    };
+    let base = std::env::temp_dir().join(format!("cowork-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&base).map_err(|e| format!("mkdir {}: {e}", base.display()))?;
+    let socket = base.join("run").join("helper.sock");
+    let data = base.join("data");
+    let log = base.join("helper.log");
+    let logf = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let child = Command::new(&exe)
+        .arg("-socket")
+        .arg(&socket)
+        .arg("--backend")
+        .arg("sandbox")
+        .arg("--data-dir")
+        .arg(&data)
+        .env("COWORK_LOG", "warn")
+        .env("XDG_DATA_HOME", base.join("xdg-data"))
+        .env("XDG_RUNTIME_DIR", base.join("run"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(logf)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let mut helper = Helper {
+        child,
+        dir: base,
+        socket,
+        log,
+        keep: opts.keep_logs,
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if std::os::unix::net::UnixStream::connect(&helper.socket).is_ok() {
+            return Ok(helper);
+        }
+        if let Ok(Some(st)) = helper.child.try_wait() {
+            return Err(format!(
+                "helper exited ({st}) before binding:\n{}",
+                helper.log_tail()
+            ));
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "helper did not bind {} within 10 s",
+                helper.socket.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// `VmHWM` and `VmRSS` of a process in KiB.
+fn mem_kib(pid: u32) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        s.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    };
+    Some((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// Resets a process's peak RSS (`VmHWM`) to its current RSS.
+fn reset_hwm(pid: u32) {
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+}
+
+fn comm(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Every descendant of `root` (by walking `/proc/*/stat` parent links).
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parent = std::collections::HashMap::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // Fields after the parenthesised comm: state, ppid, ...
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+                continue;
+            };
+            if let Some(ppid) = rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse::<u32>().ok())
+            {
+                parent.insert(pid, ppid);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (&pid, _) in parent.iter() {
+        let mut cur = pid;
+        let mut hops = 0;
+        while let Some(&pp) = parent.get(&cur) {
+            if pp == root {
+                out.push(pid);
+                break;
+            }
+            cur = pp;
+            hops += 1;
+            if hops > 64 || pp <= 1 {
+                break;
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+/// Peak RSS sampler: polls VmRSS of the helper and its descendants while a
+/// phase runs, as a cross-check of VmHWM (and for short-lived children).
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    helper_peak: Arc<AtomicU64>,
+    tree_peak: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sampler {
+    fn start(root: u32) -> Sampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let helper_peak = Arc::new(AtomicU64::new(0));
+        let tree_peak = Arc::new(AtomicU64::new(0));
+        let (s, h, t) = (stop.clone(), helper_peak.clone(), tree_peak.clone());
+        let thread = std::thread::spawn(move || {
+            let mut kids = descendants(root);
+            let mut n = 0u32;
+            while !s.load(Ordering::Relaxed) {
+                n += 1;
+                if n == 20 {
+                    n = 0;
+                    kids = descendants(root);
+                }
+                let own = mem_kib(root).map(|m| m.1).unwrap_or(0);
+                h.fetch_max(own, Ordering::Relaxed);
+                let total: u64 = own
+                    + kids
+                        .iter()
+                        .filter_map(|&p| mem_kib(p).map(|m| m.1))
+                        .sum::<u64>();
+                t.fetch_max(total, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        Sampler {
+            stop,
+            helper_peak,
+            tree_peak,
+            thread: Some(thread),
+        }
+    }
+
+    fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        (
+            self.helper_peak.load(Ordering::Relaxed),
+            self.tree_peak.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn is_exit_of(ev: &Value, id: &str) -> bool {
+    ev.get("type").and_then(Value::as_str) == Some("exit")
+        && ev.get("id").and_then(Value::as_str) == Some(id)
+}
+
+struct Row {
+    what: String,
+    result: String,
+    target: String,
+    verdict: &'static str,
+}
+
+fn row(what: &str, result: String, target: &str, ok: Option<bool>) -> Row {
+    Row {
+        what: what.to_string(),
+        result,
+        target: target.to_string(),
+        verdict: match ok {
+            Some(true) => "ok",
+            Some(false) => "MISS",
+            None => "",
+        },
+    }
+}
+
+async fn run(opts: Opts) -> Result<(), String> {
+    let helper = start_helper(&opts)?;
+    let pid = helper.child.id();
+    let res = measure(&opts, &helper, pid).await;
+    if res.is_err() {
+        eprintln!("bench: helper log tail:\n{}", helper.log_tail());
+    }
+    res
+}
+
+async fn measure(opts: &Opts, helper: &Helper, pid: u32) -> Result<(), String> {
+    let sock = helper.socket.clone();
+    let e = |what: &'static str| move |err: crate::client::ClientError| format!("{what}: {err}");
+    let profile = "bench";
+    let root = helper.dir.join("profile");
+    let root_s = root.to_string_lossy().into_owned();
+    let pipe = Pipe::connect_profile(&sock, profile, &root_s)
+        .await
+        .map_err(e("configure"))?;
+    let mut sub = Subscription::connect(&sock, profile, &root_s)
+        .await
+        .map_err(e("subscribeEvents"))?;
+    let bundle = helper.dir.join("bundle");
+    let _ = std::fs::create_dir_all(&bundle);
+    let t0 = Instant::now();
+    pipe.call("startVM", json!({"bundlePath": bundle.to_string_lossy()}))
+        .await
+        .map_err(e("startVM"))?;
+    loop {
+        let r = pipe
+            .call("isGuestConnected", Value::Null)
+            .await
+            .map_err(e("isGuestConnected"))?;
+        if r.get("connected") == Some(&Value::Bool(true)) {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            return Err("guest did not connect within 60 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let boot = t0.elapsed();
+    let mut rows = vec![row(
+        "startVM → guest connected",
+        format!("{:.1} ms", ms(boot)),
+        "",
+        None,
+    )];
+
+    // One-shot RPC latency.
+    let n_oneshot = if opts.quick { 300 } else { 3000 };
+    let mut lat = Vec::with_capacity(n_oneshot);
+    for _ in 0..n_oneshot {
+        let t = Instant::now();
+        Client::one_shot(&sock, "isRunning", Value::Null)
+            .await
+            .map_err(e("one-shot isRunning"))?;
+        lat.push(ms(t.elapsed()));
+    }
+    lat.sort_by(f64::total_cmp);
+    rows.push(row(
+        &format!("one-shot isRunning latency (n={n_oneshot})"),
+        format!(
+            "median {:.3} ms, p99 {:.3} ms",
+            percentile(&lat, 0.5),
+            percentile(&lat, 0.99)
+        ),
+        "",
+        None,
+    ));
+
+    // Pipe throughput with K requests in flight.
+    let in_flight = 32;
+    let total = if opts.quick { 20_000 } else { 200_000 };
+    let per = total / in_flight;
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..in_flight {
+        let p = pipe.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..per {
+                p.call("isRunning", Value::Null).await?;
+            }
+            Ok::<(), crate::client::ClientError>(())
+        }));
+    }
+    for t in tasks {
+        t.await
+            .map_err(|j| format!("pipe worker: {j}"))?
+            .map_err(e("pipe isRunning"))?;
+    }
+    let el = t.elapsed();
+    rows.push(row(
+        &format!("pipe isRunning throughput ({in_flight} in flight)"),
+        format!("{:.0} req/s", (per * in_flight) as f64 / el.as_secs_f64()),
+        "",
+        None,
+    ));
+
+    // spawn → exit of /bin/echo.
+    let n_spawn = if opts.quick { 50 } else { 200 };
+    let mut lat = Vec::with_capacity(n_spawn);
+    for i in 0..n_spawn {
+        let id = format!("echo-{i}");
+        let t = Instant::now();
+        pipe.call(
+            "spawn",
+            json!({"id": id, "name": "bench", "command": "/bin/echo", "args": ["hi"], "isResume": false}),
+        )
+        .await
+        .map_err(e("spawn /bin/echo"))?;
+        loop {
+            let ev = sub
+                .next_event(Duration::from_secs(10))
+                .await
+                .map_err(e("waiting for exit of /bin/echo"))?;
+            if is_exit_of(&ev, &id) {
+                if ev.get("exitCode").and_then(Value::as_i64) != Some(0) {
+                    return Err(format!("/bin/echo ended with {ev}"));
+                }
+                break;
+            }
+        }
+        lat.push(ms(t.elapsed()));
+    }
+    lat.sort_by(f64::total_cmp);
+    let median = percentile(&lat, 0.5);
+    rows.push(row(
+        &format!("spawn→exit /bin/echo hi (n={n_spawn})"),
+        format!(
+            "median {median:.2} ms, p99 {:.2} ms",
+            percentile(&lat, 0.99)
+        ),
+        &format!("≤ {TARGET_SPAWN_EXIT_MS} ms median (Node: 11 ms)"),
+        Some(median <= TARGET_SPAWN_EXIT_MS),
+    ));
+
+    // stdout throughput of 64 MiB, measured at the subscriber, with peak RSS.
+    let kids = descendants(pid);
+    reset_hwm(pid);
+    for &k in &kids {
+        reset_hwm(k);
+    }
+    let sampler = Sampler::start(pid);
+    let id = "bigout";
+    let script = format!("head -c {STDOUT_BYTES} /dev/zero | tr '\\0' a");
+    let t = Instant::now();
+    pipe.call(
+        "spawn",
+        json!({"id": id, "name": "bench", "command": "/bin/sh", "args": ["-c", script], "isResume": false}),
+    )
+    .await
+    .map_err(e("spawn 64 MiB writer"))?;
+    let mut bytes = 0u64;
+    let mut first: Option<Duration> = None;
+    loop {
+        let ev = sub
+            .next_event(Duration::from_secs(60))
+            .await
+            .map_err(e("waiting for stdout"))?;
+        if ev.get("id").and_then(Value::as_str) != Some(id) {
+            continue;
+        }
+        match ev.get("type").and_then(Value::as_str) {
+            Some("stdout") => {
+                let d = ev.get("data").and_then(Value::as_str).unwrap_or("");
+                first.get_or_insert_with(|| t.elapsed());
+                bytes += d.len() as u64;
+            }
+            Some("exit") => break,
+            _ => {}
+        }
+    }
+    let el = t.elapsed();
+    let (sampled_helper, sampled_tree) = sampler.finish();
+    if bytes != STDOUT_BYTES {
+        return Err(format!(
+            "stdout test received {bytes} bytes, expected {STDOUT_BYTES}"
+        ));
+    }
+    let mibs = bytes as f64 / (1024.0 * 1024.0) / el.as_secs_f64();
+    rows.push(row(
+        "stdout 64 MiB, spawn → exit at subscriber",
+        format!(
+            "{mibs:.0} MiB/s ({:.0} ms; first byte after {:.1} ms)",
+            ms(el),
+            first.map(ms).unwrap_or(f64::NAN)
+        ),
+        &format!("≥ {TARGET_STDOUT_MIBS} MiB/s (Node: 105–136)"),
+        Some(mibs >= TARGET_STDOUT_MIBS),
+    ));
+    let helper_hwm = mem_kib(pid).map(|m| m.0).unwrap_or(0);
+    let helper_mib = helper_hwm as f64 / 1024.0;
+    rows.push(row(
+        "helper peak RSS during stdout (VmHWM)",
+        format!(
+            "{helper_mib:.1} MiB (sampled VmRSS max {:.1} MiB)",
+            sampled_helper as f64 / 1024.0
+        ),
+        &format!("≤ {TARGET_RSS_MIB} MiB (Node: 129–151)"),
+        Some(helper_mib <= TARGET_RSS_MIB),
+    ));
+    for k in kids {
+        let name = comm(k);
+        if let Some((hwm, _)) = mem_kib(k) {
+            rows.push(row(
+                &format!("  child {name} (pid {k}) peak RSS"),
+                format!("{:.1} MiB", hwm as f64 / 1024.0),
+                "",
+                None,
+            ));
+        }
+    }
+    rows.push(row(
+        "  helper + children, sampled VmRSS max",
+        format!("{:.1} MiB", sampled_tree as f64 / 1024.0),
+        "",
+        None,
+    ));
+
+    let _ = pipe.call("stopVM", Value::Null).await;
+    print_table(opts, &rows);
+    Ok(())
+}
+
+fn print_table(opts: &Opts, rows: &[Row]) {
+    let w0 = rows
+        .iter()
+        .map(|r| r.what.chars().count())
+        .max()
+        .unwrap_or(0);
+    let w1 = rows
+        .iter()
+        .map(|r| r.result.chars().count())
+        .max()
+        .unwrap_or(0);
+    let w2 = rows
+        .iter()
+        .map(|r| r.target.chars().count())
+        .max()
+        .unwrap_or(0);
+    println!(
+        "cowork-helper bench{} (sandbox backend, {} CPUs)",
+        if opts.quick { " --quick" } else { "" },
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
+    );
+    let pad = |s: &str, w: usize| format!("{s}{}", " ".repeat(w.saturating_sub(s.chars().count())));
+    println!(
+        "{}  {}  {}  verdict",
+        pad("measurement", w0),
+        pad("result", w1),
+        pad("target", w2)
+    );
+    println!("{}", "-".repeat(w0 + w1 + w2 + 13));
+    for r in rows {
+        println!(
+            "{}  {}  {}  {}",
+            pad(&r.what, w0),
+            pad(&r.result, w1),
+            pad(&r.target, w2),
+            r.verdict
+        );
+    }
+}
