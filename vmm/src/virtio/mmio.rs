@@ -287,6 +287,9 @@ pub struct MmioTransport {
     state: Mutex<State>,
     shared: Arc<Shared>,
     queue_evts: Vec<EventFd>,
+    /// QueueNotify writes that arrived as MMIO exits (see
+    /// [`MmioTransport::notify_exits`]).
+    notify_exits: AtomicU64,
 }
 
 impl std::fmt::Debug for MmioTransport {
@@ -360,6 +363,7 @@ impl MmioTransport {
                 irq,
             }),
             queue_evts,
+            notify_exits: AtomicU64::new(0),
         })
     }
 
@@ -383,6 +387,14 @@ impl MmioTransport {
             .iter()
             .enumerate()
             .map(move |(i, evt)| (evt, addr, i as u32))
+    }
+
+    /// How many QueueNotify writes reached the transport as MMIO exits
+    /// rather than through a KVM ioeventfd. Stays 0 when the machine
+    /// registered [`ioeventfds`](Self::ioeventfds) (each exit costs a
+    /// round trip to userspace: a growing count means the wiring is wrong).
+    pub fn notify_exits(&self) -> u64 {
+        self.notify_exits.load(Ordering::Relaxed)
     }
 
     /// The wrapped device's virtio type.
@@ -502,7 +514,10 @@ impl MmioTransport {
 
     fn write_reg(&self, offset: u64, value: u32) {
         match offset {
-            QUEUE_NOTIFY => self.notify(value),
+            QUEUE_NOTIFY => {
+                self.notify_exits.fetch_add(1, Ordering::Relaxed);
+                self.notify(value)
+            }
             INTERRUPT_ACK => {
                 self.shared
                     .interrupt_status

@@ -759,13 +759,16 @@ fn notify_through_mmio_exit() {
     w32(&t, QUEUE_NOTIFY, 1);
     assert_eq!(take(&t.queue_evts()[1]), 2);
     assert_eq!(take(&t.queue_evts()[0]), 0);
+    assert_eq!(t.notify_exits(), 2);
     for bad in [2, 0x1_0000, u32::MAX] {
         w32(&t, QUEUE_NOTIFY, bad);
     }
     assert!(t.queue_evts().iter().all(|e| take(e) == 0));
+    assert_eq!(t.notify_exits(), 5);
     // Wrong width: ignored.
     t.write(QUEUE_NOTIFY, &[0]);
     assert_eq!(take(&t.queue_evts()[0]), 0);
+    assert_eq!(t.notify_exits(), 5);
 }
 
 #[test]
