@@ -869,7 +869,10 @@ fn config_access_ok(offset: u64, len: usize) -> bool {
 }
 
 /// Checks a ready queue against guest memory: size, alignment, and every ring
-/// wholly inside one guest memory region.
+/// wholly inside one guest memory region. virtio-queue's `is_valid` is then
+/// consulted too; it is stricter by one byte (it wants the byte *after* each
+/// ring to be guest memory too), so a ring ending exactly at the top of a RAM
+/// region is refused — no driver lays rings out that way in practice.
 fn validate_queue(q: &Queue, mem: &GuestMemoryMmap) -> Result<(), String> {
     let size = q.size();
     if size == 0 || !size.is_power_of_two() || size > q.max_size() {
