@@ -10,3 +10,5 @@ pub mod framing;
 pub mod names;
 pub mod proto;
 pub mod signal;
+pub mod agent;
+pub mod janitor;

@@ -1,4 +1,7 @@
+//! `cowork-guest-agent`: the guest agent as a standalone binary (the VM's
+//! init later). All logic lives in [`guest_agent::agent`].
+
 fn main() {
-    eprintln!("cowork-guest-agent: not built yet");
-    std::process::exit(2);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    std::process::exit(guest_agent::agent::main_with_args(args));
 }

@@ -1,0 +1,225 @@
+//! Asynchronous I/O on raw descriptors (the host link of any socket family,
+//! process pipes) through tokio's `AsyncFd`.
+//!
+//! tokio has no type for AF_VSOCK sockets or inherited descriptors, and its
+//! pipe types copy through `ReadBuf`; this wrapper reads straight into the
+//! spare capacity of a `Vec` (no zeroing, no copy) and writes many frames per
+//! `writev`. The descriptor is switched to non-blocking mode.
+//!
+//! Limits: readiness is edge-driven by tokio; every operation loops until
+//! `EAGAIN` clears the readiness, so callers never see `WouldBlock`.
+
+use std::io::{self, IoSlice};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, ReadBuf};
+
+use super::sys;
+
+/// Largest number of buffers handed to one `writev` (the kernel's `IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+/// A non-blocking descriptor registered with the tokio reactor. Cloning
+/// shares it, so one clone can read while another writes.
+#[derive(Clone, Debug)]
+pub struct FdIo {
+    fd: Arc<AsyncFd<OwnedFd>>,
+}
+
+impl FdIo {
+    /// Takes ownership of `fd`, makes it non-blocking and close-on-exec and
+    /// registers it. Must be called inside a tokio runtime.
+    pub fn new(fd: OwnedFd) -> io::Result<Self> {
+        sys::set_nonblocking(fd.as_fd())?;
+        sys::set_cloexec(fd.as_fd())?;
+        // SAFETY: an OwnedFd stays open and refers to the same description
+        // for as long as the AsyncFd owns it.
+        let fd = unsafe { AsyncFd::register(fd) }?;
+        Ok(Self { fd: Arc::new(fd) })
+    }
+
+    /// The raw descriptor (for `fcntl`-style tuning).
+    pub fn as_raw_fd(&self) -> i32 {
+        self.fd.get_ref().as_raw_fd()
+    }
+
+    /// Reads at most `max` bytes into the spare capacity of `buf`, growing it
+    /// as needed. Returns the byte count; 0 means end of stream.
+    pub async fn read_append(&self, buf: &mut Vec<u8>, max: usize) -> io::Result<usize> {
+        buf.reserve(max);
+        loop {
+            let mut guard = self.fd.readable().await?;
+            let spare = buf.spare_capacity_mut();
+            let want = spare.len().min(max);
+            let res = guard.try_io(|inner| {
+                // SAFETY: reading into `want` bytes of spare capacity we own;
+                // the kernel writes at most that many.
+                let n = unsafe {
+                    libc::read(inner.get_ref().as_raw_fd(), spare.as_mut_ptr().cast(), want)
+                };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            match res {
+                Ok(Ok(n)) => {
+                    // SAFETY: the kernel initialized exactly `n` bytes after len.
+                    unsafe { buf.set_len(buf.len() + n) };
+                    return Ok(n);
+                }
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    /// Writes all of `data`.
+    pub async fn write_all(&self, data: &[u8]) -> io::Result<()> {
+        let mut slices = [IoSlice::new(data)];
+        self.writev_all(&mut slices).await
+    }
+
+    /// Writes all of `bufs`, as few `writev` calls as the peer allows.
+    pub async fn writev_all(&self, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+        IoSlice::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            let mut guard = self.fd.writable().await?;
+            let count = bufs.len().min(IOV_MAX);
+            let res = guard.try_io(|inner| {
+                // SAFETY: IoSlice is ABI-compatible with iovec; `count` entries are valid.
+                let n = unsafe {
+                    libc::writev(
+                        inner.get_ref().as_raw_fd(),
+                        bufs.as_ptr().cast(),
+                        count as libc::c_int,
+                    )
+                };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            match res {
+                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(Ok(n)) => IoSlice::advance_slices(&mut bufs, n),
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+        Ok(())
+    }
+
+    /// An `AsyncRead` view of this descriptor (for buffered frame parsing).
+    pub fn reader(&self) -> FdReader {
+        FdReader { io: self.clone() }
+    }
+
+    /// Shuts the write side of a socket down (`SHUT_WR`); other descriptors
+    /// are left alone.
+    pub fn shutdown_write(&self) {
+        // SAFETY: shutdown on a descriptor we own; ENOTSOCK is harmless.
+        unsafe { libc::shutdown(self.as_raw_fd(), libc::SHUT_WR) };
+    }
+}
+
+/// `AsyncRead` over an [`FdIo`].
+#[derive(Debug)]
+pub struct FdReader {
+    io: FdIo,
+}
+
+impl AsyncRead for FdReader {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            let mut guard = ready!(self.io.fd.poll_read_ready(cx))?;
+            // SAFETY: we only hand the kernel uninitialized memory to write
+            // into, and mark exactly the bytes it wrote as initialized.
+            let unfilled = unsafe { buf.unfilled_mut() };
+            let res = guard.try_io(|inner| {
+                // SAFETY: `unfilled` is valid for `unfilled.len()` bytes.
+                let n = unsafe {
+                    libc::read(
+                        inner.get_ref().as_raw_fd(),
+                        unfilled.as_mut_ptr().cast(),
+                        unfilled.len(),
+                    )
+                };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            match res {
+                Ok(Ok(n)) => {
+                    // SAFETY: the kernel initialized `n` bytes.
+                    unsafe { buf.assume_init(n) };
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn vectored_writes_and_appending_reads() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let a = FdIo::new(a.into()).unwrap();
+        let b = FdIo::new(b.into()).unwrap();
+        let big = vec![7u8; 3 * 1024 * 1024];
+        let writer = {
+            let a = a.clone();
+            let big = big.clone();
+            tokio::spawn(async move {
+                let mut s = [
+                    IoSlice::new(b"abc"),
+                    IoSlice::new(&big),
+                    IoSlice::new(b"xyz"),
+                ];
+                a.writev_all(&mut s).await.unwrap();
+                a.shutdown_write();
+            })
+        };
+        let mut got = Vec::new();
+        while b.read_append(&mut got, 256 * 1024).await.unwrap() > 0 {}
+        writer.await.unwrap();
+        assert_eq!(got.len(), big.len() + 6);
+        assert_eq!(&got[..3], b"abc");
+        assert_eq!(&got[got.len() - 3..], b"xyz");
+        assert!(got[3..got.len() - 3].iter().all(|&x| x == 7));
+    }
+
+    #[tokio::test]
+    async fn reader_sees_eof() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let a = FdIo::new(a.into()).unwrap();
+        let mut r = FdIo::new(b.into()).unwrap().reader();
+        a.write_all(b"hello").await.unwrap();
+        drop(a);
+        let mut s = String::new();
+        r.read_to_string(&mut s).await.unwrap();
+        assert_eq!(s, "hello");
+    }
+}

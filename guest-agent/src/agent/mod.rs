@@ -1,0 +1,548 @@
+//! The guest agent runtime: dials the host, says hello, and serves the
+//! host's requests (processes, files, mounts, the session-disk janitor)
+//! until the host goes away or asks it to shut down.
+//!
+//! The agent is meant to become the VM's PID 1; for now it also runs as
+//! PID 1 of a pid namespace in the host's sandbox, or as a plain process.
+//! It makes no assumption about which: everything environment-specific
+//! comes from [`Config`] (the command line). As PID 1 it reaps orphans
+//! ([`reaper`]); with `--init-mounts` it mounts the kernel filesystems
+//! ([`init`]).
+//!
+//! Structure: one current-thread tokio runtime. The connection's read side
+//! is parsed by the serve loop, which answers quick requests inline and
+//! runs slow ones (files, mounts, janitor) on the blocking pool; spawns are
+//! handled in order so later requests for a new process find it. Every
+//! outgoing message goes through the [`outbox`] (one writer, bounded
+//! memory). Each process has a supervisor task ([`process`]).
+//!
+//! Connection end: on EOF from the host every process group is SIGKILLed,
+//! the agent waits (bounded) for their exit events to be queued and
+//! flushed, and returns 0. `Shutdown` does the same and answers first.
+//!
+//! Limits: powering the VM off as PID 1, kernel modules and the in-guest
+//! CLI's access to [`GuestRequests`] are later changes.
+
+pub mod cgroup;
+pub mod child;
+pub mod cli;
+pub mod connect;
+pub mod fdio;
+pub mod files;
+pub mod guest;
+pub mod init;
+pub(crate) mod mounts;
+pub mod outbox;
+pub mod process;
+pub mod reaper;
+pub(crate) mod sys;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashSet;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::BufReader;
+use tokio::task::JoinHandle;
+
+pub use cli::{Config, ConnectTarget};
+pub use guest::{GuestRequestError, GuestRequests};
+
+use crate::framing::{self, FrameError};
+use crate::janitor;
+use crate::proto::{self, AgentMessage, BootTimes, Hello, HostMessage, Op};
+use fdio::{FdIo, FdReader};
+use outbox::Outbox;
+use process::{ProcessConfig, Processes};
+use reaper::{ReapMode, Reaper};
+
+/// How long `Shutdown` and connection loss wait for exit events to be queued.
+pub const EXIT_WAIT: Duration = Duration::from_secs(3);
+
+/// How long the agent tries to flush queued messages before it exits.
+const FLUSH_WAIT: Duration = Duration::from_secs(2);
+
+/// Read buffer of the host link.
+const READ_BUFFER: usize = 256 * 1024;
+
+/// Threads of the blocking pool (file reads, mounts, janitor walks).
+const MAX_BLOCKING_THREADS: usize = 8;
+
+/// Exit code: the host went away or asked for shutdown.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: the host could not be reached or the link broke.
+pub const EXIT_LINK: i32 = 1;
+/// Exit code: bad command line.
+pub const EXIT_USAGE: i32 = 2;
+
+/// Errors that stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Connect(#[from] connect::ConnectError),
+    #[error(transparent)]
+    Reaper(#[from] reaper::ReaperError),
+    #[error("cannot set up the host link: {0}")]
+    Io(#[from] io::Error),
+    #[error("host link broken: {0}")]
+    Frame(#[from] FrameError),
+    #[error("host link closed while sending")]
+    Outbox(#[from] outbox::OutboxError),
+}
+
+/// Boot timestamps (`CLOCK_BOOTTIME`, microseconds) taken before connecting.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BootClock {
+    pub start_us: u64,
+    pub init_done_us: u64,
+}
+
+impl BootClock {
+    /// Both stamps now (when there is no separate init phase).
+    pub fn now() -> Self {
+        let t = sys::boottime_us();
+        Self {
+            start_us: t,
+            init_done_us: t,
+        }
+    }
+
+    /// The hello's times: absolute as init, else relative to the agent's start.
+    fn times(&self, is_init: bool, connected_us: u64) -> BootTimes {
+        let base = if is_init { 0 } else { self.start_us };
+        BootTimes {
+            agent_start_us: self.start_us - base,
+            init_done_us: self.init_done_us.saturating_sub(base),
+            connected_us: connected_us.saturating_sub(base),
+        }
+    }
+}
+
+/// Entry point: parses `args` (the options, see [`cli::USAGE`]), runs the
+/// agent on a current-thread runtime and returns the process exit code.
+pub fn main_with_args(args: Vec<String>) -> i32 {
+    let clock_start = sys::boottime_us();
+    let config = match cli::parse(&args) {
+        Ok(cli::Command::Run(c)) => c,
+        Ok(cli::Command::Help) => {
+            print!("{}", cli::USAGE);
+            return EXIT_OK;
+        }
+        Ok(cli::Command::Version) => {
+            println!("cowork-guest-agent {}", env!("CARGO_PKG_VERSION"));
+            return EXIT_OK;
+        }
+        Err(e) => {
+            eprintln!("cowork-guest-agent: {e}\n\n{}", cli::USAGE);
+            return EXIT_USAGE;
+        }
+    };
+    init_logging();
+    // Writes to a closed host link must fail with EPIPE, not kill the agent.
+    // SAFETY: setting a signal disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    if config.drop_caps {
+        if let Err(e) = child::make_self_undumpable() {
+            tracing::warn!(error = %e, "cannot make the agent non-dumpable");
+        }
+    }
+    if config.init_mounts {
+        init::run_early_init();
+    }
+    let clock = BootClock {
+        start_us: clock_start,
+        init_done_us: sys::boottime_us(),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the runtime");
+            return EXIT_LINK;
+        }
+    };
+    runtime.block_on(async move {
+        tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
+        let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "giving up");
+                return EXIT_LINK;
+            }
+        };
+        match Agent::new(config, conn, clock) {
+            Ok(agent) => agent.run().await,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the agent");
+                EXIT_LINK
+            }
+        }
+    })
+}
+
+/// Logging to stderr, one line per event, filtered by `COWORK_LOG`.
+fn init_logging() {
+    use tracing_subscriber::filter::Targets;
+    use tracing_subscriber::prelude::*;
+    let default = Targets::new().with_default(tracing::Level::INFO);
+    let (filter, bad) = match std::env::var("COWORK_LOG") {
+        Ok(s) if !s.trim().is_empty() => match s.parse::<Targets>() {
+            Ok(t) => (t, None),
+            Err(e) => (default, Some(e.to_string())),
+        },
+        _ => (default, None),
+    };
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(io::stderr)
+        .with_ansi(false);
+    // Another subscriber (the embedding binary's) may already be installed.
+    let _ = tracing_subscriber::registry()
+        .with(layer)
+        .with(filter)
+        .try_init();
+    if let Some(e) = bad {
+        tracing::warn!(error = %e, "COWORK_LOG is not a valid filter; using info");
+    }
+}
+
+/// How the serve loop ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ending {
+    HostClosed,
+    Shutdown,
+    LinkBroken,
+}
+
+/// A connected agent.
+pub struct Agent {
+    config: Config,
+    is_init: bool,
+    clock: BootClock,
+    reader: BufReader<FdReader>,
+    outbox: Outbox,
+    writer: JoinHandle<io::Result<()>>,
+    procs: Processes,
+    guest: GuestRequests,
+}
+
+impl Agent {
+    /// Sets the agent up on an established host connection. Must run inside
+    /// a tokio runtime (with time and I/O enabled).
+    pub fn new(config: Config, conn: OwnedFd, clock: BootClock) -> Result<Agent, AgentError> {
+        // SAFETY: getpid has no preconditions.
+        let is_init = unsafe { libc::getpid() } == 1;
+        let reaper = Reaper::start(if is_init {
+            ReapMode::All
+        } else {
+            ReapMode::Own
+        })?;
+        let io = FdIo::new(conn)?;
+        let reader = BufReader::with_capacity(READ_BUFFER, io.reader());
+        let (outbox, writer) = Outbox::start(io);
+        let mut private_paths = Vec::new();
+        for p in &config.private_paths {
+            private_paths.push(sys::cstring(p)?);
+        }
+        if !private_paths.is_empty() {
+            if let Err(e) = mounts::ensure_shared(&config.sessions_root) {
+                tracing::warn!(error = %e, "mounts made later will not reach running sessions");
+            }
+        }
+        let cgroups =
+            config
+                .cgroup_root
+                .as_deref()
+                .and_then(|root| match cgroup::Cgroups::open(root) {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "processes run without their own cgroups");
+                        None
+                    }
+                });
+        let procs = Processes::new(
+            ProcessConfig {
+                sessions_root: config.sessions_root.clone(),
+                private_paths,
+                drop_caps: config.drop_caps,
+                cgroups,
+            },
+            reaper,
+            outbox.clone(),
+        );
+        let guest = GuestRequests::new(outbox.clone());
+        Ok(Agent {
+            config,
+            is_init,
+            clock,
+            reader,
+            outbox,
+            writer,
+            procs,
+            guest,
+        })
+    }
+
+    /// The router for guest-originated requests of this connection.
+    pub fn guest_requests(&self) -> GuestRequests {
+        self.guest.clone()
+    }
+
+    /// Sends the hello and serves the host until it goes away or asks for
+    /// shutdown. Returns the process exit code.
+    pub async fn run(mut self) -> i32 {
+        let hello = AgentMessage::Hello(Hello {
+            protocol: proto::PROTOCOL_VERSION,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            is_init: self.is_init,
+            boot: self.clock.times(self.is_init, sys::boottime_us()),
+            kernel: sys::kernel_release(),
+        });
+        let ending = match self.outbox.send(&hello, &[]).await {
+            Ok(()) => self.serve().await,
+            Err(_) => Ending::LinkBroken,
+        };
+        tracing::info!(?ending, "connection ended; stopping every process");
+        self.guest.fail_all();
+        self.procs.kill_all();
+        if !self.procs.wait_all_exited(EXIT_WAIT).await {
+            tracing::warn!(
+                left = self.procs.running(),
+                "processes still running after SIGKILL"
+            );
+        }
+        let _ = tokio::time::timeout(FLUSH_WAIT, self.outbox.flush()).await;
+        match ending {
+            Ending::HostClosed | Ending::Shutdown => EXIT_OK,
+            Ending::LinkBroken => EXIT_LINK,
+        }
+    }
+
+    async fn serve(&mut self) -> Ending {
+        let mut buf = Vec::new();
+        loop {
+            let read = tokio::select! {
+                r = framing::read_frame(&mut self.reader, proto::MAX_MESSAGE, &mut buf) => r,
+                w = &mut self.writer => {
+                    tracing::warn!(result = ?w.map(|r| r.map_err(|e| e.to_string())), "host link writer stopped");
+                    return Ending::LinkBroken;
+                }
+            };
+            match read {
+                Ok(true) => {}
+                Ok(false) => return Ending::HostClosed,
+                Err(e) => {
+                    tracing::error!(error = %e, "host link broken");
+                    return Ending::LinkBroken;
+                }
+            }
+            let body = std::mem::take(&mut buf);
+            let header = header_bytes(&body).to_vec();
+            match proto::decode::<HostMessage>(body) {
+                Ok(env) => match env.header {
+                    HostMessage::Request { id, op } => {
+                        if self.dispatch(id, op, env.payload).await {
+                            return Ending::Shutdown;
+                        }
+                    }
+                    HostMessage::GuestResponse {
+                        id,
+                        result_json,
+                        error,
+                    } => {
+                        self.guest.complete(&id, result_json, error);
+                    }
+                },
+                Err(e) => self.refuse_malformed(&header, e).await,
+            }
+        }
+    }
+
+    /// Answers a request that did not decode (an unknown op, a missing
+    /// field) when its id can be found; anything else is logged and skipped.
+    async fn refuse_malformed(&self, header: &[u8], e: proto::ProtoError) {
+        let id = serde_json::from_slice::<Value>(header)
+            .ok()
+            .filter(|v| v["type"] == "request")
+            .and_then(|v| v["id"].as_u64());
+        match id {
+            Some(id) => {
+                tracing::warn!(id, error = %e, "request not understood");
+                self.reply(id, Err(format!("unsupported or malformed request: {e}")))
+                    .await;
+            }
+            None => tracing::warn!(error = %e, "malformed message from the host skipped"),
+        }
+    }
+
+    /// Handles one request; returns true when the agent must stop (Shutdown).
+    async fn dispatch(&mut self, id: u64, op: Op, payload: Vec<u8>) -> bool {
+        tracing::debug!(id, ?op, "request");
+        let procs = self.procs.clone();
+        let root = self.config.sessions_root.clone();
+        match op {
+            Op::Ping => self.reply(id, Ok(json!({}))).await,
+            Op::Spawn(spec) => match procs.spawn(spec).await {
+                Ok(started) => {
+                    let result = started.result.clone();
+                    self.reply(id, Ok(result)).await;
+                    started.run();
+                }
+                Err(e) => self.reply(id, Err(e.to_string())).await,
+            },
+            Op::WriteStdin { id: pid } => {
+                let r = procs.write_stdin(&pid, payload).map(|()| json!({}));
+                self.reply(id, r.map_err(|e| e.to_string())).await
+            }
+            Op::CloseStdin { id: pid } => {
+                let r = procs.close_stdin(&pid).map(|()| json!({}));
+                self.reply(id, r.map_err(|e| e.to_string())).await
+            }
+            Op::Kill {
+                id: pid,
+                signal: sig,
+            } => {
+                let r = procs.kill(&pid, sig).map(|()| json!({}));
+                self.reply(id, r.map_err(|e| e.to_string())).await
+            }
+            Op::ProcessStatus { id: pid } => {
+                let r = procs.status(&pid);
+                self.reply(id, r.map_err(|e| e.to_string())).await
+            }
+            Op::ReadFile { session, path } => {
+                self.in_background(id, move || {
+                    files::read_session_file(&root, &session, &path)
+                        .map(|bytes| (json!({}), bytes))
+                        .map_err(|e| e.to_string())
+                });
+            }
+            Op::InstallSdk { source, version } => {
+                let target = self.config.sdk_target.clone();
+                self.in_background(id, move || {
+                    let changed = mounts::install_sdk(&PathBuf::from(&source), &target)
+                        .map_err(|e| e.to_string())?;
+                    tracing::info!(%version, changed, target = %target.display(), "SDK installed");
+                    Ok((
+                        json!({"installed": target.display().to_string(), "version": version}),
+                        Vec::new(),
+                    ))
+                });
+            }
+            Op::Mount(spec) => {
+                self.in_background(id, move || {
+                    mounts::mount_session(&root, &spec)
+                        .map(|()| (json!({}), Vec::new()))
+                        .map_err(|e| e.to_string())
+                });
+            }
+            Op::DiskInfo { low_water_bytes } => {
+                self.in_background(id, move || {
+                    janitor::disk_info(&root, low_water_bytes)
+                        .map(|v| (v, Vec::new()))
+                        .map_err(|e| e.to_string())
+                });
+            }
+            Op::DeleteSessionDirs { names } => {
+                let live = procs.live_sessions();
+                self.in_background(id, move || {
+                    Ok((
+                        janitor::delete_session_dirs(&root, &names, &live),
+                        Vec::new(),
+                    ))
+                });
+            }
+            Op::PruneSessionCaches {
+                only_if_free_bytes_below,
+                include_session_tmp,
+                session_tmp_older_than_seconds,
+            } => {
+                let live: HashSet<String> = procs.live_sessions();
+                self.in_background(id, move || {
+                    janitor::prune_session_caches(
+                        &root,
+                        only_if_free_bytes_below,
+                        include_session_tmp,
+                        session_tmp_older_than_seconds,
+                        &live,
+                    )
+                    .map(|v| (v, Vec::new()))
+                    .map_err(|e| e.to_string())
+                });
+            }
+            Op::Shutdown => {
+                tracing::info!("shutdown requested");
+                procs.kill_all();
+                if !procs.wait_all_exited(EXIT_WAIT).await {
+                    tracing::warn!(
+                        left = procs.running(),
+                        "processes still running after SIGKILL"
+                    );
+                }
+                self.reply(id, Ok(json!({}))).await;
+                return true;
+            }
+        }
+        false
+    }
+
+    async fn reply(&self, id: u64, result: Result<Value, String>) {
+        send_response(&self.outbox, id, result.map(|v| (v, Vec::new()))).await;
+    }
+
+    /// Runs `work` on the blocking pool and answers with its result.
+    fn in_background<F>(&self, id: u64, work: F)
+    where
+        F: FnOnce() -> Result<(Value, Vec<u8>), String> + Send + 'static,
+    {
+        let outbox = self.outbox.clone();
+        tokio::spawn(async move {
+            let result = tokio::task::spawn_blocking(work)
+                .await
+                .unwrap_or_else(|e| Err(format!("internal error: {e}")));
+            send_response(&outbox, id, result).await;
+        });
+    }
+}
+
+async fn send_response(outbox: &Outbox, id: u64, result: Result<(Value, Vec<u8>), String>) {
+    let (msg, payload) = match result {
+        Ok((result, payload)) => (
+            AgentMessage::Response {
+                id,
+                error: None,
+                result,
+            },
+            payload,
+        ),
+        Err(e) => {
+            tracing::debug!(id, error = %e, "request failed");
+            (
+                AgentMessage::Response {
+                    id,
+                    error: Some(e),
+                    result: Value::Null,
+                },
+                Vec::new(),
+            )
+        }
+    };
+    if let Err(e) = outbox.send(&msg, &payload).await {
+        tracing::debug!(id, error = %e, "response not sent");
+    }
+}
+
+/// The JSON header of a message body (empty when the body is too short).
+fn header_bytes(body: &[u8]) -> &[u8] {
+    let Some(prefix) = body.get(..4) else {
+        return &[];
+    };
+    let len = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+    body.get(4..4usize.saturating_add(len)).unwrap_or(&[])
+}
