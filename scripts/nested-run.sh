@@ -1,0 +1,379 @@
+#!/usr/bin/env bash
+# Run a command inside a nested-KVM guest: a QEMU TCG L1 guest with emulated AMD SVM whose root
+# is this host's / over virtiofs, so the command sees the same files (the checkout, its build
+# outputs, installed tools) and a working /dev/kvm that can boot Linux.
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+SCRIPTS_DIR="$COWORK_REPO_ROOT/scripts"
+
+usage() {
+	cat <<USAGE
+Usage: $COWORK_SCRIPT_NAME [options] -- COMMAND [ARG...]
+       $COWORK_SCRIPT_NAME [options] -c 'SHELL COMMAND'
+       $COWORK_SCRIPT_NAME --check
+
+Boots an L1 guest under QEMU TCG with '-cpu EPYC,+svm', shares this host's / with it over
+virtiofs, loads kvm-amd there and runs the command with bash, chrooted into the share, in the
+current directory (or --cwd) with this environment (unless --clean-env). The command's stdout
+and stderr (merged; they travel over the serial console, so binary output is not preserved)
+are printed on stdout, and this script exits with the command's exit status.
+
+Harness failures exit 125 (timeout: 124) with a message on stderr; use --result to tell them
+apart from a command that exits 124/125 itself. --result's status is one of ok (rc= holds the
+command's exit status), timeout, l1-panic (the L1 kernel crashed; worth one retry) or error.
+
+Options:
+  -c CMD             run CMD with 'bash -c' instead of an argument vector
+  --check            only check the prerequisites and report what is missing
+  --timeout SECS     whole-run limit, boot included (default: 600)
+  --mem MIB          L1 memory (default: 2048)
+  --smp N            L1 vCPUs (default: 2)
+  --cwd DIR          working directory of the command (default: the current one)
+  --clean-env        pass only PATH, HOME, LANG, TERM and COWORK_*/RUST_* instead of the whole
+                     environment
+  --kernel PATH      L1 kernel (default: \$CACHE/current/vmlinuz, see fetch-kernel.sh)
+  --initrd PATH      L1 initramfs (default: built on first use into \$CACHE/harness/)
+  --qemu PATH        QEMU binary (default: \$COWORK_QEMU or qemu-system-x86_64)
+  --virtiofsd PATH   virtiofsd binary (default: \$COWORK_VIRTIOFSD, then 'virtiofsd' in PATH,
+                     /usr/libexec/virtiofsd, /usr/lib/qemu/virtiofsd)
+  --accel SPEC       QEMU -accel value for L1 (default: tcg; e.g. tcg,thread=single)
+  --qemu-arg ARG     extra argument for the L1 QEMU; repeatable
+  --append STR       extra L1 kernel command-line arguments
+  --log FILE         write the whole L1 console log to FILE
+  --result FILE      write 'status=ok rc=N', 'status=timeout' or 'status=error' (plus timings)
+  --no-lock          do not wait for other nested runs (by default one runs at a time)
+  -v, --verbose      show the L1 boot log on stderr
+  -q, --quiet        no timing summary on stderr
+  -h, --help         this text
+
+CACHE is $(guest_cache_dir)
+(\$COWORK_GUEST_CACHE, else \$XDG_CACHE_HOME/cowork-helper/guest, else <repo>/target/guest-cache).
+Inside, COWORK_NESTED_INSIDE=1 is set.
+USAGE
+}
+
+timeout_s=600
+mem=2048
+smp=2
+cwd="$PWD"
+clean_env=0
+kernel=""
+initrd=""
+qemu="${COWORK_QEMU:-qemu-system-x86_64}"
+virtiofsd="${COWORK_VIRTIOFSD:-}"
+accel=tcg
+extra_qemu_args=()
+extra_append=""
+logfile=""
+resultfile=""
+use_lock=1
+verbose=0
+quiet=0
+check_only=0
+shell_cmd=""
+argv=()
+while (($#)); do
+	case "$1" in
+	-c) shell_cmd="${2:?-c needs a command}"; shift 2 ;;
+	--check) check_only=1; shift ;;
+	--timeout) timeout_s="${2:?}"; shift 2 ;;
+	--mem) mem="${2:?}"; shift 2 ;;
+	--smp) smp="${2:?}"; shift 2 ;;
+	--cwd) cwd="${2:?}"; shift 2 ;;
+	--clean-env) clean_env=1; shift ;;
+	--kernel) kernel="${2:?}"; shift 2 ;;
+	--initrd) initrd="${2:?}"; shift 2 ;;
+	--qemu) qemu="${2:?}"; shift 2 ;;
+	--virtiofsd) virtiofsd="${2:?}"; shift 2 ;;
+	--accel) accel="${2:?}"; shift 2 ;;
+	--qemu-arg) extra_qemu_args+=("${2:?}"); shift 2 ;;
+	--append) extra_append="${2:?}"; shift 2 ;;
+	--log) logfile="$(abs_path "${2:?}")"; shift 2 ;;
+	--result) resultfile="$(abs_path "${2:?}")"; shift 2 ;;
+	--no-lock) use_lock=0; shift ;;
+	-v | --verbose) verbose=1; shift ;;
+	-q | --quiet) quiet=1; shift ;;
+	-h | --help) usage; exit 0 ;;
+	--) shift; argv=("$@"); break ;;
+	*) usage >&2; die "unknown argument '$1' (put the command after --)" ;;
+	esac
+done
+[[ "$timeout_s" =~ ^[0-9]+$ && "$mem" =~ ^[0-9]+$ && "$smp" =~ ^[0-9]+$ ]] ||
+	die "--timeout, --mem and --smp take whole numbers"
+
+# Results go to --result as well as the exit status, so callers can tell a harness failure
+# from a command's own exit status.
+write_result() {
+	[[ -n "$resultfile" ]] || return 0
+	printf '%s\n' "$@" >"$resultfile"
+}
+qemu_version() { "$qemu_path" --version | sed -n '1s/.*version \([^ ]*\).*/\1/p'; }
+harness_fail() { # status message
+	write_result "status=$1" "message=$2"
+	printf '%s: error: %s\n' "$COWORK_SCRIPT_NAME" "$2" >&2
+	[[ "$1" == timeout ]] && exit 124
+	exit 125
+}
+
+cache="$(guest_cache_dir)"
+
+# --- prerequisites -------------------------------------------------------------------------
+find_virtiofsd() {
+	local c
+	for c in "$virtiofsd" "$(command -v virtiofsd || true)" /usr/libexec/virtiofsd /usr/lib/qemu/virtiofsd; do
+		if [[ -n "$c" && -x "$c" ]]; then
+			printf '%s\n' "$c"
+			return 0
+		fi
+	done
+	return 1
+}
+
+problems=()
+qemu_path="$(command -v "$qemu" || true)"
+[[ -n "$qemu_path" ]] || problems+=("QEMU '$qemu' not found: apt-get install qemu-system-x86")
+virtiofsd_path="$(find_virtiofsd || true)"
+[[ -n "$virtiofsd_path" ]] ||
+	problems+=("virtiofsd not found: apt-get install qemu-system-common (Debian 12 ships /usr/lib/qemu/virtiofsd) or set COWORK_VIRTIOFSD")
+if [[ -z "$kernel" ]]; then
+	kernel="$cache/current/vmlinuz"
+	[[ -e "$cache/current/.complete" ]] || problems+=("no cached kernel in $cache: run scripts/fetch-kernel.sh")
+elif [[ ! -f "$kernel" ]]; then
+	problems+=("kernel '$kernel' not found")
+fi
+if [[ -z "$initrd" ]]; then
+	command -v cpio >/dev/null || problems+=("cpio not found: apt-get install cpio")
+	[[ -x /bin/busybox ]] || problems+=("/bin/busybox not found: apt-get install busybox-static")
+elif [[ ! -f "$initrd" ]]; then
+	problems+=("initrd '$initrd' not found")
+fi
+[[ -c /dev/fuse || -n "$virtiofsd_path" ]] || true
+if ((check_only)); then
+	if ((${#problems[@]})); then
+		printf 'missing: %s\n' "${problems[@]}"
+		exit 1
+	fi
+	printf 'ok: qemu=%s virtiofsd=%s kernel=%s\n' "$qemu_path" "$virtiofsd_path" "$(readlink -f "$kernel")"
+	exit 0
+fi
+((${#problems[@]} == 0)) || harness_fail error "$(printf '%s; ' "${problems[@]}")"
+[[ -n "$shell_cmd" || ${#argv[@]} -gt 0 ]] || { usage >&2; die "no command given"; }
+[[ -z "$shell_cmd" || ${#argv[@]} -eq 0 ]] || die "give either -c CMD or -- COMMAND, not both"
+cwd="$(cd "$cwd" && pwd)" || die "--cwd '$cwd' is not a directory"
+
+mkdir -p "$cache"
+if ((use_lock)); then
+	need_cmd flock "install util-linux or pass --no-lock"
+	exec {lock_fd}>"$cache/nested.lock"
+	if ! flock -n "$lock_fd"; then
+		note "waiting for another nested run to finish"
+		flock "$lock_fd"
+	fi
+fi
+
+# --- L1 initramfs --------------------------------------------------------------------------
+if [[ -z "$initrd" ]]; then
+	kver="$(cat "$cache/current/version")"
+	initrd="$cache/harness/initramfs-$kver.img"
+	stale=0
+	[[ -f "$initrd" ]] || stale=1
+	for src in "$SCRIPTS_DIR/initramfs/harness-init" "$SCRIPTS_DIR/mkinitramfs.sh" \
+		"$SCRIPTS_DIR/lib/common.sh" "$cache/current/.complete"; do
+		[[ "$src" -nt "$initrd" ]] && stale=1
+	done
+	if ((stale)); then
+		note "building the L1 initramfs $initrd"
+		COWORK_QUIET=1 "$SCRIPTS_DIR/mkinitramfs.sh" --output "$initrd" \
+			--init "$SCRIPTS_DIR/initramfs/harness-init" --module-set harness \
+			--modules-dir "$cache/current/modules" >&2 ||
+			harness_fail error "building the L1 initramfs failed"
+	fi
+fi
+
+# --- job directory -------------------------------------------------------------------------
+job="$(mktemp -d "${TMPDIR:-/tmp}/nested-run.XXXXXX")"
+job="$(cd "$job" && pwd -P)"
+[[ "$job" =~ ^[A-Za-z0-9_./-]+$ ]] || die "job directory '$job' has characters the kernel command line cannot carry; set TMPDIR"
+token="$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')"
+sock="$job/virtiofs.sock"
+fifo="$job/console"
+mkfifo "$fifo"
+
+vfs_pid=""
+qemu_pid=""
+# shellcheck disable=SC2317 # invoked by the EXIT trap
+cleanup() {
+	local pid
+	for pid in "$qemu_pid" "$vfs_pid"; do
+		if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+			kill "$pid" 2>/dev/null || true
+		fi
+	done
+	for pid in "$qemu_pid" "$vfs_pid"; do
+		if [[ -n "$pid" ]]; then
+			wait "$pid" 2>/dev/null || true
+		fi
+	done
+	rm -rf "$job"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+{
+	printf '#!/bin/bash\n# written by nested-run.sh\n'
+	if ((clean_env)); then
+		for name in PATH HOME LANG TERM; do
+			[[ -n "${!name:-}" ]] && printf 'export %s=%q\n' "$name" "${!name}"
+		done
+	fi
+	while IFS= read -r -d '' kv; do
+		name="${kv%%=*}"
+		[[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
+		case "$name" in
+		PWD | OLDPWD | SHLVL | _) continue ;;
+		esac
+		if ((clean_env)); then
+			[[ "$name" == COWORK_* || "$name" == RUST_* ]] || continue
+		fi
+		printf 'export %s=%q\n' "$name" "${kv#*=}"
+	done < <(env -0)
+	printf 'export COWORK_NESTED_INSIDE=1\n'
+	printf 'cd -- %q || exit 125\n' "$cwd"
+	if [[ -n "$shell_cmd" ]]; then
+		printf 'exec /bin/bash -c %q\n' "$shell_cmd"
+	else
+		printf 'exec'
+		printf ' %q' "${argv[@]}"
+		printf '\n'
+	fi
+} >"$job/job.sh"
+
+# --- virtiofsd -----------------------------------------------------------------------------
+if "$virtiofsd_path" --help 2>&1 | grep -q -- '--shared-dir'; then
+	# the Rust virtiofsd
+	vfs_cmd=("$virtiofsd_path" "--socket-path=$sock" --shared-dir / --sandbox none --cache auto)
+else
+	# QEMU's C virtiofsd (Debian 12: /usr/lib/qemu/virtiofsd). Without sandbox=chroot it fails
+	# on pivot_root for source=/.
+	vfs_cmd=("$virtiofsd_path" "--socket-path=$sock" -o source=/ -o sandbox=chroot -o cache=auto)
+fi
+t_start="$EPOCHREALTIME"
+"${vfs_cmd[@]}" </dev/null >"$job/virtiofsd.log" 2>&1 &
+vfs_pid=$!
+for _ in $(seq 100); do
+	[[ -S "$sock" ]] && break
+	kill -0 "$vfs_pid" 2>/dev/null || break
+	sleep 0.05
+done
+[[ -S "$sock" ]] || harness_fail error "virtiofsd did not start: $(tail -n 5 "$job/virtiofsd.log")"
+
+# --- QEMU ----------------------------------------------------------------------------------
+# shellcheck disable=SC2054 # the commas belong to QEMU option values
+qemu_cmd=(
+	"$qemu_path" -accel "$accel" -cpu EPYC,+svm -smp "$smp" -m "$mem" -M pc
+	-nodefaults -no-user-config -display none -serial stdio -no-reboot
+	-object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
+	-chardev "socket,id=vfs,path=$sock" -device vhost-user-fs-pci,chardev=vfs,tag=hostroot
+	-kernel "$kernel" -initrd "$initrd"
+	-append "console=ttyS0 quiet panic=-1 $extra_append nested.job=$job nested.token=$token"
+	"${extra_qemu_args[@]}"
+)
+timeout --kill-after=5 "$timeout_s" "${qemu_cmd[@]}" </dev/null >"$fifo" 2>"$job/qemu.log" &
+qemu_pid=$!
+
+# --- console filter ------------------------------------------------------------------------
+state=boot
+boot_tail=()
+rc=""
+guest_error=""
+guest_ready_uptime=""
+l1_panic=0
+t_ready=""
+t_exit=""
+log="${logfile:-/dev/null}"
+: >"$log"
+while IFS= read -r line || [[ -n "$line" ]]; do
+	line="${line%$'\r'}"
+	printf '%s\n' "$line" >>"$log"
+	# Only counts as the L1 kernel's if no exit marker follows (an L2 guest's panic message
+	# also passes through here as command output).
+	[[ "$line" == *"Kernel panic - not syncing"* ]] && l1_panic=1
+	case "$state" in
+	boot)
+		if [[ "$line" == *"@@NESTED-READY $token "* ]]; then
+			state=run
+			t_ready="$EPOCHREALTIME"
+			guest_ready_uptime="${line##*uptime=}"
+			guest_ready_uptime="${guest_ready_uptime%@@}"
+		elif [[ "$line" == *"@@NESTED-ERROR $token "* ]]; then
+			guest_error="${line#*"@@NESTED-ERROR $token "}"
+			guest_error="${guest_error%@@}"
+		else
+			boot_tail+=("$line")
+			((${#boot_tail[@]} > 40)) && boot_tail=("${boot_tail[@]:1}")
+			((verbose)) && printf '%s\n' "$line" >&2
+		fi
+		;;
+	run)
+		if [[ "$line" == *"@@NESTED-EXIT $token rc="* ]]; then
+			prefix="${line%%"@@NESTED-EXIT $token rc="*}"
+			[[ -n "$prefix" ]] && printf '%s' "$prefix"
+			rc="${line##*rc=}"
+			rc="${rc%@@}"
+			t_exit="$EPOCHREALTIME"
+			state="done"
+		else
+			printf '%s\n' "$line"
+		fi
+		;;
+	done)
+		((verbose)) && printf '%s\n' "$line" >&2
+		;;
+	esac
+done <"$fifo"
+qemu_status=0
+wait "$qemu_pid" || qemu_status=$?
+qemu_pid=""
+t_end="$EPOCHREALTIME"
+
+elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
+timings=()
+[[ -n "$t_ready" ]] && timings+=("l1_ready_s=$(elapsed "$t_start" "$t_ready")" "l1_guest_uptime_s=$guest_ready_uptime")
+[[ -n "$t_exit" ]] && timings+=("command_s=$(elapsed "$t_ready" "$t_exit")")
+timings+=("total_s=$(elapsed "$t_start" "$t_end")")
+if ((!quiet)); then
+	note "timings: ${timings[*]}"
+fi
+
+show_boot_tail() {
+	if ((!verbose)) && ((${#boot_tail[@]})); then
+		printf '%s: last L1 console lines:\n' "$COWORK_SCRIPT_NAME" >&2
+		printf '  | %s\n' "${boot_tail[@]}" >&2
+	fi
+	if [[ -s "$job/qemu.log" ]]; then
+		printf '%s: qemu stderr:\n' "$COWORK_SCRIPT_NAME" >&2
+		# The EPYC model asks for features TCG lacks; those warnings are expected.
+		grep -v "TCG doesn't support requested feature" "$job/qemu.log" |
+			sed 's/^/  | /' | tail -n 20 >&2 || true
+	fi
+}
+
+if [[ -n "$rc" ]]; then
+	write_result "status=ok" "rc=$rc" "${timings[@]}"
+	exit "$rc"
+fi
+if ((qemu_status == 124 || qemu_status == 137)); then
+	show_boot_tail
+	harness_fail timeout "timed out after ${timeout_s}s ($([[ "$state" == run ]] && echo "command was running" || echo "L1 did not get ready"))"
+fi
+show_boot_tail
+if ((l1_panic)); then
+	harness_fail l1-panic "the L1 guest kernel panicked (QEMU $(qemu_version) TCG's SVM emulation has shown rare crashes of L1 while it runs an L2 guest); the command did not finish"
+fi
+if [[ -n "$guest_error" ]]; then
+	harness_fail error "L1 guest: $guest_error"
+fi
+harness_fail error "QEMU exited with status $qemu_status before the command finished"
