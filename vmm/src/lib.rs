@@ -1,4 +1,24 @@
-//! The in-process KVM microVM (x86_64). See issue "vmm: an in-process KVM microVM".
+//! The in-process KVM microVM (x86_64) of cowork-helper.
+//!
+//! [`machine::Vm::build`] turns a [`machine::Config`] (kernel, initrd,
+//! command line, memory, vCPUs, virtio-mmio devices) into a KVM VM with an
+//! in-kernel irqchip and PIT, ACPI and MP tables, a COM1 UART, an i8042 for
+//! reset, a boot-timing port and the ACPI sleep registers;
+//! [`machine::Vm::run`] runs it to an [`machine::ExitReason`].
+//! [`cli::vm_run`] is the `cowork-helper vm run` command, [`bench`] the
+//! boot benchmark, and [`kvm_check::linux_capable`] tells whether this
+//! host's KVM can boot Linux at all.
+//!
+//! Module map: [`layout`] (addresses), [`memory`], [`boot`], [`cpuid`],
+//! [`acpi`], [`mptable`], [`devices`], [`bus`], [`vcpu`], [`machine`],
+//! [`virtio`] (transport, separate work).
 
+pub mod acpi;
+pub mod boot;
 pub mod bus;
+pub mod cpuid;
+pub mod kvm_check;
+pub mod layout;
+pub mod memory;
+pub mod mptable;
 pub mod virtio;
