@@ -146,11 +146,6 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
     // Writes to a closed host link must fail with EPIPE, not kill the agent.
     // SAFETY: setting a signal disposition.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    if config.drop_caps {
-        if let Err(e) = child::make_self_undumpable() {
-            tracing::warn!(error = %e, "cannot make the agent non-dumpable");
-        }
-    }
     if config.init_mounts {
         init::run_early_init();
     }
@@ -247,6 +242,12 @@ impl Agent {
         let io = FdIo::new(conn)?;
         let reader = BufReader::with_capacity(READ_BUFFER, io.reader());
         let (outbox, writer) = Outbox::start(io);
+        if config.drop_caps {
+            // Processes without capabilities must not reach the agent via /proc/1/{root,fd,mem}.
+            if let Err(e) = child::make_self_undumpable() {
+                tracing::warn!(error = %e, "cannot make the agent non-dumpable");
+            }
+        }
         let mut private_paths = Vec::new();
         for p in &config.private_paths {
             private_paths.push(sys::cstring(p)?);

@@ -199,7 +199,12 @@ pub(crate) fn mount_session_with(
         name: name.clone(),
         source: e,
     })?;
-    bind(&source, target.as_fd(), !spec.mode.writable(), legacy)
+    let target = Target {
+        parent: parent.as_fd(),
+        name: &last,
+        fd: target.as_fd(),
+    };
+    bind(&source, &target, !spec.mode.writable(), legacy)
         .map_err(|e| MountError::Mount { name, source: e })
 }
 
@@ -302,27 +307,31 @@ fn detach(fd: BorrowedFd<'_>, lexical: &Path) -> io::Result<()> {
     }
 }
 
-/// Binds `source` onto the object `target` refers to, read-only if asked.
-fn bind(source: &CStr, target: BorrowedFd<'_>, readonly: bool, legacy: bool) -> io::Result<()> {
+/// A mount target: the `O_PATH` descriptor of the object to mount over, and
+/// where it was found (to reach the new mount root afterwards).
+struct Target<'a> {
+    parent: BorrowedFd<'a>,
+    name: &'a CStr,
+    fd: BorrowedFd<'a>,
+}
+
+/// Binds `source` onto `target`, read-only if asked.
+fn bind(source: &CStr, target: &Target<'_>, readonly: bool, legacy: bool) -> io::Result<()> {
     if !legacy {
         match bind_new_api(source, target, readonly) {
             Err(e) if sys::errno_of(&e) == libc::ENOSYS => {}
             other => return other,
         }
     }
-    let at = sys::cstring(sys::proc_fd_path(target))?;
+    let at = sys::cstring(sys::proc_fd_path(target.fd))?;
     sys::mount(Some(source), &at, None, libc::MS_BIND | libc::MS_REC, None)?;
     if readonly {
-        if let Err(e) = make_readonly(&at, legacy) {
-            // Never leave a writable mount behind when read-only was asked.
-            let _ = sys::umount2(&at, libc::MNT_DETACH);
-            return Err(e);
-        }
+        remount_readonly(source, target, legacy)?;
     }
     Ok(())
 }
 
-fn bind_new_api(source: &CStr, target: BorrowedFd<'_>, readonly: bool) -> io::Result<()> {
+fn bind_new_api(source: &CStr, target: &Target<'_>, readonly: bool) -> io::Result<()> {
     let tree = sys::open_tree(
         source,
         libc::OPEN_TREE_CLONE | libc::AT_RECURSIVE as libc::c_uint,
@@ -336,15 +345,35 @@ fn bind_new_api(source: &CStr, target: BorrowedFd<'_>, readonly: bool) -> io::Re
             Err(e) => return Err(e),
         }
     }
-    sys::move_mount_fds(tree.as_fd(), target)?;
+    sys::move_mount_fds(tree.as_fd(), target.fd)?;
     if remount_after {
-        let at = sys::cstring(sys::proc_fd_path(target))?;
-        if let Err(e) = make_readonly(&at, true) {
-            let _ = sys::umount2(&at, libc::MNT_DETACH);
-            return Err(e);
-        }
+        remount_readonly(source, target, true)?;
     }
     Ok(())
+}
+
+/// Makes the mount just attached at `target` read-only. The target's own
+/// descriptor still names the object *under* the new mount, so the new
+/// mount root is looked up again (without following symlinks) and checked
+/// to be the source before it is changed. On failure the mount is detached:
+/// a writable mount is never left behind when read-only was asked.
+fn remount_readonly(source: &CStr, target: &Target<'_>, legacy: bool) -> io::Result<()> {
+    let root = sys::openat(
+        target.parent,
+        target.name,
+        libc::O_PATH | libc::O_NOFOLLOW,
+        0,
+    )?;
+    let (src, now) = (sys::statx(None, source, 0)?, sys::fstat(root.as_fd())?);
+    if (src.dev, src.ino) != (now.dev, now.ino) {
+        return Err(io::Error::other("the mount target changed while mounting"));
+    }
+    let at = sys::cstring(sys::proc_fd_path(root.as_fd()))?;
+    let res = make_readonly(&at, legacy);
+    if res.is_err() {
+        let _ = sys::umount2(&at, libc::MNT_DETACH);
+    }
+    res
 }
 
 /// Makes the mount at `path` read-only: `mount_setattr` (recursive), or a
@@ -423,9 +452,19 @@ pub(crate) fn install_sdk_with(
             Err(e) => return Err(err(e)),
         }
     }
-    let fd = sys::open(target, libc::O_PATH | libc::O_NOFOLLOW).map_err(err)?;
+    let (Some(dir), Some(name)) = (target.parent(), target.file_name()) else {
+        return Err(err(io::Error::from_raw_os_error(libc::EINVAL)));
+    };
+    let parent = sys::open(dir, libc::O_PATH | libc::O_DIRECTORY).map_err(err)?;
+    let name = sys::cstring(name).map_err(err)?;
+    let fd = sys::openat(parent.as_fd(), &name, libc::O_PATH | libc::O_NOFOLLOW, 0).map_err(err)?;
     let c = sys::cstring(source).map_err(err)?;
-    bind(&c, fd.as_fd(), true, legacy).map_err(err)?;
+    let t = Target {
+        parent: parent.as_fd(),
+        name: &name,
+        fd: fd.as_fd(),
+    };
+    bind(&c, &t, true, legacy).map_err(err)?;
     Ok(true)
 }
 
