@@ -14,11 +14,18 @@
 //! [`virtio`] (transport, separate work).
 
 pub mod acpi;
+pub mod bench;
 pub mod boot;
 pub mod bus;
+pub mod cli;
 pub mod cpuid;
+pub mod devices;
 pub mod kvm_check;
 pub mod layout;
+pub mod machine;
 pub mod memory;
 pub mod mptable;
+pub mod vcpu;
 pub mod virtio;
+
+pub use machine::{Config, ExitReason, StopHandle, Vm, VmError};

@@ -1,0 +1,675 @@
+//! The machine: [`Vm::build`] turns a [`Config`] into a ready-to-run KVM VM
+//! (memory, irqchip, PIT, kernel, boot tables, vCPUs, devices), and
+//! [`Vm::run`] runs it to an [`ExitReason`].
+//!
+//! Threads: `run()` spawns one thread per vCPU and runs the VMM event loop
+//! (event-manager) on the calling thread; it returns once the guest resets,
+//! powers off, fails, or a [`StopHandle`] stops it. Before it returns every
+//! vCPU thread is joined and every fd the VM owned (KVM, VM, vCPUs,
+//! eventfds, guest memory) is closed — the `Vm` value then only holds the
+//! [`Timeline`]. Nothing here ever exits the process.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Cap, IoEventAddress, Kvm, VcpuFd, VmFd};
+use vm_memory::{GuestMemory as _, GuestMemoryRegion};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::acpi::{self, MmioSlot};
+use crate::boot::{self, BootInfo, EntryKind};
+use crate::bus::Bus;
+use crate::devices::acpi_pm::AcpiPm;
+use crate::devices::boot_timer::{BootMark, BootTimer};
+use crate::devices::i8042::I8042;
+use crate::devices::serial::{Serial, SerialSink};
+use crate::devices::ExitSignal;
+use crate::memory::{self, Backing, GuestMemory, GuestRam};
+use crate::vcpu::{VcpuShared, VcpuThread};
+use crate::virtio::{MmioTransport, VirtioDevice};
+use crate::{cpuid, kvm_check, layout, mptable};
+
+/// Why [`Vm::run`] returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitReason {
+    /// The guest reset the machine (i8042 reset command, KVM reset event).
+    Reset,
+    /// The guest powered off (ACPI S5, KVM shutdown event).
+    Shutdown,
+    /// The guest failed: triple fault, KVM internal/emulation error, failed
+    /// VM entry, crash event. The message says which and on which vCPU.
+    GuestError(String),
+    /// The host stopped the VM through a [`StopHandle`].
+    Stopped,
+}
+
+/// What to boot and how.
+pub struct Config {
+    /// Kernel: ELF vmlinux (PVH entry when it has the PVH note, else 64-bit
+    /// boot protocol) or bzImage.
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line; the machine appends one `virtio_mmio.device=`
+    /// per virtio device.
+    pub cmdline: String,
+    /// Guest memory in MiB.
+    pub mem_mib: u64,
+    /// Number of vCPUs (1..=254).
+    pub vcpus: u8,
+    /// How guest memory is backed.
+    pub memory_backing: Backing,
+    /// Where COM1 output goes (`None`: discarded).
+    pub serial: Option<SerialSink>,
+    /// virtio device models, in slot order. The machine wraps each in a
+    /// virtio-mmio transport ([`MmioTransport`]) at slot `i`
+    /// ([`layout::virtio_mmio_slot_addr`], GSI
+    /// [`layout::virtio_mmio_slot_irq`]): register file on the MMIO bus,
+    /// one ioeventfd per queue on QueueNotify (4 bytes, datamatch = queue
+    /// index), an irqfd for the interrupt, a `virtio_mmio.device=` entry on
+    /// the command line and an `LNRO0005` device in the DSDT.
+    pub virtio_devices: Vec<Box<dyn VirtioDevice>>,
+}
+
+impl Config {
+    /// A config with 1 vCPU, 256 MiB, anonymous memory, no initrd, no
+    /// devices, serial discarded, and [`DEFAULT_CMDLINE`].
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        Self {
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: DEFAULT_CMDLINE.to_string(),
+            mem_mib: 256,
+            vcpus: 1,
+            memory_backing: Backing::Anonymous,
+            serial: None,
+            virtio_devices: Vec::new(),
+        }
+    }
+}
+
+/// Default kernel command line: console on COM1, reset through the i8042
+/// on reboot, reboot instead of hanging on panic, no PCI probing (there is
+/// no PCI bus; the legacy config ports read as all-ones anyway).
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off";
+
+/// Errors of building or running a VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// Bad configuration.
+    #[error("invalid VM configuration: {0}")]
+    Config(String),
+    /// KVM missing capabilities.
+    #[error(transparent)]
+    Kvm(#[from] kvm_check::KvmCheckError),
+    /// A KVM ioctl failed.
+    #[error("{what} failed: {source}")]
+    Ioctl {
+        /// Which call.
+        what: &'static str,
+        /// Cause.
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory.
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
+    /// Opening kernel/initrd.
+    #[error("cannot open {what} {path}: {source}")]
+    Open {
+        /// "kernel" or "initrd".
+        what: &'static str,
+        /// Path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Boot setup.
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    /// ACPI.
+    #[error(transparent)]
+    Acpi(#[from] acpi::AcpiError),
+    /// MP table.
+    #[error(transparent)]
+    Mptable(#[from] mptable::MptableError),
+    /// CPUID.
+    #[error(transparent)]
+    Cpuid(#[from] cpuid::CpuidError),
+    /// Device creation.
+    #[error(transparent)]
+    Device(#[from] crate::devices::DeviceError),
+    /// Bus layout.
+    #[error(transparent)]
+    Bus(#[from] crate::bus::BusError),
+    /// virtio device wiring.
+    #[error("virtio-mmio slot {slot}: {msg}")]
+    Virtio {
+        /// Slot index.
+        slot: usize,
+        /// What failed.
+        msg: String,
+    },
+    /// vCPU threads.
+    #[error(transparent)]
+    Vcpu(#[from] crate::vcpu::VcpuError),
+    /// Event loop.
+    #[error("VMM event loop: {0:?}")]
+    EventManager(event_manager::Error),
+    /// `run()` was called twice.
+    #[error("this VM has already run; build a new one")]
+    AlreadyRan,
+}
+
+fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Ioctl { what, source }
+}
+
+/// Timestamps of one VM's life, relative to the start of [`Vm::build`].
+#[derive(Debug, Clone, Default)]
+pub struct Timeline {
+    /// `Vm::build` duration (config → vCPUs configured).
+    pub build: Duration,
+    /// When vCPU 0 first entered KVM_RUN.
+    pub first_run: Option<Duration>,
+    /// Boot-port writes.
+    pub boot_marks: Vec<BootMark>,
+    /// When `run()` saw the exit.
+    pub exit: Option<Duration>,
+    /// Entry protocol used.
+    pub entry: Option<EntryKind>,
+}
+
+/// Stops a running VM from any thread. Holds only a weak reference: once
+/// the VM has finished, [`StopHandle::stop`] does nothing.
+#[derive(Debug, Clone)]
+pub struct StopHandle(Weak<ExitSignal>);
+
+impl StopHandle {
+    /// Asks the VM to stop; `run()` then returns [`ExitReason::Stopped`]
+    /// (unless the guest had already exited). Returns whether the VM was
+    /// still alive.
+    pub fn stop(&self) -> bool {
+        match self.0.upgrade() {
+            Some(s) => {
+                s.request(ExitReason::Stopped);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Everything that holds an fd or a thread; dropped at the end of `run()`.
+struct Live {
+    _kvm: Kvm,
+    _vm_fd: VmFd,
+    _ram: GuestRam,
+    vcpus: Vec<VcpuFd>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    exit: Arc<ExitSignal>,
+    serial: Arc<Serial>,
+    boot_timer: Arc<BootTimer>,
+    _com1_irq: EventFd,
+    virtio: Vec<Arc<MmioTransport>>,
+}
+
+/// A built VM.
+pub struct Vm {
+    live: Option<Live>,
+    stop: StopHandle,
+    origin: Instant,
+    timeline: Timeline,
+    cmdline: String,
+}
+
+impl std::fmt::Debug for Vm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vm")
+            .field("running_state", &self.live.is_some())
+            .field("cmdline", &self.cmdline)
+            .field("timeline", &self.timeline)
+            .finish()
+    }
+}
+
+/// The event-loop subscriber watching the exit eventfd.
+struct ExitWatcher {
+    exit: Arc<ExitSignal>,
+}
+
+impl MutEventSubscriber for ExitWatcher {
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        if events.fd() == self.exit.eventfd().as_raw_fd() {
+            // Drain the counter; the reason is read by the loop.
+            let _ = self.exit.eventfd().read();
+        }
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(self.exit.eventfd(), EventSet::IN)) {
+            tracing::error!("cannot watch the VM exit eventfd: {e:?}");
+        }
+    }
+}
+
+impl Vm {
+    /// Builds the VM described by `config`. Nothing runs yet.
+    pub fn build(config: Config) -> Result<Vm, VmError> {
+        let origin = Instant::now();
+        let Config {
+            kernel,
+            initrd,
+            cmdline,
+            mem_mib,
+            vcpus,
+            memory_backing,
+            serial,
+            virtio_devices,
+        } = config;
+        if vcpus == 0 || vcpus > layout::MAX_VCPUS {
+            return Err(VmError::Config(format!(
+                "vCPU count {vcpus} out of range 1..={}",
+                layout::MAX_VCPUS
+            )));
+        }
+        if virtio_devices.len() > layout::VIRTIO_MMIO_MAX_SLOTS {
+            return Err(VmError::Config(format!(
+                "{} virtio devices requested, at most {} slots exist",
+                virtio_devices.len(),
+                layout::VIRTIO_MMIO_MAX_SLOTS
+            )));
+        }
+        let mut kernel_file = File::open(&kernel).map_err(|source| VmError::Open {
+            what: "kernel",
+            path: kernel.clone(),
+            source,
+        })?;
+        let mut initrd_file = match &initrd {
+            Some(p) => Some(File::open(p).map_err(|source| VmError::Open {
+                what: "initrd",
+                path: p.clone(),
+                source,
+            })?),
+            None => None,
+        };
+
+        // KVM, VM, platform.
+        let kvm = kvm_check::check_capabilities()?;
+        let max = kvm.get_max_vcpus();
+        if usize::from(vcpus) > max {
+            return Err(VmError::Config(format!(
+                "{vcpus} vCPUs requested, this KVM allows {max}"
+            )));
+        }
+        // Before KVM_GET_SUPPORTED_CPUID and vCPU creation (see cpuid docs).
+        let amx_perm = cpuid::request_amx_permission();
+        let vm_fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
+        let ram = memory::create(mem_mib, memory_backing)?;
+        for (slot, region) in ram.mem.iter().enumerate() {
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the region is a live mapping of exactly memory_size
+            // bytes owned by `ram`, which outlives the VM fd (both are
+            // dropped together in `Live`, VM fd first).
+            unsafe { vm_fd.set_user_memory_region(r) }
+                .map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+        vm_fd
+            .set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(ioctl("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        vm_fd
+            .set_tss_address(layout::KVM_TSS_ADDRESS as usize)
+            .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
+        vm_fd
+            .create_irq_chip()
+            .map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+        vm_fd
+            .create_pit2(kvm_pit_config {
+                flags: KVM_PIT_SPEAKER_DUMMY,
+                ..Default::default()
+            })
+            .map_err(ioctl("KVM_CREATE_PIT2"))?;
+
+        // Kernel, initrd, command line, tables.
+        let loaded = boot::load_kernel(&ram.mem, &mut kernel_file)?;
+        drop(kernel_file);
+        let low_end = boot::low_ram_end(&ram.mem);
+        let initrd_place = match initrd_file.as_mut() {
+            Some(f) => Some(boot::load_initrd(&ram.mem, f, &loaded, low_end)?),
+            None => None,
+        };
+        drop(initrd_file);
+        let slots: Vec<MmioSlot> = (0..virtio_devices.len())
+            .map(|i| MmioSlot {
+                base: layout::virtio_mmio_slot_addr(i),
+                len: layout::VIRTIO_MMIO_SLOT_SIZE,
+                gsi: layout::virtio_mmio_slot_irq(i),
+            })
+            .collect();
+        let full_cmdline = full_cmdline(&cmdline, &slots);
+        boot::write_cmdline(&ram.mem, &full_cmdline, boot::cmdline_limit(&loaded))?;
+        let acpi_layout = acpi::write_tables(&ram.mem, vcpus, &slots)?;
+        mptable::write(&ram.mem, vcpus)?;
+        let e820 = layout::e820_map(ram.size);
+        let info = BootInfo {
+            kernel: &loaded,
+            cmdline_len: full_cmdline.len(),
+            initrd: initrd_place,
+            e820: &e820,
+            rsdp: acpi_layout.rsdp,
+        };
+        match loaded.kind {
+            EntryKind::Linux64 => boot::write_zero_page(&ram.mem, &info)?,
+            EntryKind::Pvh => boot::write_pvh(&ram.mem, &info)?,
+        }
+        boot::write_cpu_tables(&ram.mem)?;
+
+        // vCPUs.
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(cpuid::CpuidError::Supported)?;
+        let amx = amx_perm && cpuid::table_has_amx(supported.as_slice());
+        let tsc_deadline = kvm.check_extension(Cap::TscDeadlineTimer);
+        let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
+        for index in 0..vcpus {
+            let fd = vm_fd
+                .create_vcpu(u64::from(index))
+                .map_err(ioctl("KVM_CREATE_VCPU"))?;
+            let table = cpuid::for_vcpu(
+                &supported,
+                &cpuid::CpuParams {
+                    index,
+                    count: vcpus,
+                    tsc_deadline,
+                    amx,
+                },
+            )?;
+            fd.set_cpuid2(&table).map_err(ioctl("KVM_SET_CPUID2"))?;
+            boot::setup_any_vcpu(&fd)?;
+            if index == 0 {
+                boot::setup_boot_vcpu(&fd, &loaded)?;
+            }
+            vcpu_fds.push(fd);
+        }
+
+        // Devices.
+        let exit = ExitSignal::new()?;
+        let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
+            crate::devices::DeviceError::EventFd {
+                what: "COM1 interrupt",
+                source,
+            }
+        })?;
+        vm_fd
+            .register_irqfd(&com1_irq, layout::COM1_IRQ)
+            .map_err(ioctl("KVM_IRQFD (COM1)"))?;
+        let serial = Arc::new(Serial::new(
+            &com1_irq,
+            serial.unwrap_or_else(|| Box::new(std::io::sink())),
+        )?);
+        let boot_timer = Arc::new(BootTimer::new(origin));
+        let mut pio = Bus::new();
+        pio.insert(
+            serial.clone(),
+            layout::COM1_PORT.into(),
+            layout::COM1_PORT_LEN.into(),
+        )?;
+        pio.insert(
+            Arc::new(I8042::new(exit.clone())),
+            layout::I8042_PORT.into(),
+            layout::I8042_PORT_LEN.into(),
+        )?;
+        pio.insert(boot_timer.clone(), layout::BOOT_TIMER_PORT.into(), 4)?;
+        pio.insert(
+            Arc::new(AcpiPm::new(exit.clone())),
+            layout::ACPI_SLEEP_CONTROL_PORT.into(),
+            2,
+        )?;
+
+        let mut mmio = Bus::new();
+        let mut transports = Vec::with_capacity(virtio_devices.len());
+        for (i, (dev, slot)) in virtio_devices.into_iter().zip(&slots).enumerate() {
+            transports.push(wire_virtio(&vm_fd, &mut mmio, i, dev, slot, &ram.mem)?);
+        }
+
+        let build = origin.elapsed();
+        tracing::info!(
+            build_us = build.as_micros() as u64,
+            entry = ?loaded.kind,
+            vcpus,
+            mem_mib,
+            "VM built"
+        );
+        let stop = StopHandle(Arc::downgrade(&exit));
+        Ok(Vm {
+            live: Some(Live {
+                _kvm: kvm,
+                _vm_fd: vm_fd,
+                _ram: ram,
+                vcpus: vcpu_fds,
+                pio: Arc::new(pio),
+                mmio: Arc::new(mmio),
+                exit,
+                serial,
+                boot_timer,
+                _com1_irq: com1_irq,
+                virtio: transports,
+            }),
+            stop,
+            origin,
+            timeline: Timeline {
+                build,
+                entry: Some(loaded.kind),
+                ..Default::default()
+            },
+            cmdline: full_cmdline,
+        })
+    }
+
+    /// A handle another thread can use to stop [`Vm::run`].
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// The command line the guest got (with the virtio entries appended).
+    pub fn cmdline(&self) -> &str {
+        &self.cmdline
+    }
+
+    /// The virtio-mmio transports, in slot order (empty after `run()`).
+    /// Holding one past `run()` keeps its eventfds open.
+    pub fn virtio_transports(&self) -> Vec<Arc<MmioTransport>> {
+        self.live
+            .as_ref()
+            .map(|l| l.virtio.clone())
+            .unwrap_or_default()
+    }
+
+    /// Timestamps so far (complete after `run()` returns).
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    /// Runs the VM until it exits or is stopped. See the module docs for the
+    /// threading and cleanup guarantees.
+    pub fn run(&mut self) -> Result<ExitReason, VmError> {
+        let live = self.live.take().ok_or(VmError::AlreadyRan)?;
+        let result = self.run_live(live);
+        self.timeline.exit = Some(self.origin.elapsed());
+        result
+    }
+
+    fn run_live(&mut self, mut live: Live) -> Result<ExitReason, VmError> {
+        crate::vcpu::install_kick_handler()?;
+        let mut em = EventManager::<Arc<Mutex<dyn MutEventSubscriber + Send>>>::new()
+            .map_err(VmError::EventManager)?;
+        em.add_subscriber(Arc::new(Mutex::new(ExitWatcher {
+            exit: live.exit.clone(),
+        })));
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let first_run = Arc::new(OnceLock::new());
+        let shared = VcpuShared {
+            pio: live.pio.clone(),
+            mmio: live.mmio.clone(),
+            exit: live.exit.clone(),
+            stop: stop.clone(),
+            first_run: first_run.clone(),
+        };
+        let mut threads = Vec::with_capacity(live.vcpus.len());
+        let mut spawn_err = None;
+        for (i, fd) in live.vcpus.drain(..).enumerate() {
+            match VcpuThread::spawn(i as u8, fd, shared.clone()) {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    spawn_err = Some(e);
+                    break;
+                }
+            }
+        }
+
+        let mut loop_err = None;
+        if spawn_err.is_none() {
+            while live.exit.reason().is_none() {
+                if let Err(e) = em.run() {
+                    loop_err = Some(VmError::EventManager(e));
+                    break;
+                }
+            }
+        }
+        let exit_at = self.origin.elapsed();
+
+        // Stop and join every vCPU.
+        stop.store(true, Ordering::Release);
+        let mut join_err = None;
+        for t in &threads {
+            t.kick();
+        }
+        for t in threads {
+            // A thread may have been between its flag check and KVM_RUN
+            // when kicked; immediate_exit covers that, so one kick suffices.
+            if let Err(e) = t.join() {
+                join_err.get_or_insert(e);
+            }
+        }
+        live.serial.flush();
+        // Stop device workers (joins their threads).
+        for t in &live.virtio {
+            t.shutdown();
+        }
+        self.timeline.first_run = first_run.get().map(|t| t.duration_since(self.origin));
+        self.timeline.boot_marks = live.boot_timer.marks();
+        let reason = live.exit.reason();
+        drop(em);
+        drop(shared);
+        drop(live);
+        tracing::info!(exit_us = exit_at.as_micros() as u64, ?reason, "VM finished");
+
+        if let Some(e) = spawn_err {
+            return Err(e.into());
+        }
+        if let Some(e) = loop_err {
+            return Err(e);
+        }
+        if let Some(e) = join_err {
+            return Err(e.into());
+        }
+        Ok(reason.unwrap_or(ExitReason::Stopped))
+    }
+}
+
+/// The command line plus one `virtio_mmio.device=<size>@<base>:<irq>` per
+/// slot (the syntax of Linux's virtio_mmio module parameter).
+pub fn full_cmdline(base: &str, slots: &[MmioSlot]) -> String {
+    let mut s = base.trim().to_string();
+    for slot in slots {
+        if !s.is_empty() {
+            s.push(' ');
+        }
+        s.push_str(&format!(
+            "virtio_mmio.device={}K@{:#x}:{}",
+            slot.len / 1024,
+            slot.base,
+            slot.gsi
+        ));
+    }
+    s
+}
+
+fn wire_virtio(
+    vm_fd: &VmFd,
+    mmio: &mut Bus,
+    i: usize,
+    dev: Box<dyn VirtioDevice>,
+    slot: &MmioSlot,
+    mem: &GuestMemory,
+) -> Result<Arc<MmioTransport>, VmError> {
+    let verr = |msg: String| VmError::Virtio { slot: i, msg };
+    let t = Arc::new(MmioTransport::new(dev, mem.clone()).map_err(|e| verr(e.to_string()))?);
+    mmio.insert(t.clone(), slot.base, slot.len)?;
+    for (evt, addr, q) in t.ioeventfds(slot.base) {
+        debug_assert_eq!(addr, slot.base + layout::VIRTIO_MMIO_QUEUE_NOTIFY);
+        vm_fd
+            .register_ioevent(evt, &IoEventAddress::Mmio(addr), q)
+            .map_err(|e| verr(format!("KVM_IOEVENTFD for queue {q}: {e}")))?;
+    }
+    vm_fd
+        .register_irqfd(t.interrupt_evt(), slot.gsi)
+        .map_err(|e| verr(format!("KVM_IRQFD on GSI {}: {e}", slot.gsi)))?;
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cmdline_gets_virtio_entries() {
+        let slots = [
+            MmioSlot {
+                base: 0xd000_0000,
+                len: 0x1000,
+                gsi: 5,
+            },
+            MmioSlot {
+                base: 0xd000_1000,
+                len: 0x1000,
+                gsi: 6,
+            },
+        ];
+        assert_eq!(
+            full_cmdline(" console=ttyS0 ", &slots),
+            "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6"
+        );
+        assert_eq!(
+            full_cmdline("", &slots[..1]),
+            "virtio_mmio.device=4K@0xd0000000:5"
+        );
+        assert_eq!(full_cmdline("a", &[]), "a");
+    }
+
+    #[test]
+    fn stop_handle_outliving_vm_is_harmless() {
+        let exit = ExitSignal::new().unwrap();
+        let h = StopHandle(Arc::downgrade(&exit));
+        assert!(h.stop());
+        assert_eq!(exit.reason(), Some(ExitReason::Stopped));
+        drop(exit);
+        assert!(!h.stop());
+    }
+}
