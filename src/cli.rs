@@ -1,0 +1,245 @@
+//! Command line: `cowork-helper -socket PATH` serves the client; `doctor`,
+//! `bench` and `vm run` are tools for people and CI.
+//!
+//! The client passes Go-style single-dash long flags (`-socket PATH`,
+//! `-socket=PATH`); they are normalised to `--socket` before clap sees them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::daemon::{Daemon, Settings};
+use crate::vm::BackendKind;
+
+/// Socket file name inside `$XDG_RUNTIME_DIR`, as the client expects it.
+pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// Pick the best backend available here (today: the sandbox).
+    Auto,
+    /// Linux namespaces on the host; no VM.
+    Sandbox,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cowork-helper",
+    version,
+    about = "Sandbox VM helper for the Claude cowork desktop client"
+)]
+pub struct Cli {
+    /// Unix socket to serve (default: $XDG_RUNTIME_DIR/claude-cowork-vm.sock).
+    #[arg(long, global = true)]
+    pub socket: Option<PathBuf>,
+    /// Which backend runs the sessions.
+    #[arg(
+        long,
+        env = "COWORK_BACKEND",
+        value_enum,
+        default_value = "auto",
+        global = true
+    )]
+    pub backend: BackendChoice,
+    /// Where per-profile state (session directories) lives
+    /// (default: $XDG_DATA_HOME/cowork-helper).
+    #[arg(long, env = "COWORK_DATA_DIR", global = true)]
+    pub data_dir: Option<PathBuf>,
+    /// Stop a VM after this many seconds without any connected client (0 = never).
+    #[arg(long, env = "COWORK_IDLE_TIMEOUT", default_value_t = 900)]
+    pub idle_timeout: u64,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Report which backends work on this machine and why.
+    Doctor,
+    /// Measure RPC latency, spawn latency and output throughput.
+    Bench {
+        /// Fewer iterations.
+        #[arg(long)]
+        quick: bool,
+    },
+}
+
+/// Rewrites `-socket X` / `-socket=X` to their double-dash forms.
+pub fn normalize_args(args: Vec<String>) -> Vec<String> {
+    args.into_iter()
+        .enumerate()
+        .map(|(i, a)| {
+            if i > 0 && (a == "-socket" || a.starts_with("-socket=")) {
+                format!("-{a}")
+            } else {
+                a
+            }
+        })
+        .collect()
+}
+
+fn default_socket() -> Result<PathBuf, String> {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir).join(SOCKET_NAME)),
+        _ => Err("no -socket given and XDG_RUNTIME_DIR is not set".into()),
+    }
+}
+
+fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("cowork-helper");
+    }
+    if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        return PathBuf::from(h).join(".local/share/cowork-helper");
+    }
+    PathBuf::from("/var/tmp/cowork-helper")
+}
+
+/// Resolves `auto` to a concrete backend, with the reason.
+pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
+    match choice {
+        BackendChoice::Sandbox => (BackendKind::Sandbox, "requested with --backend sandbox"),
+        BackendChoice::Auto => (
+            BackendKind::Sandbox,
+            "auto: the namespace sandbox is the only backend in this build",
+        ),
+    }
+}
+
+/// Entry point; returns the process exit code.
+pub fn main(args: Vec<String>) -> i32 {
+    let cli = match Cli::try_parse_from(normalize_args(args)) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    match cli.command {
+        Some(Command::Bench { quick }) => {
+            let mut a = vec!["bench".to_string()];
+            if quick {
+                a.push("--quick".into());
+            }
+            crate::bench::main_with_args(a)
+        }
+        Some(Command::Doctor) => doctor(&cli),
+        None => serve(cli),
+    }
+}
+
+fn doctor(cli: &Cli) -> i32 {
+    let (kind, why) = resolve_backend(cli.backend);
+    println!("auto picks: {} ({why})", kind.as_str());
+    match crate::sandbox::probe() {
+        Ok(()) => {
+            println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
+        }
+        Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
+    }
+    0
+}
+
+fn serve(cli: Cli) -> i32 {
+    crate::logging::init();
+    let socket = match cli.socket.clone().map(Ok).unwrap_or_else(default_socket) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cowork-helper: {e}");
+            return 2;
+        }
+    };
+    let helper_exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("cowork-helper: cannot locate own executable: {e}");
+            return 1;
+        }
+    };
+    let (backend, why) = resolve_backend(cli.backend);
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    // The sandbox binds it into the guest: it must be absolute.
+    let data_dir = if data_dir.is_absolute() {
+        data_dir
+    } else {
+        std::env::current_dir()
+            .map(|d| d.join(&data_dir))
+            .unwrap_or(data_dir)
+    };
+    let settings = Settings {
+        data_dir,
+        backend,
+        helper_exe,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cowork-helper: cannot start the async runtime: {e}");
+            return 1;
+        }
+    };
+    runtime.block_on(async move {
+        let listener = match crate::server::bind(&socket).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("{e}");
+                eprintln!("cowork-helper: {e}");
+                return 1;
+            }
+        };
+        tracing::info!(
+            socket = %socket.display(),
+            backend = backend.as_str(),
+            reason = why,
+            data_dir = %settings.data_dir.display(),
+            version = env!("CARGO_PKG_VERSION"),
+            "listening"
+        );
+        let daemon = Daemon::new(settings);
+        let idle = (cli.idle_timeout > 0).then(|| Duration::from_secs(cli.idle_timeout));
+        crate::server::serve(listener, daemon, idle, shutdown_signal()).await;
+        let _ = std::fs::remove_file(&socket);
+        tracing::info!("bye");
+        0
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the process still dies on SIGTERM; just never resolve.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_style_socket_flags() {
+        let a = |v: &[&str]| normalize_args(v.iter().map(|s| s.to_string()).collect());
+        assert_eq!(a(&["h", "-socket", "/x"]), ["h", "--socket", "/x"]);
+        assert_eq!(a(&["h", "-socket=/x"]), ["h", "--socket=/x"]);
+        assert_eq!(a(&["h", "--socket", "/x"]), ["h", "--socket", "/x"]);
+        let cli = Cli::try_parse_from(a(&["h", "-socket=/x/y.sock"])).unwrap();
+        assert_eq!(
+            cli.socket.as_deref(),
+            Some(std::path::Path::new("/x/y.sock"))
+        );
+    }
+}

@@ -1,0 +1,399 @@
+//! Daemon state and method dispatch.
+//!
+//! The socket path is shared by every desktop profile, so state is scoped by
+//! profile: `configure` and `subscribeEvents` carry `userDataName` and
+//! `userDataRoot`, which select a [`Profile`] (its own VM, processes, event
+//! hub and state directory). A connection that never named a profile (the
+//! client's one-shot requests) uses the most recently configured one, or the
+//! `default` profile.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use base64::Engine;
+use guest_agent::proto::{Op, Secret, SpawnSpec};
+use serde_json::{json, Value};
+
+use crate::protocol::*;
+use crate::vm::{BackendKind, SpawnRequest, Vm, VmConfig};
+
+/// Name of the profile used before any `configure`.
+pub const DEFAULT_PROFILE: &str = "default";
+
+/// Static daemon settings from the command line.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub data_dir: PathBuf,
+    pub backend: BackendKind,
+    pub helper_exe: PathBuf,
+}
+
+/// One desktop profile.
+pub struct Profile {
+    pub key: String,
+    pub vm: Arc<Vm>,
+}
+
+/// The whole daemon.
+pub struct Daemon {
+    pub settings: Settings,
+    profiles: Mutex<HashMap<String, Arc<Profile>>>,
+    last_configured: Mutex<Option<String>>,
+    /// Open client connections (for the idle-VM policy).
+    pub connections: AtomicUsize,
+}
+
+/// Per-connection state.
+#[derive(Default)]
+pub struct Connection {
+    pub profile: Mutex<Option<Arc<Profile>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A directory-name-safe, collision-resistant key for a profile.
+pub fn profile_key(name: Option<&str>, root: Option<&str>) -> String {
+    let (name, root) = (name.unwrap_or(""), root.unwrap_or(""));
+    if name.is_empty() && root.is_empty() {
+        return DEFAULT_PROFILE.to_string();
+    }
+    let readable: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(40)
+        .collect();
+    // FNV-1a over both fields: stable across runs and releases.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in root.bytes().chain([0]).chain(name.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{readable}-{:016x}", h)
+}
+
+impl Daemon {
+    pub fn new(settings: Settings) -> Arc<Daemon> {
+        Arc::new(Daemon {
+            settings,
+            profiles: Mutex::new(HashMap::new()),
+            last_configured: Mutex::new(None),
+            connections: AtomicUsize::new(0),
+        })
+    }
+
+    /// Returns (creating if needed) the profile with this key.
+    pub fn profile(&self, key: &str) -> Arc<Profile> {
+        let mut profiles = lock(&self.profiles);
+        profiles
+            .entry(key.to_string())
+            .or_insert_with(|| {
+                let cfg = VmConfig {
+                    backend: self.settings.backend,
+                    profile_dir: self.settings.data_dir.join("profiles").join(key),
+                    helper_exe: self.settings.helper_exe.clone(),
+                };
+                tracing::info!(profile = key, dir = %cfg.profile_dir.display(), "profile created");
+                Arc::new(Profile {
+                    key: key.to_string(),
+                    vm: Vm::new(cfg),
+                })
+            })
+            .clone()
+    }
+
+    pub fn all_profiles(&self) -> Vec<Arc<Profile>> {
+        lock(&self.profiles).values().cloned().collect()
+    }
+
+    fn profile_for(&self, conn: &Connection) -> Arc<Profile> {
+        if let Some(p) = lock(&conn.profile).clone() {
+            return p;
+        }
+        let key = lock(&self.last_configured)
+            .clone()
+            .unwrap_or_else(|| DEFAULT_PROFILE.into());
+        self.profile(&key)
+    }
+
+    /// Binds a connection to the profile named by `params`.
+    pub fn select_profile(
+        &self,
+        conn: &Connection,
+        p: &ProfileParams,
+        remember: bool,
+    ) -> Arc<Profile> {
+        let key = profile_key(p.user_data_name.as_deref(), p.user_data_root.as_deref());
+        let profile = self.profile(&key);
+        *lock(&conn.profile) = Some(profile.clone());
+        if remember {
+            *lock(&self.last_configured) = Some(key);
+        }
+        profile
+    }
+
+    /// Stops every VM (daemon shutdown, idle policy).
+    pub async fn stop_all(&self) {
+        for p in self.all_profiles() {
+            if p.vm.is_running() {
+                if let Err(e) = p.vm.stop().await {
+                    tracing::warn!(profile = %p.key, error = %e, "stopping vm failed");
+                }
+            }
+        }
+    }
+
+    /// Executes one request (everything but `subscribeEvents`).
+    pub async fn dispatch(&self, conn: &Connection, req: &Request) -> Result<Value, String> {
+        let method = req.method.as_str();
+        let p = |e: ProtocolError| e.to_string();
+        let vm_err = |e: crate::vm::VmError| e.to_string();
+        match method {
+            "configure" => {
+                let params: ConfigureParams = req.params().map_err(p)?;
+                let profile = self.select_profile(
+                    conn,
+                    &ProfileParams {
+                        user_data_name: params.user_data_name.clone(),
+                        user_data_root: params.user_data_root.clone(),
+                    },
+                    true,
+                );
+                tracing::info!(
+                    profile = %profile.key,
+                    session_only = params.session_only.unwrap_or(false),
+                    memory_mb = params.memory_mb,
+                    cpus = params.cpu_count,
+                    "configured"
+                );
+                Ok(Value::Null)
+            }
+            _ => {
+                let profile = self.profile_for(conn);
+                profile.vm.touch();
+                self.dispatch_vm(&profile, req).await.map_err(|e| match e {
+                    DispatchError::Protocol(e) => p(e),
+                    DispatchError::Vm(e) => vm_err(e),
+                    DispatchError::Other(s) => s,
+                })
+            }
+        }
+    }
+
+    async fn dispatch_vm(&self, profile: &Profile, req: &Request) -> Result<Value, DispatchError> {
+        let vm = &profile.vm;
+        Ok(match req.method.as_str() {
+            "createVM" => {
+                let params: CreateVmParams = req.params()?;
+                vm.create_storage()?;
+                tracing::info!(profile = %profile.key, disk_gb = params.disk_size_gb, "createVM");
+                Value::Null
+            }
+            "startVM" => {
+                let params: StartVmParams = req.params()?;
+                tracing::info!(profile = %profile.key, backend = vm.config().backend.as_str(), "startVM");
+                vm.start(params.api_probe_url).await?;
+                Value::Null
+            }
+            "stopVM" => {
+                vm.stop().await?;
+                Value::Null
+            }
+            "isRunning" => json!({ "running": vm.is_running() }),
+            "isGuestConnected" => json!({ "connected": vm.is_guest_connected() }),
+            "spawn" => {
+                let params: SpawnParams = req.params()?;
+                vm.spawn(spawn_request(params)).await?
+            }
+            "kill" => {
+                let params: KillParams = req.params()?;
+                let signal = match &params.signal {
+                    None | Some(Value::Null) => guest_agent::signal::DEFAULT,
+                    Some(Value::String(s)) => guest_agent::signal::parse(s)
+                        .ok_or_else(|| DispatchError::Other(format!("kill: unknown signal {s:?}")))?,
+                    Some(Value::Number(n)) => n
+                        .as_i64()
+                        .and_then(|n| guest_agent::signal::parse(&n.to_string()))
+                        .ok_or_else(|| DispatchError::Other(format!("kill: invalid signal number {n}")))?,
+                    Some(other) => {
+                        return Err(DispatchError::Other(format!(
+                            "invalid params for kill: field `signal`: expected a name or number, got {other}"
+                        )))
+                    }
+                };
+                vm.kill(&params.id, signal).await?;
+                Value::Null
+            }
+            "writeStdin" => {
+                let params: WriteStdinParams = req.params()?;
+                vm.write_stdin(&params.id, params.data.as_bytes()).await?;
+                Value::Null
+            }
+            "isProcessRunning" => {
+                let params: IdParams = req.params()?;
+                vm.process_status(&params.id)
+            }
+            "sendGuestResponse" => {
+                let params: GuestResponseParams = req.params()?;
+                let id = match params.id {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                vm.send_guest_response(id, params.result_json, params.error)
+                    .await?;
+                Value::Null
+            }
+            "setDebugLogging" => {
+                let params: DebugLoggingParams = req.params()?;
+                crate::logging::set_debug(params.enabled).map_err(DispatchError::Other)?;
+                tracing::info!(enabled = params.enabled, "debug logging");
+                Value::Null
+            }
+            "mountPath" => {
+                let params: MountPathParams = req.params()?;
+                vm.mount_path(
+                    &params.process_id,
+                    &params.subpath,
+                    &params.mount_name,
+                    &params.mode,
+                )
+                .await?;
+                Value::Null
+            }
+            "readFile" => {
+                let params: ReadFileParams = req.params()?;
+                let bytes = vm
+                    .read_file(&params.process_name, &params.file_path)
+                    .await?;
+                json!({ "content": base64::engine::general_purpose::STANDARD.encode(bytes) })
+            }
+            "getSessionsDiskInfo" => {
+                let params: DiskInfoParams = req.params()?;
+                vm.janitor(Op::DiskInfo {
+                    low_water_bytes: params.low_water_bytes.unwrap_or(0),
+                })
+                .await?
+            }
+            "deleteSessionDirs" => {
+                let params: DeleteSessionDirsParams = req.params()?;
+                vm.janitor(Op::DeleteSessionDirs {
+                    names: params.names,
+                })
+                .await?
+            }
+            "pruneSessionCaches" => {
+                let params: PruneParams = req.params()?;
+                vm.janitor(Op::PruneSessionCaches {
+                    only_if_free_bytes_below: params.only_if_free_bytes_below,
+                    include_session_tmp: params.include_session_tmp.unwrap_or(false),
+                    session_tmp_older_than_seconds: params.session_tmp_older_than_seconds,
+                })
+                .await?
+            }
+            "installSdk" => {
+                let params: InstallSdkParams = req.params()?;
+                vm.install_sdk(&params.sdk_subpath, &params.version).await?
+            }
+            "addApprovedOauthToken" => {
+                let params: TokenParams = req.params()?;
+                vm.approve_token(params.token);
+                tracing::info!(profile = %profile.key, "oauth token approved");
+                Value::Null
+            }
+            "getNetworkDrives" => json!({ "drives": [] }),
+            other => return Err(DispatchError::Other(unknown_method(other))),
+        })
+    }
+}
+
+enum DispatchError {
+    Protocol(ProtocolError),
+    Vm(crate::vm::VmError),
+    Other(String),
+}
+
+impl From<ProtocolError> for DispatchError {
+    fn from(e: ProtocolError) -> Self {
+        Self::Protocol(e)
+    }
+}
+
+impl From<crate::vm::VmError> for DispatchError {
+    fn from(e: crate::vm::VmError) -> Self {
+        Self::Vm(e)
+    }
+}
+
+fn spawn_request(p: SpawnParams) -> SpawnRequest {
+    let env = p
+        .env
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(k, v)| v.filter(|v| !v.is_empty()).map(|v| (k, v)))
+        .collect();
+    let mounts = p
+        .additional_mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, m)| (name, m.path, m.mode))
+        .collect();
+    SpawnRequest {
+        spec: SpawnSpec {
+            id: p.id,
+            name: p.name,
+            command: p.command,
+            args: p.args,
+            cwd: p.cwd,
+            env,
+            oauth_token: p.oauth_token.filter(|t| !t.is_empty()).map(Secret),
+            mounts: vec![],
+            is_resume: p.is_resume,
+            one_shot: p.one_shot.unwrap_or(false),
+            mount_skeleton_home: p.mount_skeleton_home.unwrap_or(false),
+            allowed_domains: p.allowed_domains,
+        },
+        mounts,
+    }
+}
+
+/// Counts a connection for as long as the guard lives.
+pub struct ConnectionGuard(pub Arc<Daemon>);
+
+impl ConnectionGuard {
+    pub fn new(d: Arc<Daemon>) -> Self {
+        d.connections.fetch_add(1, Ordering::AcqRel);
+        Self(d)
+    }
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_keys_are_stable_and_distinct() {
+        assert_eq!(profile_key(None, None), "default");
+        let a = profile_key(Some("Claude"), Some("/home/u/.config"));
+        let b = profile_key(Some("Claude"), Some("/home/v/.config"));
+        assert_ne!(a, b);
+        assert_eq!(a, profile_key(Some("Claude"), Some("/home/u/.config")));
+        assert!(a.starts_with("Claude-"));
+        let weird = profile_key(Some("../x/y"), None);
+        assert!(!weird.contains('/') && !weird.contains(".."), "{weird}");
+    }
+}

@@ -1,0 +1,261 @@
+//! Per-profile event fan-out to subscription connections.
+//!
+//! Events are serialized once into a complete frame (length prefix + JSON)
+//! and shared by every subscriber. Each subscriber has a bounded queue;
+//! publishing waits for room (backpressure reaches the agent instead of
+//! growing memory) but gives up on a subscriber that stays stuck for
+//! [`STUCK_SUBSCRIBER`], dropping it.
+//!
+//! Nothing is lost between `startVM` and a subscription that arrives a little
+//! later: while a profile has no subscriber, events are kept in a bounded
+//! buffer ([`UNDELIVERED_MAX_EVENTS`] / [`UNDELIVERED_MAX_BYTES`], oldest
+//! dropped first) and handed to the next subscriber. Events that were
+//! delivered are not replayed (a resubscribing client would otherwise see
+//! output twice), except the latest `networkStatus` and `apiReachability`,
+//! which describe current state and are sent to every new subscriber.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+/// A complete frame ready to write.
+pub type Frame = Arc<Vec<u8>>;
+
+/// Queue depth per subscriber.
+pub const SUBSCRIBER_QUEUE: usize = 256;
+
+/// Events kept for the next subscriber while none is connected.
+pub const UNDELIVERED_MAX_EVENTS: usize = 1024;
+
+/// Byte cap of that buffer.
+pub const UNDELIVERED_MAX_BYTES: usize = 8 * 1024 * 1024;
+
+/// A subscriber whose queue stays full this long is dropped.
+pub const STUCK_SUBSCRIBER: Duration = Duration::from_secs(30);
+
+/// Encodes an event as a frame.
+pub fn frame(event: &Value) -> Frame {
+    let body = serde_json::to_vec(event).unwrap_or_default();
+    let mut out = Vec::with_capacity(body.len() + 4);
+    guest_agent::framing::encode_frame_into(&mut out, &body);
+    Arc::new(out)
+}
+
+/// Encodes a `stdout`/`stderr` event without building a JSON tree: this is
+/// the hot path of process output.
+pub fn output_frame(stream: &str, id: &str, data: &str) -> Frame {
+    let mut out = Vec::with_capacity(data.len() + data.len() / 16 + id.len() + 48);
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(b"{\"type\":\"");
+    out.extend_from_slice(stream.as_bytes());
+    out.extend_from_slice(b"\",\"id\":");
+    // Writing a &str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, id);
+    out.extend_from_slice(b",\"data\":");
+    let _ = serde_json::to_writer(&mut out, data);
+    out.push(b'}');
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_be_bytes());
+    Arc::new(out)
+}
+
+#[derive(Default)]
+struct Inner {
+    subscribers: Vec<(u64, mpsc::Sender<Frame>)>,
+    next_id: u64,
+    undelivered: VecDeque<Frame>,
+    undelivered_bytes: usize,
+    network_status: Option<Frame>,
+    api_reachability: Option<Frame>,
+}
+
+/// Fan-out point of one profile.
+#[derive(Default)]
+pub struct EventHub {
+    inner: Mutex<Inner>,
+}
+
+/// A subscription's receiving end.
+pub struct Subscriber {
+    pub id: u64,
+    pub rx: mpsc::Receiver<Frame>,
+}
+
+impl EventHub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a subscriber and queues what it must see first.
+    pub fn subscribe(&self) -> Subscriber {
+        let mut inner = self.lock();
+        let backlog = inner.undelivered.len();
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE + backlog + 2);
+        let undelivered = std::mem::take(&mut inner.undelivered);
+        inner.undelivered_bytes = 0;
+        let mut sent_state = (false, false);
+        for f in &undelivered {
+            sent_state.0 |= inner
+                .network_status
+                .as_ref()
+                .is_some_and(|s| Arc::ptr_eq(s, f));
+            sent_state.1 |= inner
+                .api_reachability
+                .as_ref()
+                .is_some_and(|s| Arc::ptr_eq(s, f));
+        }
+        if !sent_state.0 {
+            if let Some(f) = &inner.network_status {
+                let _ = tx.try_send(f.clone());
+            }
+        }
+        if !sent_state.1 {
+            if let Some(f) = &inner.api_reachability {
+                let _ = tx.try_send(f.clone());
+            }
+        }
+        for f in undelivered {
+            let _ = tx.try_send(f);
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        inner.subscribers.push((id, tx));
+        Subscriber { id, rx }
+    }
+
+    /// Removes a subscriber (its connection closed).
+    pub fn unsubscribe(&self, id: u64) {
+        self.lock().subscribers.retain(|(sid, _)| *sid != id);
+    }
+
+    /// Number of live subscribers.
+    pub fn subscriber_count(&self) -> usize {
+        self.lock().subscribers.len()
+    }
+
+    /// Publishes an event to every subscriber, or keeps it for the next one.
+    pub async fn publish(&self, event: &Value) {
+        self.publish_frame(frame(event), event.get("type").and_then(Value::as_str))
+            .await
+    }
+
+    /// Publishes a pre-encoded output frame (see [`output_frame`]).
+    pub async fn publish_output(&self, f: Frame) {
+        self.publish_frame(f, None).await
+    }
+
+    async fn publish_frame(&self, f: Frame, kind: Option<&str>) {
+        let targets: Vec<(u64, mpsc::Sender<Frame>)> = {
+            let mut inner = self.lock();
+            match kind {
+                Some("networkStatus") => inner.network_status = Some(f.clone()),
+                Some("apiReachability") => inner.api_reachability = Some(f.clone()),
+                _ => {}
+            }
+            if inner.subscribers.is_empty() {
+                inner.undelivered_bytes += f.len();
+                inner.undelivered.push_back(f);
+                while inner.undelivered.len() > UNDELIVERED_MAX_EVENTS
+                    || inner.undelivered_bytes > UNDELIVERED_MAX_BYTES
+                {
+                    match inner.undelivered.pop_front() {
+                        Some(old) => inner.undelivered_bytes -= old.len(),
+                        None => break,
+                    }
+                }
+                return;
+            }
+            inner.subscribers.clone()
+        };
+        let mut dead = Vec::new();
+        for (id, tx) in &targets {
+            let ok = match tx.try_send(f.clone()) {
+                Ok(()) => true,
+                Err(mpsc::error::TrySendError::Closed(_)) => false,
+                Err(mpsc::error::TrySendError::Full(f)) => {
+                    matches!(
+                        tokio::time::timeout(STUCK_SUBSCRIBER, tx.send(f)).await,
+                        Ok(Ok(()))
+                    )
+                }
+            };
+            if !ok {
+                tracing::warn!(
+                    subscriber = id,
+                    "dropping event subscriber that stopped reading"
+                );
+                dead.push(*id);
+            }
+        }
+        if !dead.is_empty() {
+            self.lock().subscribers.retain(|(id, _)| !dead.contains(id));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(f: &Frame) -> Value {
+        serde_json::from_slice(&f[4..]).unwrap()
+    }
+
+    #[tokio::test]
+    async fn late_subscriber_gets_undelivered_events_once() {
+        let hub = EventHub::default();
+        hub.publish(&json!({"type": "startupStep", "step": "vm_boot", "status": "started"}))
+            .await;
+        hub.publish(&json!({"type": "networkStatus", "status": "connected"}))
+            .await;
+        let mut s = hub.subscribe();
+        assert_eq!(body(&s.rx.recv().await.unwrap())["type"], "startupStep");
+        assert_eq!(body(&s.rx.recv().await.unwrap())["type"], "networkStatus");
+        assert!(s.rx.try_recv().is_err());
+        hub.publish(&json!({"type": "stdout", "id": "a", "data": "x"}))
+            .await;
+        assert_eq!(body(&s.rx.recv().await.unwrap())["data"], "x");
+        hub.unsubscribe(s.id);
+        // A resubscriber sees current state, not the output it already had.
+        let mut s2 = hub.subscribe();
+        assert_eq!(body(&s2.rx.recv().await.unwrap())["type"], "networkStatus");
+        assert!(s2.rx.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn undelivered_buffer_is_bounded() {
+        let hub = EventHub::default();
+        for i in 0..UNDELIVERED_MAX_EVENTS + 10 {
+            hub.publish(&json!({"type": "stdout", "id": "a", "data": i.to_string()}))
+                .await;
+        }
+        let mut s = hub.subscribe();
+        assert_eq!(body(&s.rx.recv().await.unwrap())["data"], "10");
+    }
+
+    #[test]
+    fn output_frame_matches_generic_encoding() {
+        let f = output_frame("stdout", "p\"1", "a\nb\u{1}✓");
+        assert_eq!(
+            body(&f),
+            json!({"type": "stdout", "id": "p\"1", "data": "a\nb\u{1}✓"})
+        );
+        assert_eq!(
+            u32::from_be_bytes([f[0], f[1], f[2], f[3]]) as usize,
+            f.len() - 4
+        );
+    }
+
+    #[tokio::test]
+    async fn closed_subscribers_are_dropped() {
+        let hub = EventHub::default();
+        let s = hub.subscribe();
+        drop(s.rx);
+        hub.publish(&json!({"type": "stdout"})).await;
+        assert_eq!(hub.subscriber_count(), 0);
+    }
+}

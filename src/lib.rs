@@ -1,0 +1,22 @@
+//! `cowork-helper`: the daemon the Claude desktop client starts as
+//! `<helper> -socket $XDG_RUNTIME_DIR/claude-cowork-vm.sock`.
+//!
+//! It serves the client's length-prefixed JSON protocol ([`server`],
+//! [`protocol`]), keeps per-profile state ([`daemon`]), runs one sandbox VM
+//! per profile with the guest agent inside ([`vm`]), and fans the agent's
+//! process events out to the client's subscriptions ([`events`]).
+//! Backends: the namespace sandbox ([`sandbox`]); the in-process KVM machine
+//! lives in the `vmm` crate.
+
+pub mod bench;
+pub mod cli;
+pub mod client;
+pub mod daemon;
+pub mod events;
+pub mod logging;
+pub mod probe;
+pub mod protocol;
+pub mod sandbox;
+pub mod server;
+pub mod utf8;
+pub mod vm;

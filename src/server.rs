@@ -1,0 +1,309 @@
+//! The Unix-socket server: binding, peer checks, and the three connection
+//! modes of the client protocol.
+//!
+//! Every connection is read frame by frame; each request is dispatched on its
+//! own task and its reply goes through the connection's single writer task,
+//! so replies may be out of order and a slow `startVM` never delays
+//! `isRunning`. One-shot requests (no `id`) are the same path: the reply is
+//! written even after the client half-closed its side. A `subscribeEvents`
+//! request turns the connection into an event stream: ack first, then events.
+//!
+//! Limits: frames are capped at 10 MiB both ways; a frame that announces more
+//! gets an error reply and the connection is closed (framing is lost). Peers
+//! with another uid are dropped before anything is read.
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use guest_agent::framing::{self, FrameError, MAX_CLIENT_FRAME};
+use serde_json::Value;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+
+use crate::daemon::{Connection, ConnectionGuard, Daemon};
+use crate::events::Frame;
+use crate::protocol::{self, ProfileParams, Request};
+
+/// Replies queued per connection before request tasks wait.
+const REPLY_QUEUE: usize = 128;
+
+/// How often the idle policy looks at the VMs.
+const IDLE_CHECK: Duration = Duration::from_secs(30);
+
+/// Errors that keep the server from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("another cowork-helper is already serving on {0}; stop it first (or pass a different -socket)")]
+    AlreadyRunning(PathBuf),
+    #[error("{path}: {what}")]
+    Path { path: PathBuf, what: String },
+    #[error("cannot bind {path}: {source}")]
+    Bind {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn path_err(path: &Path, what: impl Into<String>) -> ServerError {
+    ServerError::Path {
+        path: path.to_path_buf(),
+        what: what.into(),
+    }
+}
+
+/// Checks the socket's directory and path, clears a stale socket and binds.
+pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    let uid = unsafe { libc::geteuid() };
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .ok_or_else(|| path_err(path, "socket path has no parent directory"))?;
+    if !parent.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)
+            .map_err(|e| path_err(parent, format!("cannot create socket directory: {e}")))?;
+    }
+    let meta = std::fs::metadata(parent).map_err(|e| path_err(parent, e.to_string()))?;
+    if meta.uid() != uid {
+        return Err(path_err(
+            parent,
+            format!(
+                "socket directory is owned by uid {}, not by us ({uid})",
+                meta.uid()
+            ),
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(path_err(
+            parent,
+            "socket directory is writable by others; it must be 0700",
+        ));
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(path_err(
+                path,
+                "socket path is a symlink; refusing to use it",
+            ))
+        }
+        Ok(m) if m.is_dir() => return Err(path_err(path, "socket path is a directory")),
+        Ok(_) => {
+            if UnixStream::connect(path).await.is_ok() {
+                return Err(ServerError::AlreadyRunning(path.to_path_buf()));
+            }
+            tracing::info!(path = %path.display(), "removing stale socket");
+            std::fs::remove_file(path)
+                .map_err(|e| path_err(path, format!("cannot remove stale socket: {e}")))?;
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.into(),
+        source,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| path_err(path, format!("cannot set socket mode: {e}")))?;
+    Ok(listener)
+}
+
+use std::os::unix::fs::DirBuilderExt;
+
+/// Serves until `shutdown` resolves; then stops every VM.
+pub async fn serve(
+    listener: UnixListener,
+    daemon: Arc<Daemon>,
+    idle_timeout: Option<Duration>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let uid = unsafe { libc::geteuid() };
+    if let Some(limit) = idle_timeout {
+        tokio::spawn(idle_policy(daemon.clone(), limit));
+    }
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    match stream.peer_cred() {
+                        Ok(cred) if cred.uid() == uid => {
+                            tokio::spawn(handle_connection(daemon.clone(), stream));
+                        }
+                        Ok(cred) => {
+                            tracing::warn!(peer_uid = cred.uid(), pid = cred.pid(), "refused connection from another user");
+                        }
+                        Err(e) => tracing::warn!(error = %e, "refused connection: no peer credentials"),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = &mut shutdown => break,
+        }
+    }
+    tracing::info!("shutting down");
+    daemon.stop_all().await;
+}
+
+/// Stops VMs that no client has used for `limit`.
+async fn idle_policy(daemon: Arc<Daemon>, limit: Duration) {
+    loop {
+        tokio::time::sleep(IDLE_CHECK.min(limit)).await;
+        if daemon
+            .connections
+            .load(std::sync::atomic::Ordering::Acquire)
+            > 0
+        {
+            continue;
+        }
+        for p in daemon.all_profiles() {
+            if p.vm.is_running() && p.vm.idle_for() >= limit && p.vm.hub.subscriber_count() == 0 {
+                tracing::info!(profile = %p.key, idle_s = p.vm.idle_for().as_secs(), "stopping idle vm");
+                if let Err(e) = p.vm.stop().await {
+                    tracing::warn!(error = %e, "stopping idle vm failed");
+                }
+            }
+        }
+    }
+}
+
+fn reply_frame(id: Option<&Value>, outcome: Result<Value, String>) -> Frame {
+    let body = protocol::reply(id, outcome);
+    let mut out = Vec::with_capacity(body.len() + 4);
+    framing::encode_frame_into(&mut out, &body);
+    Arc::new(out)
+}
+
+async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream) {
+    let _guard = ConnectionGuard::new(daemon.clone());
+    let (mut rd, wr) = stream.into_split();
+    let (tx, rx) = mpsc::channel::<Frame>(REPLY_QUEUE);
+    let writer = tokio::spawn(write_frames(wr, rx));
+    let conn = Arc::new(Connection::default());
+    let mut buf = Vec::new();
+    loop {
+        match framing::read_frame(&mut rd, MAX_CLIENT_FRAME, &mut buf).await {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(FrameError::TooLarge { len, max }) => {
+                tracing::warn!(len, "oversized frame; closing connection");
+                let msg = format!(
+                    "frame of {len} bytes exceeds the {max}-byte limit; closing connection"
+                );
+                let _ = tx.send(reply_frame(None, Err(msg))).await;
+                break;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "connection read ended");
+                break;
+            }
+        }
+        let req = match Request::parse(&buf) {
+            Ok(r) => r,
+            Err((id, e)) => {
+                tracing::debug!(error = %e, "bad request");
+                if tx
+                    .send(reply_frame(id.as_ref(), Err(e.to_string())))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                continue;
+            }
+        };
+        if req.method == "subscribeEvents" {
+            let params: ProfileParams = match req.params() {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = tx
+                        .send(reply_frame(req.id.as_ref(), Err(e.to_string())))
+                        .await;
+                    continue;
+                }
+            };
+            let profile = daemon.select_profile(&conn, &params, false);
+            let _ = tx.send(reply_frame(req.id.as_ref(), Ok(Value::Null))).await;
+            tracing::info!(profile = %profile.key, "event subscriber connected");
+            stream_events(profile.vm.hub.clone(), tx.clone(), &mut rd).await;
+            break;
+        }
+        let daemon = daemon.clone();
+        let conn = conn.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let outcome = daemon.dispatch(&conn, &req).await;
+            match &outcome {
+                Ok(_) => {
+                    tracing::debug!(method = %req.method, ms = started.elapsed().as_secs_f64() * 1e3, "rpc ok")
+                }
+                Err(e) => tracing::info!(method = %req.method, error = %e, "rpc failed"),
+            }
+            let _ = tx.send(reply_frame(req.id.as_ref(), outcome)).await;
+        });
+    }
+    drop(tx);
+    let _ = writer.await;
+}
+
+/// Forwards the hub's events until the subscriber goes away.
+async fn stream_events(
+    hub: Arc<crate::events::EventHub>,
+    tx: mpsc::Sender<Frame>,
+    rd: &mut tokio::net::unix::OwnedReadHalf,
+) {
+    let mut sub = hub.subscribe();
+    let mut sink = [0u8; 512];
+    let mut reading = true;
+    loop {
+        tokio::select! {
+            frame = sub.rx.recv() => match frame {
+                Some(f) => if tx.send(f).await.is_err() { break },
+                None => break,
+            },
+            // The client never sends on a subscription. A read error means it
+            // left; a half-close alone does not (writes still reach it).
+            n = tokio::io::AsyncReadExt::read(rd, &mut sink), if reading => match n {
+                Ok(0) => reading = false,
+                Err(_) => break,
+                Ok(_) => {}
+            },
+            _ = tx.closed() => break,
+        }
+    }
+    hub.unsubscribe(sub.id);
+    tracing::info!("event subscriber disconnected");
+}
+
+async fn write_frames(mut wr: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Receiver<Frame>) {
+    let mut batch: Vec<u8> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        // Coalesce what is already queued into one write.
+        let result = match rx.try_recv() {
+            Err(_) => wr.write_all(&first).await,
+            Ok(second) => {
+                batch.clear();
+                batch.extend_from_slice(&first);
+                batch.extend_from_slice(&second);
+                while batch.len() < 1 << 20 {
+                    match rx.try_recv() {
+                        Ok(more) => batch.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                wr.write_all(&batch).await
+            }
+        };
+        if result.is_err() {
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+}

@@ -1,0 +1,1042 @@
+//! One profile's sandbox VM: its lifecycle, the link to the guest agent, and
+//! the table of the processes it runs.
+//!
+//! A [`Vm`] is started by `startVM`: the backend boots a machine whose agent
+//! dials back over the link returned by the backend; the agent's hello makes
+//! the guest "connected". From then on every session method is one request on
+//! the [`AgentLink`], and the agent's unsolicited messages (output, exits,
+//! guest requests) become client events on the profile's [`EventHub`].
+//!
+//! Concurrency: start and stop are serialized by an async mutex; the hot
+//! queries (`isRunning`, `isGuestConnected`, `isProcessRunning`) read atomics
+//! and short std mutexes only, so a slow boot never delays them.
+//!
+//! Limits: one machine per profile; exited process records are kept for the
+//! last [`EXITED_RECORDS`] processes.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use guest_agent::framing::{self, FrameError};
+use guest_agent::proto::{
+    self, AgentMessage, Envelope, Hello, HostMessage, MountMode, MountSpec, Op,
+};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::events::{self, EventHub};
+use crate::protocol::{event, step};
+use crate::sandbox::{Sandbox, SandboxConfig};
+use crate::utf8::Utf8Stream;
+
+/// How long `startVM` waits for the agent's hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Default deadline of one agent request.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long `stopVM` lets the agent end its processes before the machine is killed.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Exited process records kept for `isProcessRunning`.
+pub const EXITED_RECORDS: usize = 4096;
+
+/// Frames queued towards the agent before senders wait.
+const AGENT_QUEUE: usize = 256;
+
+/// Largest batch the link writer coalesces into one write.
+const WRITE_BATCH: usize = 1024 * 1024;
+
+/// Errors of VM operations, worded for the client's log.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("the VM is not running: call startVM first")]
+    NotRunning,
+    #[error("the VM failed to start: {0}")]
+    Start(String),
+    #[error("the guest agent did not connect within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("the guest agent disconnected")]
+    AgentGone,
+    #[error("the guest agent did not answer {op} within {timeout:?}")]
+    Timeout { op: &'static str, timeout: Duration },
+    #[error("{0}")]
+    Agent(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Which machine runs the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Linux namespaces on the host.
+    Sandbox,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sandbox => "sandbox",
+        }
+    }
+}
+
+/// Static facts a VM needs.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub backend: BackendKind,
+    /// Per-profile state directory on the host.
+    pub profile_dir: PathBuf,
+    /// This executable, re-executed as sandbox init and agent.
+    pub helper_exe: PathBuf,
+}
+
+impl VmConfig {
+    /// Host directory holding the session directories (sandbox backend).
+    pub fn sessions_dir(&self) -> PathBuf {
+        self.profile_dir.join("sessions")
+    }
+}
+
+/// A process as the host knows it.
+#[derive(Debug, Default)]
+struct ProcRecord {
+    session: String,
+    running: bool,
+    exit_code: Option<i32>,
+    stdout: Utf8Stream,
+    stderr: Utf8Stream,
+}
+
+/// Process table shared with the link reader.
+#[derive(Default)]
+struct Procs {
+    map: HashMap<String, ProcRecord>,
+    exited: VecDeque<String>,
+}
+
+impl Procs {
+    fn mark_exited(&mut self, id: &str, code: Option<i32>) {
+        if let Some(r) = self.map.get_mut(id) {
+            if r.running {
+                r.running = false;
+                r.exit_code = code;
+                self.exited.push_back(id.to_string());
+            }
+        }
+        while self.exited.len() > EXITED_RECORDS {
+            if let Some(old) = self.exited.pop_front() {
+                if self.map.get(&old).is_some_and(|r| !r.running) {
+                    self.map.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// Answer of one agent request.
+struct Reply {
+    result: Result<Value, String>,
+    payload: Vec<u8>,
+}
+
+/// The host end of the agent protocol.
+pub struct AgentLink {
+    tx: mpsc::Sender<Vec<u8>>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    pub hello: Hello,
+}
+
+impl AgentLink {
+    /// Sends `op` (with `payload`) and waits for its answer.
+    pub async fn call(
+        &self,
+        op: Op,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<(Value, Vec<u8>), VmError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(VmError::AgentGone);
+        }
+        let name = op_name(&op);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.pending).insert(id, tx);
+        let mut frame = Vec::with_capacity(64 + payload.len());
+        proto::encode_frame_into(&mut frame, &HostMessage::Request { id, op }, payload);
+        if self.tx.send(frame).await.is_err() {
+            lock(&self.pending).remove(&id);
+            return Err(VmError::AgentGone);
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(Reply {
+                result: Ok(v),
+                payload,
+            })) => Ok((v, payload)),
+            Ok(Ok(Reply { result: Err(e), .. })) => Err(VmError::Agent(e)),
+            Ok(Err(_)) => Err(VmError::AgentGone),
+            Err(_) => {
+                lock(&self.pending).remove(&id);
+                Err(VmError::Timeout { op: name, timeout })
+            }
+        }
+    }
+
+    /// Sends a message that has no answer.
+    async fn notify(&self, msg: &HostMessage) -> Result<(), VmError> {
+        let mut frame = Vec::new();
+        proto::encode_frame_into(&mut frame, msg, &[]);
+        self.tx.send(frame).await.map_err(|_| VmError::AgentGone)
+    }
+
+    fn fail_pending(&self) {
+        self.closed.store(true, Ordering::Release);
+        for (_, tx) in lock(&self.pending).drain() {
+            let _ = tx.send(Reply {
+                result: Err("the guest agent disconnected".into()),
+                payload: vec![],
+            });
+        }
+    }
+}
+
+fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Ping => "ping",
+        Op::Spawn(_) => "spawn",
+        Op::WriteStdin { .. } => "writeStdin",
+        Op::CloseStdin { .. } => "closeStdin",
+        Op::Kill { .. } => "kill",
+        Op::ProcessStatus { .. } => "processStatus",
+        Op::ReadFile { .. } => "readFile",
+        Op::InstallSdk { .. } => "installSdk",
+        Op::Mount(_) => "mount",
+        Op::DiskInfo { .. } => "diskInfo",
+        Op::DeleteSessionDirs { .. } => "deleteSessionDirs",
+        Op::PruneSessionCaches { .. } => "pruneSessionCaches",
+        Op::Shutdown => "shutdown",
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Maps host paths into the agent's view of them.
+#[derive(Clone, Debug)]
+struct PathMapper {
+    prefix: String,
+}
+
+impl PathMapper {
+    fn agent_path(&self, host_rel: &str) -> String {
+        format!("{}/{}", self.prefix.trim_end_matches('/'), host_rel)
+    }
+}
+
+/// A running machine as the controller holds it.
+struct Machine {
+    kill: Option<oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<()>,
+    probe_stop: watch::Sender<bool>,
+    mapper: PathMapper,
+}
+
+/// What `spawn` needs beyond the agent's [`proto::SpawnSpec`].
+pub struct SpawnRequest {
+    pub spec: proto::SpawnSpec,
+    /// `additionalMounts`: name → (host path relative to `/`, mode string).
+    pub mounts: Vec<(String, String, String)>,
+}
+
+/// One profile's VM.
+pub struct Vm {
+    cfg: VmConfig,
+    pub hub: Arc<EventHub>,
+    lifecycle: tokio::sync::Mutex<Option<Machine>>,
+    link: RwLock<Option<Arc<AgentLink>>>,
+    running: AtomicBool,
+    procs: Mutex<Procs>,
+    sdk: Mutex<Option<(String, String)>>,
+    approved_token: Mutex<Option<proto::Secret>>,
+    last_activity: Mutex<Instant>,
+}
+
+impl Vm {
+    pub fn new(cfg: VmConfig) -> Arc<Vm> {
+        Arc::new(Vm {
+            cfg,
+            hub: Arc::new(EventHub::default()),
+            lifecycle: tokio::sync::Mutex::new(None),
+            link: RwLock::new(None),
+            running: AtomicBool::new(false),
+            procs: Mutex::new(Procs::default()),
+            sdk: Mutex::new(None),
+            approved_token: Mutex::new(None),
+            last_activity: Mutex::new(Instant::now()),
+        })
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.cfg
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+
+    pub fn touch(&self) {
+        *lock(&self.last_activity) = Instant::now();
+    }
+
+    pub fn idle_for(&self) -> Duration {
+        lock(&self.last_activity).elapsed()
+    }
+
+    fn link(&self) -> Option<Arc<AgentLink>> {
+        self.link.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn is_guest_connected(&self) -> bool {
+        self.link()
+            .is_some_and(|l| !l.closed.load(Ordering::Acquire))
+    }
+
+    fn connected_link(&self) -> Result<Arc<AgentLink>, VmError> {
+        match self.link() {
+            Some(l) if !l.closed.load(Ordering::Acquire) => Ok(l),
+            _ => Err(VmError::NotRunning),
+        }
+    }
+
+    /// Remembers a token approved by the client (never logged).
+    pub fn approve_token(&self, token: String) {
+        *lock(&self.approved_token) = Some(proto::Secret(token));
+    }
+
+    /// Creates the persistent session storage (sandbox: a host directory).
+    pub fn create_storage(&self) -> Result<(), VmError> {
+        std::fs::create_dir_all(self.cfg.sessions_dir()).map_err(|e| {
+            VmError::Start(format!(
+                "cannot create {}: {e}",
+                self.cfg.sessions_dir().display()
+            ))
+        })
+    }
+
+    /// Boots the machine and waits for the agent. Idempotent while running.
+    pub async fn start(self: &Arc<Self>, api_probe_url: Option<String>) -> Result<(), VmError> {
+        let mut lifecycle = self.lifecycle.lock().await;
+        if lifecycle.is_some() && self.is_guest_connected() {
+            return Ok(());
+        }
+        if let Some(old) = lifecycle.take() {
+            // A machine whose agent is gone: clear it before booting anew.
+            self.teardown(old).await;
+        }
+        let began = Instant::now();
+        self.hub
+            .publish(&event::startup_step(step::VM_BOOT, "started"))
+            .await;
+        let booted = self.boot().await;
+        let (sandbox, stream, mapper) = match booted {
+            Ok(b) => b,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::VM_BOOT, "failed"))
+                    .await;
+                tracing::error!(error = %e, "vm boot failed");
+                return Err(e);
+            }
+        };
+        self.hub
+            .publish(&event::startup_step(step::VM_BOOT, "completed"))
+            .await;
+        self.hub
+            .publish(&event::startup_step(step::GUEST_CONNECT, "started"))
+            .await;
+
+        let (kill_tx, kill_rx) = oneshot::channel();
+        let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<String>();
+        let done = tokio::spawn(run_machine(sandbox, kill_rx, machine_gone_tx));
+        let (probe_stop, probe_rx) = watch::channel(false);
+        let machine = Machine {
+            kill: Some(kill_tx),
+            done,
+            probe_stop,
+            mapper,
+        };
+
+        let hello = tokio::select! {
+            h = tokio::time::timeout(HELLO_TIMEOUT, read_hello(stream)) => match h {
+                Ok(Ok(h)) => Ok(h),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(VmError::HelloTimeout(HELLO_TIMEOUT)),
+            },
+            gone = &mut machine_gone_rx => Err(VmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
+        };
+        let (hello, stream) = match hello {
+            Ok(h) => h,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::GUEST_CONNECT, "failed"))
+                    .await;
+                tracing::error!(error = %e, "guest agent did not connect");
+                self.teardown(machine).await;
+                return Err(e);
+            }
+        };
+        tracing::info!(
+            backend = self.cfg.backend.as_str(),
+            agent = %hello.version,
+            kernel = %hello.kernel,
+            boot_ms = began.elapsed().as_secs_f64() * 1e3,
+            agent_start_us = hello.boot.agent_start_us,
+            connected_us = hello.boot.connected_us,
+            "guest agent connected"
+        );
+        let link = self.attach(hello, stream);
+        self.running.store(true, Ordering::Release);
+        self.hub
+            .publish(&event::startup_step(step::GUEST_CONNECT, "completed"))
+            .await;
+        self.hub.publish(&event::network_status("connected")).await;
+        tokio::spawn(crate::probe::monitor(
+            api_probe_url,
+            self.hub.clone(),
+            probe_rx,
+        ));
+
+        // Watch for the machine ending on its own.
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            if let Ok(reason) = machine_gone_rx.await {
+                if let Some(vm) = me.upgrade() {
+                    vm.machine_gone(&reason).await;
+                }
+            }
+        });
+        *lifecycle = Some(machine);
+        drop(lifecycle);
+
+        // Re-apply a previously requested SDK install.
+        let pending_sdk = lock(&self.sdk).clone();
+        if let Some((rel, version)) = pending_sdk {
+            if let Err(e) = self.apply_sdk(&link, &rel, &version).await {
+                tracing::warn!(error = %e, "re-installing the SDK after boot failed");
+            }
+        }
+        Ok(())
+    }
+
+    async fn boot(&self) -> Result<(Sandbox, UnixStream, PathMapper), VmError> {
+        match self.cfg.backend {
+            BackendKind::Sandbox => {
+                self.create_storage()?;
+                let cfg = SandboxConfig {
+                    helper_exe: self.cfg.helper_exe.clone(),
+                    sessions_dir: self.cfg.sessions_dir(),
+                    agent_args: vec![],
+                    command_override: None,
+                };
+                let (sandbox, stream) = Sandbox::start(cfg)
+                    .await
+                    .map_err(|e| VmError::Start(e.to_string()))?;
+                let prefix = sandbox.agent_path_for_host("");
+                Ok((sandbox, stream, PathMapper { prefix }))
+            }
+        }
+    }
+
+    /// Wires a connected agent stream: writer and reader tasks.
+    fn attach(self: &Arc<Self>, hello: Hello, stream: UnixStream) -> Arc<AgentLink> {
+        let (rd, wr) = stream.into_split();
+        let (tx, rx) = mpsc::channel(AGENT_QUEUE);
+        let link = Arc::new(AgentLink {
+            tx,
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            hello,
+        });
+        *self.link.write().unwrap_or_else(|p| p.into_inner()) = Some(link.clone());
+        tokio::spawn(link_writer(wr, rx));
+        tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd));
+        link
+    }
+
+    /// The agent's stream ended: every process it ran is gone.
+    async fn agent_gone(&self, link: &Arc<AgentLink>) {
+        link.fail_pending();
+        {
+            let mut slot = self.link.write().unwrap_or_else(|p| p.into_inner());
+            if !slot.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+                // Already accounted for (stop and the link reader both get here).
+                return;
+            }
+            *slot = None;
+        }
+        self.running.store(false, Ordering::Release);
+        let orphans: Vec<String> = {
+            let procs = lock(&self.procs);
+            procs
+                .map
+                .iter()
+                .filter(|(_, r)| r.running)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in orphans {
+            self.flush_output(&id).await;
+            lock(&self.procs).mark_exited(&id, None);
+            self.hub
+                .publish(&event::exit(&id, None, Some("SIGKILL"), None))
+                .await;
+        }
+        self.hub
+            .publish(&event::network_status("disconnected"))
+            .await;
+        tracing::info!("guest agent disconnected");
+    }
+
+    async fn machine_gone(self: &Arc<Self>, reason: &str) {
+        let mut lifecycle = self.lifecycle.lock().await;
+        if let Some(m) = lifecycle.take() {
+            tracing::warn!(reason, "the VM ended unexpectedly");
+            let _ = m.probe_stop.send(true);
+            self.running.store(false, Ordering::Release);
+        }
+    }
+
+    async fn teardown(&self, mut m: Machine) {
+        let _ = m.probe_stop.send(true);
+        if let Some(kill) = m.kill.take() {
+            let _ = kill.send(());
+        }
+        let _ = (&mut m.done).await;
+        if let Some(link) = self.link() {
+            // Make sure everything that ran is accounted for.
+            self.agent_gone(&link).await;
+        }
+        self.running.store(false, Ordering::Release);
+    }
+
+    /// Stops the VM: processes end (exit events delivered), then the machine.
+    pub async fn stop(&self) -> Result<(), VmError> {
+        let mut lifecycle = self.lifecycle.lock().await;
+        let Some(machine) = lifecycle.take() else {
+            return Ok(());
+        };
+        if let Some(link) = self.link() {
+            if let Err(e) = link.call(Op::Shutdown, &[], SHUTDOWN_GRACE).await {
+                tracing::warn!(error = %e, "agent shutdown did not complete; killing the VM");
+            }
+        }
+        self.teardown(machine).await;
+        tracing::info!("vm stopped");
+        Ok(())
+    }
+
+    async fn flush_output(&self, id: &str) {
+        let (out, err) = {
+            let mut procs = lock(&self.procs);
+            match procs.map.get_mut(id) {
+                Some(r) => (r.stdout.finish(), r.stderr.finish()),
+                None => (None, None),
+            }
+        };
+        if let Some(s) = out {
+            self.hub.publish(&event::output("stdout", id, &s)).await;
+        }
+        if let Some(s) = err {
+            self.hub.publish(&event::output("stderr", id, &s)).await;
+        }
+    }
+
+    /// Routes one unsolicited agent message.
+    async fn on_agent_message(&self, msg: AgentMessage, payload: Vec<u8>) {
+        match msg {
+            AgentMessage::Stdout { id } => self.on_output(true, id, &payload).await,
+            AgentMessage::Stderr { id } => self.on_output(false, id, &payload).await,
+            AgentMessage::Exit {
+                id,
+                exit_code,
+                signal,
+                oom_kill_count,
+            } => {
+                self.flush_output(&id).await;
+                lock(&self.procs).mark_exited(&id, exit_code);
+                tracing::debug!(id = %id, exit_code, signal = signal.as_deref(), "process exited");
+                self.hub
+                    .publish(&event::exit(
+                        &id,
+                        exit_code,
+                        signal.as_deref(),
+                        oom_kill_count,
+                    ))
+                    .await;
+            }
+            AgentMessage::Error { id, message, fatal } => {
+                self.hub.publish(&event::error(&id, &message, fatal)).await;
+            }
+            AgentMessage::Request { id, method, params } => {
+                tracing::debug!(id = %id, method = %method, "guest request");
+                self.hub
+                    .publish(&event::guest_request(&id, &method, &params))
+                    .await;
+            }
+            AgentMessage::Hello(_) | AgentMessage::Response { .. } => {
+                tracing::warn!("unexpected agent message ignored");
+            }
+        }
+    }
+
+    async fn on_output(&self, stdout: bool, id: String, bytes: &[u8]) {
+        let text = {
+            let mut procs = lock(&self.procs);
+            let rec = procs.map.entry(id.clone()).or_default();
+            if stdout {
+                rec.stdout.push(bytes)
+            } else {
+                rec.stderr.push(bytes)
+            }
+        };
+        if text.is_empty() {
+            return;
+        }
+        let stream = if stdout { "stdout" } else { "stderr" };
+        let frame = events::output_frame(stream, &id, &text);
+        self.hub.publish_output(frame).await;
+    }
+
+    // ---- session methods ------------------------------------------------
+
+    fn mapper(&self, machine: &Option<Machine>) -> Result<PathMapper, VmError> {
+        machine
+            .as_ref()
+            .map(|m| m.mapper.clone())
+            .ok_or(VmError::NotRunning)
+    }
+
+    async fn current_mapper(&self) -> Result<PathMapper, VmError> {
+        let lifecycle = self.lifecycle.lock().await;
+        self.mapper(&lifecycle)
+    }
+
+    /// Validates a client mount and maps it into the agent's view.
+    fn mount_spec(
+        &self,
+        mapper: &PathMapper,
+        session: &str,
+        name: &str,
+        host_path: &str,
+        mode: &str,
+    ) -> Result<MountSpec, String> {
+        guest_agent::names::mount_name(name).map_err(|e| e.to_string())?;
+        let mode = MountMode::parse(mode)
+            .ok_or_else(|| format!("mount {name:?}: mode must be ro, rw or rwd, got {mode:?}"))?;
+        let rel = guest_agent::names::host_relative_path(host_path).map_err(|e| e.to_string())?;
+        let real = std::fs::canonicalize(Path::new("/").join(&rel))
+            .map_err(|e| format!("mount {name:?}: host path /{rel}: {e}"))?;
+        let real_rel = real
+            .strip_prefix("/")
+            .ok()
+            .and_then(|p| p.to_str())
+            .filter(|p| !p.is_empty())
+            .ok_or_else(|| format!("mount {name:?}: refusing to share the host root"))?
+            .to_string();
+        Ok(MountSpec {
+            session: session.to_string(),
+            name: name.to_string(),
+            source: mapper.agent_path(&real_rel),
+            mode,
+        })
+    }
+
+    pub async fn spawn(&self, req: SpawnRequest) -> Result<Value, VmError> {
+        let SpawnRequest { mut spec, mounts } = req;
+        guest_agent::names::session_name(&spec.name)
+            .map_err(|e| VmError::Invalid(e.to_string()))?;
+        if spec.id.is_empty() {
+            return Err(VmError::Invalid("spawn: id must not be empty".into()));
+        }
+        let link = self.connected_link()?;
+        let mapper = self.current_mapper().await?;
+        let mut failed = Vec::new();
+        for (name, path, mode) in mounts {
+            match self.mount_spec(&mapper, &spec.name, &name, &path, &mode) {
+                Ok(m) => spec.mounts.push(m),
+                Err(e) => {
+                    tracing::warn!(session = %spec.name, mount = %name, error = %e, "mount refused");
+                    failed.push(Value::String(name));
+                }
+            }
+        }
+        if spec.oauth_token.is_none() {
+            spec.oauth_token = lock(&self.approved_token).clone();
+        }
+        {
+            let mut procs = lock(&self.procs);
+            if procs.map.get(&spec.id).is_some_and(|r| r.running) {
+                return Err(VmError::Invalid(format!(
+                    "a process with id {:?} is already running",
+                    spec.id
+                )));
+            }
+            procs.map.insert(
+                spec.id.clone(),
+                ProcRecord {
+                    session: spec.name.clone(),
+                    running: true,
+                    ..Default::default()
+                },
+            );
+        }
+        let id = spec.id.clone();
+        tracing::info!(id = %id, session = %spec.name, command = %spec.command, "spawn");
+        match link.call(Op::Spawn(spec), &[], CALL_TIMEOUT).await {
+            Ok((result, _)) => {
+                if let Some(Value::Array(agent_failed)) = result.get("failedMounts") {
+                    failed.extend(agent_failed.iter().cloned());
+                }
+                Ok(json!({ "failedMounts": failed }))
+            }
+            Err(e) => {
+                let mut procs = lock(&self.procs);
+                if procs.map.get(&id).is_some_and(|r| r.running) {
+                    procs.map.remove(&id);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub async fn kill(&self, id: &str, signal: i32) -> Result<(), VmError> {
+        let link = self.connected_link()?;
+        link.call(
+            Op::Kill {
+                id: id.to_string(),
+                signal,
+            },
+            &[],
+            CALL_TIMEOUT,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn write_stdin(&self, id: &str, data: &[u8]) -> Result<(), VmError> {
+        let link = self.connected_link()?;
+        link.call(Op::WriteStdin { id: id.to_string() }, data, CALL_TIMEOUT)
+            .await
+            .map(|_| ())
+    }
+
+    pub fn process_status(&self, id: &str) -> Value {
+        let procs = lock(&self.procs);
+        match procs.map.get(id) {
+            Some(r) if r.running => json!({"running": true}),
+            Some(ProcRecord {
+                exit_code: Some(c), ..
+            }) => json!({"running": false, "exitCode": c}),
+            _ => json!({"running": false}),
+        }
+    }
+
+    fn session_of(&self, process_id: &str) -> Option<String> {
+        lock(&self.procs)
+            .map
+            .get(process_id)
+            .map(|r| r.session.clone())
+            .filter(|s| !s.is_empty())
+    }
+
+    pub async fn mount_path(
+        &self,
+        process_id: &str,
+        subpath: &str,
+        name: &str,
+        mode: &str,
+    ) -> Result<(), VmError> {
+        let link = self.connected_link()?;
+        let session = self.session_of(process_id).ok_or_else(|| {
+            VmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
+        })?;
+        let mapper = self.current_mapper().await?;
+        let spec = self
+            .mount_spec(&mapper, &session, name, subpath, mode)
+            .map_err(VmError::Invalid)?;
+        link.call(Op::Mount(spec), &[], CALL_TIMEOUT)
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn read_file(&self, session: &str, path: &str) -> Result<Vec<u8>, VmError> {
+        guest_agent::names::session_name(session).map_err(|e| VmError::Invalid(e.to_string()))?;
+        let link = self.connected_link()?;
+        let op = Op::ReadFile {
+            session: session.to_string(),
+            path: path.to_string(),
+        };
+        link.call(op, &[], CALL_TIMEOUT)
+            .await
+            .map(|(_, bytes)| bytes)
+    }
+
+    /// Records the SDK to install and installs it now when the guest is up.
+    pub async fn install_sdk(&self, sdk_subpath: &str, version: &str) -> Result<Value, VmError> {
+        let sub = guest_agent::names::host_relative_path(sdk_subpath)
+            .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?;
+        guest_agent::names::session_name(version)
+            .map_err(|_| VmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
+        let rel = format!("{sub}/{version}/claude");
+        let host = Path::new("/").join(&rel);
+        let meta = std::fs::metadata(&host)
+            .map_err(|e| VmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
+        if !meta.is_file() {
+            return Err(VmError::Invalid(format!(
+                "installSdk: {} is not a file",
+                host.display()
+            )));
+        }
+        *lock(&self.sdk) = Some((rel.clone(), version.to_string()));
+        let Ok(link) = self.connected_link() else {
+            // Installed when the guest connects.
+            return Ok(json!({"installed": false, "pending": true}));
+        };
+        self.hub
+            .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+            .await;
+        match self.apply_sdk(&link, &rel, version).await {
+            Ok(v) => {
+                self.hub
+                    .publish(&event::startup_step(step::SDK_INSTALL, "completed"))
+                    .await;
+                Ok(v)
+            }
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::SDK_INSTALL, "failed"))
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn apply_sdk(
+        &self,
+        link: &AgentLink,
+        rel: &str,
+        version: &str,
+    ) -> Result<Value, VmError> {
+        let mapper = self.current_mapper().await?;
+        let real = std::fs::canonicalize(Path::new("/").join(rel))
+            .map_err(|e| VmError::Invalid(format!("installSdk: /{rel}: {e}")))?;
+        let real_rel = real.to_string_lossy().trim_start_matches('/').to_string();
+        let op = Op::InstallSdk {
+            source: mapper.agent_path(&real_rel),
+            version: version.to_string(),
+        };
+        link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v)
+    }
+
+    /// Sessions with a live process (the janitor must not touch them).
+    fn live_sessions(&self) -> std::collections::HashSet<String> {
+        lock(&self.procs)
+            .map
+            .values()
+            .filter(|r| r.running)
+            .map(|r| r.session.clone())
+            .collect()
+    }
+
+    /// Runs a janitor operation in the guest, or on the host's session
+    /// directory when no guest is connected.
+    pub async fn janitor(&self, op: Op) -> Result<Value, VmError> {
+        if let Ok(link) = self.connected_link() {
+            return link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v);
+        }
+        let root = self.cfg.sessions_dir();
+        let live = self.live_sessions();
+        tokio::task::spawn_blocking(move || {
+            use guest_agent::janitor;
+            std::fs::create_dir_all(&root)
+                .map_err(|e| VmError::Agent(format!("{}: {e}", root.display())))?;
+            let outcome = match op {
+                Op::DiskInfo { low_water_bytes } => janitor::disk_info(&root, low_water_bytes),
+                Op::DeleteSessionDirs { names } => {
+                    Ok(janitor::delete_session_dirs(&root, &names, &live))
+                }
+                Op::PruneSessionCaches {
+                    only_if_free_bytes_below,
+                    include_session_tmp,
+                    session_tmp_older_than_seconds,
+                } => janitor::prune_session_caches(
+                    &root,
+                    only_if_free_bytes_below,
+                    include_session_tmp,
+                    session_tmp_older_than_seconds,
+                    &live,
+                ),
+                other => {
+                    return Err(VmError::Invalid(format!(
+                        "{} needs a running VM",
+                        op_name(&other)
+                    )))
+                }
+            };
+            outcome.map_err(|e| VmError::Agent(e.to_string()))
+        })
+        .await
+        .map_err(|e| VmError::Agent(format!("janitor task failed: {e}")))?
+    }
+
+    pub async fn send_guest_response(
+        &self,
+        id: String,
+        result_json: Option<String>,
+        error: Option<String>,
+    ) -> Result<(), VmError> {
+        match self.connected_link() {
+            Ok(link) => {
+                link.notify(&HostMessage::GuestResponse {
+                    id,
+                    result_json,
+                    error,
+                })
+                .await
+            }
+            // Unknown ids (and answers for a guest that went away) are fine.
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// Reads the agent's first message, which must be its hello.
+async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStream), VmError> {
+    let mut buf = Vec::new();
+    match framing::read_frame(&mut stream, proto::MAX_MESSAGE, &mut buf).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(VmError::Start(
+                "the guest agent closed the link before its hello".into(),
+            ))
+        }
+        Err(e) => return Err(VmError::Start(format!("reading the agent hello: {e}"))),
+    }
+    match proto::decode::<AgentMessage>(buf) {
+        Ok(Envelope {
+            header: AgentMessage::Hello(h),
+            ..
+        }) => {
+            if h.protocol != proto::PROTOCOL_VERSION {
+                return Err(VmError::Start(format!(
+                    "guest agent speaks protocol {} but this helper speaks {}",
+                    h.protocol,
+                    proto::PROTOCOL_VERSION
+                )));
+            }
+            Ok((h, stream))
+        }
+        Ok(_) => Err(VmError::Start(
+            "the guest agent's first message was not a hello".into(),
+        )),
+        Err(e) => Err(VmError::Start(format!("malformed agent hello: {e}"))),
+    }
+}
+
+/// Owns the machine until it ends or is killed; reports how it ended.
+async fn run_machine(
+    mut sandbox: Sandbox,
+    kill: oneshot::Receiver<()>,
+    gone: oneshot::Sender<String>,
+) {
+    tokio::select! {
+        how = sandbox.wait() => {
+            let _ = gone.send(format!("{how:?}"));
+        }
+        _ = kill => {
+            sandbox.kill().await;
+        }
+    }
+}
+
+async fn link_writer(mut wr: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Receiver<Vec<u8>>) {
+    let mut batch = Vec::new();
+    while let Some(first) = rx.recv().await {
+        batch.clear();
+        batch.extend_from_slice(&first);
+        while batch.len() < WRITE_BATCH {
+            match rx.try_recv() {
+                Ok(more) => batch.extend_from_slice(&more),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = wr.write_all(&batch).await {
+            tracing::debug!(error = %e, "agent link write failed");
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+}
+
+async fn link_reader(
+    vm: std::sync::Weak<Vm>,
+    link: Arc<AgentLink>,
+    mut rd: tokio::net::unix::OwnedReadHalf,
+) {
+    let mut buf = Vec::new();
+    loop {
+        match framing::read_frame(&mut rd, proto::MAX_MESSAGE, &mut buf).await {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(FrameError::Io(e)) => {
+                tracing::debug!(error = %e, "agent link read failed");
+                break;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "agent link framing lost; dropping the link");
+                break;
+            }
+        }
+        let body = std::mem::take(&mut buf);
+        let env = match proto::decode::<AgentMessage>(body) {
+            Ok(env) => env,
+            Err(e) => {
+                tracing::warn!(error = %e, "malformed agent message ignored");
+                continue;
+            }
+        };
+        match env.header {
+            AgentMessage::Response { id, error, result } => {
+                let tx = lock(&link.pending).remove(&id);
+                if let Some(tx) = tx {
+                    let result = match error {
+                        Some(e) => Err(e),
+                        None => Ok(result),
+                    };
+                    let _ = tx.send(Reply {
+                        result,
+                        payload: env.payload,
+                    });
+                }
+            }
+            other => {
+                let Some(vm) = vm.upgrade() else { break };
+                vm.on_agent_message(other, env.payload).await;
+            }
+        }
+    }
+    if let Some(vm) = vm.upgrade() {
+        vm.agent_gone(&link).await;
+    } else {
+        link.fail_pending();
+    }
+}
