@@ -63,6 +63,35 @@ pub enum Command {
         #[arg(long)]
         quick: bool,
     },
+    /// The in-process KVM machine.
+    #[command(subcommand)]
+    Vm(VmCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum VmCommand {
+    /// Boot a kernel on /dev/kvm; the serial console goes to stdout, a boot
+    /// timeline to stderr. Exits 0 when the guest resets or powers off.
+    Run {
+        /// Kernel image: ELF vmlinux (PVH or 64-bit entry) or bzImage.
+        #[arg(long)]
+        kernel: PathBuf,
+        /// Initramfs to load.
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        /// Kernel command line (default: a serial console and reboot=k).
+        #[arg(long)]
+        cmdline: Option<String>,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 256)]
+        mem: u64,
+        /// Number of vCPUs.
+        #[arg(long, default_value_t = 1)]
+        cpus: u8,
+        /// Boot a Linux kernel even where this KVM is known not to run Linux.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// Rewrites `-socket X` / `-socket=X` to their double-dash forms.
@@ -125,6 +154,24 @@ pub fn main(args: Vec<String>) -> i32 {
             crate::bench::main_with_args(a)
         }
         Some(Command::Doctor) => doctor(&cli),
+        Some(Command::Vm(VmCommand::Run {
+            kernel,
+            initrd,
+            cmdline,
+            mem,
+            cpus,
+            force,
+        })) => {
+            crate::logging::init();
+            vmm::cli::vm_run(vmm::cli::VmRunArgs {
+                kernel,
+                initrd,
+                cmdline,
+                mem_mib: mem,
+                cpus,
+                allow_unsuitable_kvm: force,
+            })
+        }
         None => serve(cli),
     }
 }
@@ -137,6 +184,13 @@ fn doctor(cli: &Cli) -> i32 {
             println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
         }
         Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
+    }
+    match vmm::kvm_check::check_capabilities() {
+        Ok(_) => match vmm::kvm_check::linux_capable() {
+            Ok(()) => println!("kvm: /dev/kvm can run Linux guests (in-process VM: `vm run`)"),
+            Err(e) => println!("kvm: /dev/kvm works for small guests but NOT for Linux: {e}"),
+        },
+        Err(e) => println!("kvm: UNAVAILABLE: {e}"),
     }
     0
 }
