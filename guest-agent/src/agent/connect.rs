@@ -174,6 +174,21 @@ mod tests {
         .await
         .unwrap_err();
         assert!(matches!(err, ConnectError::GaveUp { .. }), "{err}");
+        // No vsock peer listens on the local CID: retried, then a clear error
+        // (whether or not this machine has a vsock transport at all).
+        let t0 = std::time::Instant::now();
+        let err = connect(
+            &ConnectTarget::Vsock {
+                cid: 1,
+                port: 40_123,
+            },
+            Duration::from_millis(200),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, ConnectError::GaveUp { .. }), "{err}");
+        assert!(err.to_string().contains("vsock:1:40123"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(10));
         let err = connect(&ConnectTarget::Fd(987_654), Duration::ZERO)
             .await
             .unwrap_err();

@@ -20,6 +20,10 @@
 //! the agent waits (bounded) for their exit events to be queued and
 //! flushed, and returns 0. `Shutdown` does the same and answers first.
 //!
+//! Janitor requests see the set of live sessions as it is when they arrive;
+//! a spawn into a session that is being deleted at that moment races with
+//! the deletion (the host is expected not to do both at once).
+//!
 //! Limits: powering the VM off as PID 1, kernel modules and the in-guest
 //! CLI's access to [`GuestRequests`] are later changes.
 

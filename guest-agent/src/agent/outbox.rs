@@ -67,7 +67,8 @@ impl Outbox {
     pub fn start(io: FdIo) -> (Outbox, JoinHandle<std::io::Result<()>>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let budget = Arc::new(Semaphore::new(QUEUE_BUDGET));
-        (Outbox { tx, budget }, tokio::spawn(writer(io, rx)))
+        let task = tokio::spawn(writer(io, rx, budget.clone()));
+        (Outbox { tx, budget }, task)
     }
 
     /// Queues a complete frame (length prefix included), waiting for budget.
@@ -112,7 +113,18 @@ impl Outbox {
     }
 }
 
-async fn writer(io: FdIo, mut rx: mpsc::UnboundedReceiver<Item>) -> std::io::Result<()> {
+async fn writer(
+    io: FdIo,
+    rx: mpsc::UnboundedReceiver<Item>,
+    budget: Arc<Semaphore>,
+) -> std::io::Result<()> {
+    let res = write_all_queued(io, rx).await;
+    // Producers waiting for budget must learn that nothing will be written.
+    budget.close();
+    res
+}
+
+async fn write_all_queued(io: FdIo, mut rx: mpsc::UnboundedReceiver<Item>) -> std::io::Result<()> {
     let mut batch: Vec<Item> = Vec::with_capacity(MAX_BATCH_FRAMES);
     while let Some(first) = rx.recv().await {
         batch.push(first);
@@ -188,6 +200,37 @@ mod tests {
         assert!(!framing::read_frame(&mut r, proto::MAX_MESSAGE, &mut buf)
             .await
             .unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_dead_link_releases_waiting_producers() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (outbox, task) = Outbox::start(FdIo::new(a.into()).unwrap());
+        let chunk = vec![0u8; proto::MAX_CHUNK];
+        let msg = AgentMessage::Stdout { id: "p".into() };
+        // Fill the socket and the budget until a send waits.
+        loop {
+            let fut = outbox.send(&msg, &chunk);
+            if tokio::time::timeout(std::time::Duration::from_millis(100), fut)
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        let waiting = {
+            let outbox = outbox.clone();
+            let chunk = chunk.clone();
+            tokio::spawn(async move {
+                outbox
+                    .send(&AgentMessage::Stdout { id: "p".into() }, &chunk)
+                    .await
+            })
+        };
+        drop(b); // the host goes away: the writer's next write fails
+        assert!(task.await.unwrap().is_err());
+        let res = tokio::time::timeout(std::time::Duration::from_secs(5), waiting).await;
+        assert!(matches!(res, Ok(Ok(Err(OutboxError::Closed)))), "{res:?}");
     }
 
     #[tokio::test]

@@ -198,9 +198,6 @@ impl Processes {
             return Err(ProcessError::EmptyId);
         }
         names::session_name(&spec.name)?;
-        for m in &spec.mounts {
-            names::mount_name(&m.name)?;
-        }
         if let Some(Record {
             state: State::Running { .. },
             ..

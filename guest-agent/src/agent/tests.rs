@@ -599,6 +599,19 @@ async fn bad_requests_get_actionable_errors() {
     assert!(err.contains("session name"), "{err}");
     let err = c.spawn(spec("", "s", &["true"])).await.unwrap_err();
     assert!(err.contains("must not be empty"), "{err}");
+    // A mount that cannot be made (here: a bad name) is reported, not fatal.
+    let mut s = spec("badmount", "s", &["true"]);
+    s.mounts = vec![MountSpec {
+        session: "s".into(),
+        name: "../escape".into(),
+        source: "/tmp".into(),
+        mode: MountMode::Ro,
+    }];
+    assert_eq!(
+        c.spawn(s).await.unwrap(),
+        json!({"failedMounts": ["../escape"]})
+    );
+    assert_eq!(c.wait_exit("badmount").await.exit_code, Some(0));
     c.spawn(spec("dup", "s", &["sleep", "100"])).await.unwrap();
     let err = c.spawn(spec("dup", "s", &["true"])).await.unwrap_err();
     assert_eq!(err, "process dup is already running");
