@@ -243,7 +243,9 @@ fn delete_one(root: &Path, name: &str, live: &HashSet<String>) -> Result<(), Str
         return std::fs::remove_file(&dir)
             .map_err(|e| format!("cannot remove {}: {e}", dir.display()));
     }
-    if let Err(e) = crate::agent::mounts::unmount_below(&dir) {
+    // mountinfo lists canonical paths; the root may be reached through a symlink.
+    let canonical = dir.canonicalize().unwrap_or_else(|_| dir.clone());
+    if let Err(e) = crate::agent::mounts::unmount_below(&canonical) {
         tracing::debug!(session = name, error = %e, "could not detach mounts below a session");
     }
     remove_tree(&dir)

@@ -71,8 +71,11 @@ pub(crate) fn read_session_file_with(
     let session_dir = sessions_root.join(session);
     let rel = relative_to_session(&session_dir, path)?;
     let io_err = |e: io::Error| map_open_error(path, e);
-    let dirfd = sys::open(&session_dir, libc::O_PATH | libc::O_DIRECTORY)
-        .map_err(|_| ReadFileError::NoSession(session.to_string()))?;
+    let dirfd = sys::open(
+        &session_dir,
+        libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+    )
+    .map_err(|_| ReadFileError::NoSession(session.to_string()))?;
     let flags = libc::O_RDONLY | libc::O_NOCTTY | libc::O_NONBLOCK;
     let file = if force_fallback {
         open_fallback(&session_dir, &rel, flags).map_err(io_err)?
@@ -193,6 +196,7 @@ mod tests {
         symlink("/etc/hostname", s.join("abs-link")).unwrap();
         symlink("../s2/secret", s.join("rel-escape")).unwrap();
         symlink("/proc/self/root/etc/hostname", s.join("magic")).unwrap();
+        symlink(root.path().join("s2"), root.path().join("linked")).unwrap();
         root
     }
 
@@ -232,6 +236,11 @@ mod tests {
         ));
         assert!(matches!(
             read_session_file_with(r, "missing", "a.txt", fallback),
+            Err(ReadFileError::NoSession(_))
+        ));
+        // A session directory that is a symlink is not a session.
+        assert!(matches!(
+            read_session_file_with(r, "linked", "secret", fallback),
             Err(ReadFileError::NoSession(_))
         ));
     }
