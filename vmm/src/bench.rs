@@ -53,6 +53,8 @@ pub struct InProcessReport {
     pub first_run: Duration,
     /// Median time from build start to the guest's exit.
     pub exit: Duration,
+    /// Median teardown (join, close; mostly the kernel destroying the VM).
+    pub teardown: Duration,
     /// Peak RSS of this process minus its RSS before the first VM, in KiB
     /// (includes the guest pages the guest touched).
     pub rss_growth_kib: u64,
@@ -66,9 +68,11 @@ pub fn proc_status_kib(field: &str) -> Option<u64> {
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
 }
 
-/// Boots `kernel` (a guest that resets or powers off by itself) `n` times.
+/// Boots `kernel` (a guest that resets or powers off by itself) with
+/// `cmdline` `n` times.
 pub fn in_process(
     kernel: &Path,
+    cmdline: &str,
     mem_mib: u64,
     vcpus: u8,
     n: usize,
@@ -77,20 +81,27 @@ pub fn in_process(
         return Err(BenchError::NoIterations);
     }
     let rss_before = proc_status_kib("VmRSS").unwrap_or(0);
-    let (mut builds, mut firsts, mut exits) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut builds, mut firsts, mut exits, mut teardowns) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..n {
         let mut c = Config::new(kernel);
         c.mem_mib = mem_mib;
         c.vcpus = vcpus;
+        c.cmdline = cmdline.to_string();
         let mut vm = Vm::build(c)?;
-        match vm.run()? {
-            ExitReason::Reset | ExitReason::Shutdown => {}
-            other => return Err(BenchError::UnexpectedExit(other)),
+        let reason = vm.run()?;
+        if !matches!(reason, ExitReason::Reset | ExitReason::Shutdown) {
+            return Err(BenchError::UnexpectedExit(reason));
         }
         let t = vm.timeline();
+        tracing::debug!(?t, "bench iteration");
+        if std::env::var_os("VMM_BENCH_VERBOSE").is_some() {
+            eprint!("{}", crate::cli::format_timeline(t, Some(&reason)));
+        }
         builds.push(t.build);
         firsts.push(t.first_run.unwrap_or_default());
         exits.push(t.exit.unwrap_or_default());
+        teardowns.push(t.teardown.unwrap_or_default());
     }
     let hwm = proc_status_kib("VmHWM").unwrap_or(0);
     Ok(InProcessReport {
@@ -98,6 +109,7 @@ pub fn in_process(
         build: median(&builds),
         first_run: median(&firsts),
         exit: median(&exits),
+        teardown: median(&teardowns),
         rss_growth_kib: hwm.saturating_sub(rss_before),
     })
 }

@@ -160,6 +160,9 @@ pub fn format_timeline(t: &Timeline, reason: Option<&ExitReason>) -> String {
         };
         s += &format!("vm:   {} exit: {r}\n", ms(e));
     }
+    if let Some(d) = t.teardown {
+        s += &format!("vm:   {} teardown (threads joined, VM closed)\n", ms(d));
+    }
     s
 }
 
@@ -312,6 +315,7 @@ mod tests {
                 value: 0x10,
             }],
             exit: Some(Duration::from_micros(3000)),
+            teardown: Some(Duration::from_micros(20_000)),
             entry: Some(crate::boot::EntryKind::Pvh),
         };
         let s = format_timeline(&t, Some(&ExitReason::Reset));
@@ -319,5 +323,6 @@ mod tests {
         assert!(s.contains("1.600 ms first KVM_RUN"));
         assert!(s.contains("2.000 ms boot port write 0x10"));
         assert!(s.contains("3.000 ms exit: guest reset"));
+        assert!(s.contains("20.000 ms teardown"), "{s}");
     }
 }

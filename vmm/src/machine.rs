@@ -182,8 +182,11 @@ pub struct Timeline {
     pub first_run: Option<Duration>,
     /// Boot-port writes.
     pub boot_marks: Vec<BootMark>,
-    /// When `run()` saw the exit.
+    /// When the VMM event loop saw the guest's exit (or the host's stop).
     pub exit: Option<Duration>,
+    /// How long stopping vCPUs, joining threads and closing the VM took
+    /// (dominated by the kernel destroying the in-kernel irqchip and PIT).
+    pub teardown: Option<Duration>,
     /// Entry protocol used.
     pub entry: Option<EntryKind>,
 }
@@ -510,7 +513,9 @@ impl Vm {
     pub fn run(&mut self) -> Result<ExitReason, VmError> {
         let live = self.live.take().ok_or(VmError::AlreadyRan)?;
         let result = self.run_live(live);
-        self.timeline.exit = Some(self.origin.elapsed());
+        if let Some(exit) = self.timeline.exit {
+            self.timeline.teardown = Some(self.origin.elapsed().saturating_sub(exit));
+        }
         result
     }
 
@@ -553,6 +558,7 @@ impl Vm {
             }
         }
         let exit_at = self.origin.elapsed();
+        self.timeline.exit = Some(exit_at);
 
         // Stop and join every vCPU.
         stop.store(true, Ordering::Release);

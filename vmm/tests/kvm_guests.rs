@@ -227,3 +227,34 @@ fn vm_run_cli_exit_statuses() {
     a.kernel = "/nonexistent".into();
     assert_ne!(vm_run(a), 0);
 }
+
+#[test]
+fn virtio_slots_are_wired_and_described() {
+    use vmm::virtio::testdev::PatternDevice;
+    let (mut c, cap) = config("linux64", "report", 64, 1);
+    c.virtio_devices = vec![
+        Box::new(PatternDevice::new(vec![8])),
+        Box::new(PatternDevice::new(vec![8, 16])),
+    ];
+    let mut vm = Vm::build(c).unwrap();
+    let t = vm.virtio_transports();
+    assert_eq!(t.len(), 2);
+    assert_eq!(t[1].queue_evts().len(), 2);
+    assert_eq!(
+        vm.cmdline(),
+        "report virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6"
+    );
+    drop(t);
+    assert_eq!(vm.run().unwrap(), ExitReason::Reset);
+    // The guest saw the same command line the VMM reported.
+    assert!(cap.text().contains(
+        "cmdline report virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=4K@0xd0001000:6\n"
+    ));
+    assert!(vm.virtio_transports().is_empty());
+
+    let mut c = Config::new(build_guest("linux64"));
+    c.virtio_devices = (0..=layout::VIRTIO_MMIO_MAX_SLOTS)
+        .map(|_| Box::new(PatternDevice::new(vec![8])) as Box<dyn vmm::virtio::VirtioDevice>)
+        .collect();
+    assert!(Vm::build(c).unwrap_err().to_string().contains("slots"));
+}
