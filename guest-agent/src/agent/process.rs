@@ -131,6 +131,16 @@ pub struct Processes {
     cfg: Arc<ProcessConfig>,
 }
 
+/// A freshly forked child, before its pipes are registered.
+struct Forked {
+    spec: SpawnSpec,
+    child: std::process::Child,
+    status: oneshot::Receiver<ExitStatus>,
+    cgroup: Option<ProcCgroup>,
+    /// Names of the spawn's mounts that failed.
+    failed: Vec<String>,
+}
+
 /// A process that was started and whose response must be sent before its
 /// output: call [`Started::run`] after queueing the response.
 pub struct Started {
@@ -215,26 +225,13 @@ impl Processes {
         );
         let procs = self.clone();
         let blocking = tokio::task::spawn_blocking(move || procs.spawn_blocking(spec));
-        let (spec, child, status, cgroup, failed) = blocking
+        let forked = blocking
             .await
             .map_err(|e| ProcessError::Internal(e.to_string()))??;
-        self.register(spec, child, status, cgroup, failed)
+        self.register(forked)
     }
 
-    #[allow(clippy::type_complexity)]
-    fn spawn_blocking(
-        &self,
-        spec: SpawnSpec,
-    ) -> Result<
-        (
-            SpawnSpec,
-            std::process::Child,
-            oneshot::Receiver<ExitStatus>,
-            Option<ProcCgroup>,
-            Vec<String>,
-        ),
-        ProcessError,
-    > {
+    fn spawn_blocking(&self, spec: SpawnSpec) -> Result<Forked, ProcessError> {
         let root = &self.cfg.sessions_root;
         mounts::ensure_session_dir(root, &spec.name)?;
         let session_dir = root.join(&spec.name);
@@ -283,7 +280,13 @@ impl Processes {
         let spawned = self.reaper.spawn_registered(|| cmd.spawn());
         drop(cmd); // closes the parent's copy of the cgroup.procs descriptor
         match spawned {
-            Ok((child, status)) => Ok((spec, child, status, cgroup, failed)),
+            Ok((child, status)) => Ok(Forked {
+                spec,
+                child,
+                status,
+                cgroup,
+                failed,
+            }),
             Err(e) => {
                 if let (Some(cgs), Some(cg)) = (&self.cfg.cgroups, cgroup) {
                     cgs.finish(cg);
@@ -300,14 +303,14 @@ impl Processes {
         }
     }
 
-    fn register(
-        &self,
-        spec: SpawnSpec,
-        mut child: std::process::Child,
-        status: oneshot::Receiver<ExitStatus>,
-        cgroup: Option<ProcCgroup>,
-        failed: Vec<String>,
-    ) -> Result<Started, ProcessError> {
+    fn register(&self, forked: Forked) -> Result<Started, ProcessError> {
+        let Forked {
+            spec,
+            mut child,
+            status,
+            cgroup,
+            failed,
+        } = forked;
         let pid = child.id() as libc::pid_t;
         let pipes = (|| -> io::Result<(FdIo, FdIo, FdIo)> {
             let take = |fd: Option<OwnedFd>| fd.ok_or_else(|| io::Error::other("missing pipe"));
