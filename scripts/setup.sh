@@ -3,6 +3,15 @@
 # system packages, then a release build. Run as root or with sudo available.
 set -euo pipefail
 
+build=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-build) build=0 ;;
+        -h|--help) echo "usage: scripts/setup.sh [--no-build]"; exit 0 ;;
+        *) echo "setup: unknown option $arg" >&2; exit 2 ;;
+    esac
+done
+
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 sudo=""
 if [ "$(id -u)" -ne 0 ]; then
@@ -32,5 +41,7 @@ if [ -x "$here/scripts/fetch-kernel.sh" ]; then
     "$here/scripts/fetch-kernel.sh"
 fi
 
-cargo build --release --manifest-path "$here/Cargo.toml" --workspace
-echo "setup: done; the helper is $here/target/release/cowork-helper"
+if [ "$build" = 1 ]; then
+    cargo build --release --manifest-path "$here/Cargo.toml" --workspace
+    echo "setup: done; the helper is $here/target/release/cowork-helper"
+fi
