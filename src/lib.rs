@@ -8,6 +8,7 @@
 //! Backends: the namespace sandbox ([`sandbox`]); the in-process KVM machine
 //! lives in the `vmm` crate.
 
+pub mod backend;
 pub mod bench;
 pub mod cli;
 pub mod client;

@@ -29,9 +29,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch};
 
+pub use crate::backend::BackendKind;
+use crate::backend::{HostPaths, Machine as BackendMachine};
 use crate::events::{self, EventHub};
 use crate::protocol::{event, step};
-use crate::sandbox::{Sandbox, SandboxConfig};
 use crate::utf8::Utf8Stream;
 
 /// How long `startVM` waits for the agent's hello.
@@ -69,21 +70,6 @@ pub enum VmError {
     Agent(String),
     #[error("{0}")]
     Invalid(String),
-}
-
-/// Which machine runs the agent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendKind {
-    /// Linux namespaces on the host.
-    Sandbox,
-}
-
-impl BackendKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Sandbox => "sandbox",
-        }
-    }
 }
 
 /// Static facts a VM needs.
@@ -229,24 +215,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Maps host paths into the agent's view of them.
-#[derive(Clone, Debug)]
-struct PathMapper {
-    prefix: String,
-}
-
-impl PathMapper {
-    fn agent_path(&self, host_rel: &str) -> String {
-        format!("{}/{}", self.prefix.trim_end_matches('/'), host_rel)
-    }
-}
-
 /// A running machine as the controller holds it.
 struct Machine {
     kill: Option<oneshot::Sender<()>>,
     done: tokio::task::JoinHandle<()>,
     probe_stop: watch::Sender<bool>,
-    mapper: PathMapper,
+    host_paths: HostPaths,
 }
 
 /// What `spawn` needs beyond the agent's [`proto::SpawnSpec`].
@@ -345,8 +319,20 @@ impl Vm {
         self.hub
             .publish(&event::startup_step(step::VM_BOOT, "started"))
             .await;
-        let booted = self.boot().await;
-        let (sandbox, stream, mapper) = match booted {
+        if let Err(e) = self.create_storage() {
+            self.hub
+                .publish(&event::startup_step(step::VM_BOOT, "failed"))
+                .await;
+            return Err(e);
+        }
+        let booted = crate::backend::boot(&self.cfg)
+            .await
+            .map_err(VmError::Start);
+        let crate::backend::Booted {
+            machine: backend_machine,
+            agent,
+            host_paths,
+        } = match booted {
             Ok(b) => b,
             Err(e) => {
                 self.hub
@@ -365,17 +351,20 @@ impl Vm {
 
         let (kill_tx, kill_rx) = oneshot::channel();
         let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<String>();
-        let done = tokio::spawn(run_machine(sandbox, kill_rx, machine_gone_tx));
+        let done = tokio::spawn(run_machine(backend_machine, kill_rx, machine_gone_tx));
         let (probe_stop, probe_rx) = watch::channel(false);
         let machine = Machine {
             kill: Some(kill_tx),
             done,
             probe_stop,
-            mapper,
+            host_paths,
         };
 
         let hello = tokio::select! {
-            h = tokio::time::timeout(HELLO_TIMEOUT, read_hello(stream)) => match h {
+            h = tokio::time::timeout(HELLO_TIMEOUT, async move {
+                let stream = agent.await.map_err(VmError::Start)?;
+                read_hello(stream).await
+            }) => match h {
                 Ok(Ok(h)) => Ok(h),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(VmError::HelloTimeout(HELLO_TIMEOUT)),
@@ -434,25 +423,6 @@ impl Vm {
             }
         }
         Ok(())
-    }
-
-    async fn boot(&self) -> Result<(Sandbox, UnixStream, PathMapper), VmError> {
-        match self.cfg.backend {
-            BackendKind::Sandbox => {
-                self.create_storage()?;
-                let cfg = SandboxConfig {
-                    helper_exe: self.cfg.helper_exe.clone(),
-                    sessions_dir: self.cfg.sessions_dir(),
-                    agent_args: vec![],
-                    command_override: None,
-                };
-                let (sandbox, stream) = Sandbox::start(cfg)
-                    .await
-                    .map_err(|e| VmError::Start(e.to_string()))?;
-                let prefix = sandbox.agent_path_for_host("");
-                Ok((sandbox, stream, PathMapper { prefix }))
-            }
-        }
     }
 
     /// Wires a connected agent stream: writer and reader tasks.
@@ -618,22 +588,18 @@ impl Vm {
 
     // ---- session methods ------------------------------------------------
 
-    fn mapper(&self, machine: &Option<Machine>) -> Result<PathMapper, VmError> {
-        machine
-            .as_ref()
-            .map(|m| m.mapper.clone())
-            .ok_or(VmError::NotRunning)
-    }
-
-    async fn current_mapper(&self) -> Result<PathMapper, VmError> {
+    async fn current_host_paths(&self) -> Result<HostPaths, VmError> {
         let lifecycle = self.lifecycle.lock().await;
-        self.mapper(&lifecycle)
+        lifecycle
+            .as_ref()
+            .map(|m| m.host_paths.clone())
+            .ok_or(VmError::NotRunning)
     }
 
     /// Validates a client mount and maps it into the agent's view.
     fn mount_spec(
         &self,
-        mapper: &PathMapper,
+        host_paths: &HostPaths,
         session: &str,
         name: &str,
         host_path: &str,
@@ -655,7 +621,9 @@ impl Vm {
         Ok(MountSpec {
             session: session.to_string(),
             name: name.to_string(),
-            source: mapper.agent_path(&real_rel),
+            source: host_paths
+                .agent_path(&real_rel)
+                .map_err(|e| format!("mount {name:?}: {e}"))?,
             mode,
         })
     }
@@ -668,10 +636,10 @@ impl Vm {
             return Err(VmError::Invalid("spawn: id must not be empty".into()));
         }
         let link = self.connected_link()?;
-        let mapper = self.current_mapper().await?;
+        let host_paths = self.current_host_paths().await?;
         let mut failed = Vec::new();
         for (name, path, mode) in mounts {
-            match self.mount_spec(&mapper, &spec.name, &name, &path, &mode) {
+            match self.mount_spec(&host_paths, &spec.name, &name, &path, &mode) {
                 Ok(m) => spec.mounts.push(m),
                 Err(e) => {
                     tracing::warn!(session = %spec.name, mount = %name, error = %e, "mount refused");
@@ -769,9 +737,9 @@ impl Vm {
         let session = self.session_of(process_id).ok_or_else(|| {
             VmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
         })?;
-        let mapper = self.current_mapper().await?;
+        let host_paths = self.current_host_paths().await?;
         let spec = self
-            .mount_spec(&mapper, &session, name, subpath, mode)
+            .mount_spec(&host_paths, &session, name, subpath, mode)
             .map_err(VmError::Invalid)?;
         link.call(Op::Mount(spec), &[], CALL_TIMEOUT)
             .await
@@ -836,12 +804,14 @@ impl Vm {
         rel: &str,
         version: &str,
     ) -> Result<Value, VmError> {
-        let mapper = self.current_mapper().await?;
+        let host_paths = self.current_host_paths().await?;
         let real = std::fs::canonicalize(Path::new("/").join(rel))
             .map_err(|e| VmError::Invalid(format!("installSdk: /{rel}: {e}")))?;
         let real_rel = real.to_string_lossy().trim_start_matches('/').to_string();
         let op = Op::InstallSdk {
-            source: mapper.agent_path(&real_rel),
+            source: host_paths
+                .agent_path(&real_rel)
+                .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?,
             version: version.to_string(),
         };
         link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v)
@@ -954,16 +924,16 @@ async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStream), VmErr
 
 /// Owns the machine until it ends or is killed; reports how it ended.
 async fn run_machine(
-    mut sandbox: Sandbox,
+    mut machine: BackendMachine,
     kill: oneshot::Receiver<()>,
     gone: oneshot::Sender<String>,
 ) {
     tokio::select! {
-        how = sandbox.wait() => {
-            let _ = gone.send(format!("{how:?}"));
+        how = machine.wait() => {
+            let _ = gone.send(how);
         }
         _ = kill => {
-            sandbox.kill().await;
+            machine.kill().await;
         }
     }
 }

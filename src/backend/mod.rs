@@ -1,0 +1,103 @@
+//! Backends: what boots the machine the guest agent runs in.
+//!
+//! A backend turns a [`VmConfig`] into a [`Booted`] machine: a handle the
+//! controller can wait on or kill, a future that yields the stream the agent
+//! dialled (the agent link), and the way host paths are reached from the
+//! agent's view (for session mounts and the SDK). Everything after the
+//! agent's hello is backend-independent (see `crate::vm`).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tokio::net::UnixStream;
+
+use crate::sandbox::{Sandbox, SandboxConfig};
+use crate::vm::VmConfig;
+
+/// Which machine runs the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Linux namespaces on the host.
+    Sandbox,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sandbox => "sandbox",
+        }
+    }
+}
+
+/// The agent link, once the agent has dialled in.
+pub type AgentStream = Pin<Box<dyn Future<Output = Result<UnixStream, String>> + Send>>;
+
+/// How host paths appear to the agent.
+#[derive(Clone, Debug)]
+pub enum HostPaths {
+    /// Under this prefix (the sandbox binds the host root there for the agent only).
+    Prefix(String),
+    /// Not reachable: the backend has no way to share host folders; the text says why.
+    Unavailable(&'static str),
+}
+
+impl HostPaths {
+    /// The agent's path for `host_rel` (relative to the host's `/`).
+    pub fn agent_path(&self, host_rel: &str) -> Result<String, String> {
+        match self {
+            Self::Prefix(p) => Ok(format!("{}/{}", p.trim_end_matches('/'), host_rel)),
+            Self::Unavailable(why) => Err((*why).to_string()),
+        }
+    }
+}
+
+/// A running machine.
+pub enum Machine {
+    Sandbox(Sandbox),
+}
+
+impl Machine {
+    /// Waits until the machine ends by itself; describes how.
+    pub async fn wait(&mut self) -> String {
+        match self {
+            Self::Sandbox(s) => format!("{:?}", s.wait().await),
+        }
+    }
+
+    /// Ends the machine now and reaps it; idempotent.
+    pub async fn kill(&mut self) {
+        match self {
+            Self::Sandbox(s) => s.kill().await,
+        }
+    }
+}
+
+/// A machine that has started booting.
+pub struct Booted {
+    pub machine: Machine,
+    pub agent: AgentStream,
+    pub host_paths: HostPaths,
+}
+
+/// Boots `cfg.backend`.
+pub async fn boot(cfg: &VmConfig) -> Result<Booted, String> {
+    match cfg.backend {
+        BackendKind::Sandbox => {
+            let sandbox_cfg = SandboxConfig {
+                helper_exe: cfg.helper_exe.clone(),
+                sessions_dir: cfg.sessions_dir(),
+                agent_args: vec![],
+                command_override: None,
+            };
+            let (sandbox, stream) = Sandbox::start(sandbox_cfg)
+                .await
+                .map_err(|e| e.to_string())?;
+            let host_paths = HostPaths::Prefix(sandbox.agent_path_for_host(""));
+            Ok(Booted {
+                machine: Machine::Sandbox(sandbox),
+                agent: Box::pin(async move { Ok(stream) }),
+                host_paths,
+            })
+        }
+    }
+}
