@@ -31,7 +31,7 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, GuestAddress, GuestMemory, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -125,6 +125,30 @@ pub const INT_CONFIG: u32 = 0x2;
 /// size (a 4 KiB slot fits every virtio device).
 pub const REGISTERS_SIZE: u64 = CONFIG_SPACE;
 
+/// How many guest-triggered messages (protocol violations, activations,
+/// resets, device errors) a transport logs at their own level; later ones
+/// go to debug level, so a hostile guest cannot flood the host log.
+pub const GUEST_LOG_BUDGET: u32 = 32;
+
+/// Takes one message from a transport's log budget.
+fn take_log_budget(budget: &AtomicU32) -> bool {
+    budget
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// Logs a guest-triggered event at `$level` while the budget lasts, then at
+/// debug level.
+macro_rules! guest_log {
+    ($budget:expr, $level:ident, $($arg:tt)+) => {
+        if take_log_budget($budget) {
+            tracing::$level!($($arg)+)
+        } else {
+            tracing::debug!($($arg)+)
+        }
+    };
+}
+
 /// Status bits a driver may write (the device owns DEVICE_NEEDS_RESET).
 const DRIVER_STATUS_BITS: u32 =
     status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK | status::FAILED;
@@ -192,6 +216,8 @@ struct Shared {
     epoch: AtomicU64,
     /// Registered by the machine as the device's irqfd.
     irq: EventFd,
+    /// See [`GUEST_LOG_BUDGET`].
+    log_budget: Arc<AtomicU32>,
 }
 
 impl Shared {
@@ -251,7 +277,11 @@ impl VirtioInterrupt for MmioInterrupt {
         if !self.current() {
             return Ok(());
         }
-        warn!("virtio device reported an error; setting DEVICE_NEEDS_RESET");
+        guest_log!(
+            &self.shared.log_budget,
+            warn,
+            "virtio device reported an error; setting DEVICE_NEEDS_RESET"
+        );
         self.shared.set_needs_reset()
     }
 }
@@ -276,6 +306,8 @@ struct State {
     activated: bool,
     /// The device failed to reset: it stays in DEVICE_NEEDS_RESET for good.
     broken: bool,
+    /// See [`GUEST_LOG_BUDGET`] (shared with [`Shared`]).
+    log_budget: Arc<AtomicU32>,
 }
 
 /// A virtio-mmio (version 2) transport around one device.
@@ -339,6 +371,7 @@ impl MmioTransport {
         })?;
         let offered =
             (device.avail_features() | features::VERSION_1) & !features::UNSUPPORTED_BY_TRANSPORT;
+        let log_budget = Arc::new(AtomicU32::new(GUEST_LOG_BUDGET));
         Ok(Self {
             state: Mutex::new(State {
                 device,
@@ -354,6 +387,7 @@ impl MmioTransport {
                 status: 0,
                 activated: false,
                 broken: false,
+                log_budget: log_budget.clone(),
             }),
             shared: Arc::new(Shared {
                 interrupt_status: AtomicU32::new(0),
@@ -361,6 +395,7 @@ impl MmioTransport {
                 config_generation: AtomicU32::new(0),
                 epoch: AtomicU64::new(0),
                 irq,
+                log_budget,
             }),
             queue_evts,
             notify_exits: AtomicU64::new(0),
@@ -569,7 +604,9 @@ impl MmioTransport {
             return;
         }
         if st.broken {
-            warn!(
+            guest_log!(
+                &st.log_budget,
+                warn,
                 value,
                 "virtio-mmio: status write to a device that failed to reset ignored"
             );
@@ -579,14 +616,22 @@ impl MmioTransport {
         // NEEDS_RESET bit: that bit is not the driver's to set or clear.
         let value = value & !status::DEVICE_NEEDS_RESET;
         if value & !DRIVER_STATUS_BITS != 0 {
-            warn!(value, "virtio-mmio: status write with unknown bits ignored");
+            guest_log!(
+                &st.log_budget,
+                warn,
+                value,
+                "virtio-mmio: status write with unknown bits ignored"
+            );
             return;
         }
         let cur = st.status;
         if value & cur != cur {
-            warn!(
+            guest_log!(
+                &st.log_budget,
+                warn,
                 cur,
-                value, "virtio-mmio: status bits can only be cleared by a reset; write ignored"
+                value,
+                "virtio-mmio: status bits can only be cleared by a reset; write ignored"
             );
             return;
         }
@@ -600,9 +645,12 @@ impl MmioTransport {
             || (new & status::FEATURES_OK != 0 && new & status::DRIVER == 0)
             || (new & status::DRIVER_OK != 0 && new & status::FEATURES_OK == 0)
         {
-            warn!(
+            guest_log!(
+                &st.log_budget,
+                warn,
                 cur,
-                value, "virtio-mmio: status bits set out of order; write ignored"
+                value,
+                "virtio-mmio: status bits set out of order; write ignored"
             );
             return;
         }
@@ -610,14 +658,20 @@ impl MmioTransport {
             new &= !status::FEATURES_OK;
         }
         if new & status::DRIVER_OK != 0 && new & status::FEATURES_OK == 0 {
-            warn!("virtio-mmio: DRIVER_OK without accepted features ignored");
+            guest_log!(
+                &st.log_budget,
+                warn,
+                "virtio-mmio: DRIVER_OK without accepted features ignored"
+            );
             new &= !status::DRIVER_OK;
         }
         st.status = new;
         let activate = new & !cur & status::DRIVER_OK != 0;
         if activate {
             if new & status::FAILED != 0 || self.shared.needs_reset.load(Ordering::SeqCst) {
-                warn!(
+                guest_log!(
+                    &st.log_budget,
+                    warn,
                     status = self.status_value(st),
                     "virtio-mmio: DRIVER_OK on a failed device; not activating"
                 );
@@ -643,7 +697,9 @@ impl MmioTransport {
         match result {
             Ok((n, kicks)) => {
                 st.activated = true;
-                info!(
+                guest_log!(
+                    &st.log_budget,
+                    info,
                     device_type = st.device_type,
                     queues = n,
                     "virtio-mmio: device activated"
@@ -656,7 +712,9 @@ impl MmioTransport {
                 }
             }
             Err(e) => {
-                error!(
+                guest_log!(
+                    &st.log_budget,
+                    error,
                     device_type = st.device_type,
                     "virtio-mmio: activation failed: {e}"
                 );
@@ -700,7 +758,12 @@ impl MmioTransport {
     fn reset(&self, st: &mut State) {
         if st.activated {
             if st.device.reset() {
-                info!(device_type = st.device_type, "virtio-mmio: device reset");
+                guest_log!(
+                    &st.log_budget,
+                    info,
+                    device_type = st.device_type,
+                    "virtio-mmio: device reset"
+                );
             } else {
                 error!(
                     device_type = st.device_type,
@@ -738,7 +801,9 @@ impl State {
     fn write_driver_features(&mut self, value: u32) {
         // Features are accepted between DRIVER and FEATURES_OK only.
         if self.status & status::DRIVER == 0 || self.status & status::FEATURES_OK != 0 {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 status = self.status,
                 "virtio-mmio: DriverFeatures written outside feature negotiation; ignored"
             );
@@ -752,9 +817,12 @@ impl State {
             }
             sel => {
                 if value != 0 {
-                    warn!(
+                    guest_log!(
+                        &self.log_budget,
+                        warn,
                         sel,
-                        value, "virtio-mmio: driver accepted features on a page we never offered"
+                        value,
+                        "virtio-mmio: driver accepted features on a page we never offered"
                     );
                     self.driver_features_beyond = true;
                 }
@@ -766,7 +834,9 @@ impl State {
     fn accept_features(&mut self) -> bool {
         let unknown = self.driver_features & !self.offered;
         if unknown != 0 || self.driver_features_beyond {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 acked = self.driver_features,
                 offered = self.offered,
                 "virtio-mmio: driver accepted features that were not offered; FEATURES_OK refused"
@@ -774,11 +844,18 @@ impl State {
             return false;
         }
         if self.driver_features & features::VERSION_1 == 0 {
-            warn!("virtio-mmio: driver did not accept VIRTIO_F_VERSION_1 (legacy drivers are not supported); FEATURES_OK refused");
+            guest_log!(
+                &self.log_budget,
+                warn,
+                "virtio-mmio: driver did not accept VIRTIO_F_VERSION_1 \
+                 (legacy drivers are not supported); FEATURES_OK refused"
+            );
             return false;
         }
         if !self.device.ack_features(self.driver_features) {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 acked = self.driver_features,
                 "virtio-mmio: device refused the feature combination; FEATURES_OK refused"
             );
@@ -802,9 +879,13 @@ impl State {
             || status & (status::DRIVER_OK | status::FAILED) != 0
             || self.activated
         {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 queue = sel,
-                offset, status, "virtio-mmio: queue register written outside queue setup; ignored"
+                offset,
+                status,
+                "virtio-mmio: queue register written outside queue setup; ignored"
             );
             return;
         }
@@ -815,14 +896,23 @@ impl State {
                     // The spec leaves QueueNum at QueueNumMax if never written.
                     q.set_ready(true)
                 }
-                _ => warn!(queue = sel, value, "virtio-mmio: QueueReady must be 0 or 1"),
+                _ => guest_log!(
+                    &self.log_budget,
+                    warn,
+                    queue = sel,
+                    value,
+                    "virtio-mmio: QueueReady must be 0 or 1"
+                ),
             }
             return;
         }
         if q.ready() {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 queue = sel,
-                offset, "virtio-mmio: register of a ready queue written; ignored"
+                offset,
+                "virtio-mmio: register of a ready queue written; ignored"
             );
             return;
         }
@@ -834,11 +924,13 @@ impl State {
                 match u16::try_from(value) {
                     Ok(n) if n != 0 && n.is_power_of_two() && n <= max => q.try_set_size(n),
                     _ => {
-                        warn!(
+                        guest_log!(
+                            &self.log_budget,
+                            warn,
                             queue = sel,
                             value,
                             max,
-                            "virtio-mmio: QueueNum must be a power of two in 1..=QueueNumMax; ignored"
+                            "virtio-mmio: QueueNum must be a power of two <= QueueNumMax"
                         );
                         return;
                     }
@@ -855,9 +947,13 @@ impl State {
             _ => return,
         };
         if let Err(e) = result {
-            warn!(
+            guest_log!(
+                &self.log_budget,
+                warn,
                 queue = sel,
-                offset, value, "virtio-mmio: queue register value refused: {e}"
+                offset,
+                value,
+                "virtio-mmio: queue register value refused: {e}"
             );
         }
     }

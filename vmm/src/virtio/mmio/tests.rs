@@ -1038,3 +1038,22 @@ fn hostile_register_fuzz() {
     assert!(wait(t.interrupt_evt()) >= 1);
     assert_eq!(used_elem(&m, &vq, 0), (1, 0, 2));
 }
+
+#[test]
+fn guest_log_budget_runs_out() {
+    let b = AtomicU32::new(2);
+    assert!(take_log_budget(&b));
+    assert!(take_log_budget(&b));
+    assert!(!take_log_budget(&b));
+    assert!(!take_log_budget(&b));
+    assert_eq!(b.load(Ordering::Relaxed), 0);
+    // A transport spends its budget on guest protocol violations and keeps
+    // working afterwards.
+    let (t, _) = probe(vec![16]);
+    for _ in 0..(2 * GUEST_LOG_BUDGET) {
+        w32(&t, STATUS, status::DRIVER);
+    }
+    assert_eq!(t.lock().log_budget.load(Ordering::Relaxed), 0);
+    assert_eq!(r32(&t, STATUS), 0);
+    assert_ne!(negotiate(&t, features::VERSION_1) & status::FEATURES_OK, 0);
+}
