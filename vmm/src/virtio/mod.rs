@@ -138,7 +138,9 @@ pub struct ActiveQueue {
 /// After the device is reset, a handle from the previous activation is inert:
 /// its signals are dropped.
 pub trait VirtioInterrupt: Send + Sync {
-    /// The device put buffers in the used ring of `queue`.
+    /// The device put buffers in the used ring of `queue`. (virtio-mmio has
+    /// one interrupt line per device, so its transport ignores the index;
+    /// it is there for transports with per-queue vectors.)
     fn signal_used_queue(&self, queue: u16) -> io::Result<()>;
     /// The device configuration space changed (the transport also bumps the
     /// ConfigGeneration register).
