@@ -1,0 +1,482 @@
+//! The sandbox's init process: `cowork-helper __sandbox-init <spec>`.
+//!
+//! Runs single-threaded, before any runtime exists, with the agent link on fd
+//! [`AGENT_FD`] and the status pipe on fd [`STATUS_FD`]:
+//!
+//! 1. arms `PR_SET_PDEATHSIG` (the daemon's death kills it);
+//! 2. enters a new user namespace — always, also as root, so the sandbox's
+//!    root has no power over the host — mapping only the caller's uid and gid
+//!    onto themselves;
+//! 3. enters new mount, pid, ipc and uts namespaces, names the host
+//!    [`HOSTNAME`], makes every mount private;
+//! 4. forks PID 1 of the new pid namespace and waits for it, forwarding
+//!    SIGTERM, SIGINT and SIGHUP and ending the way it ended;
+//! 5. PID 1 builds and enters the root ([`super::rootfs`]), keeps the
+//!    capabilities the agent needs for its bind mounts, and executes the agent
+//!    (this same executable, through an fd opened before `pivot_root`).
+//!
+//! Each step that fails is reported on the status pipe ([`super::wire`]) and
+//! on stderr, and the init exits with [`SETUP_FAILED_STATUS`].
+
+use std::convert::Infallible;
+use std::fs;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use super::rootfs;
+use super::sys::{self, CStringArray};
+use super::wire::{Context, ExecSpec, Failure, InitSpec, Report, Stage};
+use super::{AGENT_FD, HOST_ROOT, INIT_SUBCOMMAND, SETUP_FAILED_STATUS, STATUS_FD};
+
+/// The sandbox's host name.
+pub const HOSTNAME: &str = "cowork-sandbox";
+
+/// Signals the init passes on to PID 1.
+const FORWARDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+/// Capabilities a non-root agent keeps across `execve` (ambient set) so it
+/// can make bind mounts and manage session users inside the user namespace:
+/// CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID, SETPCAP, SYS_CHROOT,
+/// SYS_ADMIN. They are capabilities of the sandbox's user namespace only.
+const AGENT_CAPS: [u32; 9] = [0, 1, 3, 5, 6, 7, 8, 18, 21];
+
+/// `PATH` inside the sandbox.
+const SANDBOX_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// `HOME` inside the sandbox.
+const SANDBOX_HOME: &str = "/sessions";
+
+/// `LANG` inside the sandbox.
+const SANDBOX_LANG: &str = "C.UTF-8";
+
+/// Variables passed from the daemon's environment to the agent, when set.
+const PASSED_ENV: [&str; 1] = ["COWORK_LOG"];
+
+/// Fixed arguments of the agent, after `argv[0]`.
+const AGENT_ARGS: [&str; 8] = [
+    "__agent",
+    "--connect",
+    "fd:3",
+    "--sessions-root",
+    "/sessions",
+    "--private-path",
+    HOST_ROOT,
+    "--drop-caps",
+];
+
+/// Host pid of PID 1, read by the signal forwarder (0: none yet).
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+/// The status pipe (absent when run by hand); writes are best effort.
+struct Reporter(Option<OwnedFd>);
+
+impl Reporter {
+    fn take() -> Self {
+        if !sys::fd_is_open(STATUS_FD) || sys::set_cloexec(STATUS_FD, true).is_err() {
+            return Self(None);
+        }
+        // SAFETY: fd 4 is open and was given to us to own by the daemon.
+        Self(Some(unsafe { OwnedFd::from_raw_fd(STATUS_FD) }))
+    }
+
+    fn send(&self, report: &Report) {
+        if let Some(fd) = &self.0 {
+            if let Err(e) = sys::write_all(fd.as_fd(), &report.to_line()) {
+                tracing::debug!(error = %e, "status pipe write failed");
+            }
+        }
+    }
+}
+
+/// See [`super::init_main`].
+pub fn main(args: Vec<String>) -> i32 {
+    let mut reporter = Reporter::take();
+    match run(&args, &mut reporter) {
+        Ok(status) => status,
+        Err(failure) => fail(&reporter, failure),
+    }
+}
+
+fn fail(reporter: &Reporter, failure: Failure) -> i32 {
+    tracing::error!(stage = %failure.stage, "sandbox setup failed: {failure}");
+    reporter.send(&Report::Failed(failure));
+    SETUP_FAILED_STATUS
+}
+
+/// The spec: the argument after [`INIT_SUBCOMMAND`] (or the first one).
+fn parse_args(args: &[String]) -> Result<InitSpec, Failure> {
+    let at = args
+        .iter()
+        .position(|a| a == INIT_SUBCOMMAND)
+        .map_or(1, |i| i + 1);
+    let bad = |what: String| Failure {
+        stage: Stage::Arguments,
+        what,
+        errno: None,
+    };
+    let encoded = args
+        .get(at)
+        .ok_or_else(|| bad(format!("{INIT_SUBCOMMAND} needs its spec argument")))?;
+    serde_json::from_str(encoded).map_err(|e| bad(format!("malformed spec: {e}")))
+}
+
+fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
+    let spec = parse_args(args)?;
+    if !sys::fd_is_open(AGENT_FD) {
+        return Err(Failure {
+            stage: Stage::Arguments,
+            what: format!("fd {AGENT_FD} (the agent link) is not open"),
+            errno: None,
+        });
+    }
+    cloexec_inherited_fds()?;
+    sys::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong)
+        .context(Stage::Arguments, || {
+            "arm the parent-death signal".to_string()
+        })?;
+    // SAFETY: getppid cannot fail.
+    if unsafe { libc::getppid() } != spec.parent_pid {
+        return Err(Failure {
+            stage: Stage::Arguments,
+            what: format!(
+                "the helper (pid {}) exited before the sandbox started",
+                spec.parent_pid
+            ),
+            errno: None,
+        });
+    }
+
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    sys::unshare(libc::CLONE_NEWUSER).context(Stage::UserNamespace, || {
+        "unshare(CLONE_NEWUSER)".to_string()
+    })?;
+    write_id_maps(uid, gid)?;
+    sys::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS)
+        .context(Stage::Namespaces, || {
+            "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)".to_string()
+        })?;
+    sys::sethostname(HOSTNAME).context(Stage::Namespaces, || format!("sethostname {HOSTNAME}"))?;
+    sys::mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+    .context(Stage::Namespaces, || "make every mount private".to_string())?;
+
+    let (alive_r, alive_w) = sys::pipe().context(Stage::Fork, || "pipe".to_string())?;
+    let blocked = block_forwarded_signals().context(Stage::Fork, || "block signals".to_string())?;
+    install_forwarder().context(Stage::Fork, || "install the signal forwarder".to_string())?;
+    // SAFETY: the init is single-threaded, so the child may run any code.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Failure::new(Stage::Fork, "fork PID 1", &e));
+    }
+    if pid == 0 {
+        drop(alive_w);
+        let failure = match pid1(&spec, uid, alive_r, &blocked, reporter) {
+            Err(f) => f,
+            Ok(never) => match never {},
+        };
+        let status = fail(reporter, failure);
+        // SAFETY: leaving the child without running the parent's destructors.
+        unsafe { libc::_exit(status) };
+    }
+
+    CHILD.store(pid, Ordering::SeqCst);
+    restore_signal_mask(&blocked);
+    reporter.send(&Report::Forked { pid });
+    // Only PID 1 and the agent hold the status pipe and the agent link from
+    // now on, so the daemon sees them close when they end.
+    reporter.0 = None;
+    // SAFETY: fd 3 is ours; nothing else in this process uses it.
+    unsafe { libc::close(AGENT_FD) };
+    drop(alive_r);
+
+    let status = sys::waitpid(pid).context(Stage::Fork, || format!("wait for PID 1 ({pid})"))?;
+    drop(alive_w);
+    Ok(end_like(status))
+}
+
+/// Marks every inherited descriptor above [`STATUS_FD`] close-on-exec, so
+/// nothing the daemon leaked reaches the agent.
+fn cloexec_inherited_fds() -> Result<(), Failure> {
+    let entries = fs::read_dir("/proc/self/fd")
+        .context(Stage::Arguments, || "list /proc/self/fd".to_string())?;
+    for entry in entries.flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // The directory's own descriptor is gone by the time we get here.
+        if fd > STATUS_FD && sys::fd_is_open(fd) {
+            sys::set_cloexec(fd, true)
+                .context(Stage::Arguments, || format!("mark fd {fd} close-on-exec"))?;
+        }
+    }
+    Ok(())
+}
+
+/// `setgroups deny`, then map the caller's uid and gid onto themselves.
+fn write_id_maps(uid: libc::uid_t, gid: libc::gid_t) -> Result<(), Failure> {
+    match fs::write("/proc/self/setgroups", "deny") {
+        // Kernels before 3.19 have no such file and need no denial.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        r => r.context(Stage::IdMap, || "write /proc/self/setgroups".to_string())?,
+    }
+    fs::write("/proc/self/uid_map", format!("{uid} {uid} 1"))
+        .context(Stage::IdMap, || format!("write /proc/self/uid_map ({uid})"))?;
+    fs::write("/proc/self/gid_map", format!("{gid} {gid} 1"))
+        .context(Stage::IdMap, || format!("write /proc/self/gid_map ({gid})"))
+}
+
+/// PID 1: arms its own parent-death signal, builds the root, executes.
+fn pid1(
+    spec: &InitSpec,
+    uid: libc::uid_t,
+    alive: OwnedFd,
+    blocked: &libc::sigset_t,
+    reporter: &Reporter,
+) -> Result<Infallible, Failure> {
+    sys::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong)
+        .context(Stage::Fork, || {
+            "arm PID 1's parent-death signal".to_string()
+        })?;
+    if peer_closed(&alive) {
+        return Err(Failure {
+            stage: Stage::Fork,
+            what: "the sandbox init exited before PID 1 was ready".to_string(),
+            errno: None,
+        });
+    }
+    drop(alive);
+    reset_signals(blocked);
+
+    let exe = match &spec.exec {
+        ExecSpec::Agent { .. } => Some(open_own_executable()?),
+        ExecSpec::Command { .. } => None,
+    };
+    rootfs::build_and_enter(Path::new(&spec.sessions_dir))?;
+    if uid != 0 {
+        sys::raise_ambient_caps(&AGENT_CAPS).context(Stage::Exec, || {
+            "raise the agent's capabilities into the ambient set".to_string()
+        })?;
+    }
+
+    let argv: Vec<String> = match &spec.exec {
+        ExecSpec::Agent { argv0, args } => std::iter::once(argv0.clone())
+            .chain(AGENT_ARGS.iter().map(|a| a.to_string()))
+            .chain(args.iter().cloned())
+            .collect(),
+        ExecSpec::Command { argv } => argv.clone(),
+    };
+    let Some(program) = argv.first().cloned() else {
+        return Err(Failure {
+            stage: Stage::Exec,
+            what: "empty command".to_string(),
+            errno: None,
+        });
+    };
+    let c_argv = CStringArray::new(&argv).context(Stage::Exec, || "agent arguments".to_string())?;
+    let c_env = CStringArray::new(&sandbox_env())
+        .context(Stage::Exec, || "agent environment".to_string())?;
+
+    // The exec closes the pipe (close-on-exec): `exec` then end of file.
+    reporter.send(&Report::Exec);
+    let err = match &exe {
+        Some(fd) => sys::execveat_fd(fd.as_fd(), &c_argv, &c_env),
+        None => sys::execve(Path::new(&program), &c_argv, &c_env),
+    };
+    Err(Failure::new(
+        Stage::Exec,
+        format!("execute {program}"),
+        &err,
+    ))
+}
+
+/// This executable, opened for `execveat` before `pivot_root` hides it.
+/// Read access is not needed to execute a file, so an `O_PATH` descriptor is
+/// the fallback when the binary is execute-only.
+fn open_own_executable() -> Result<OwnedFd, Failure> {
+    let exe = Path::new("/proc/self/exe");
+    match sys::open(exe, libc::O_RDONLY) {
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) => sys::open(exe, libc::O_PATH),
+        r => r,
+    }
+    .context(Stage::Exec, || {
+        "open the helper's own executable".to_string()
+    })
+}
+
+/// The agent's environment: a fixed minimal one plus [`PASSED_ENV`].
+fn sandbox_env() -> Vec<String> {
+    let mut env = vec![
+        format!("PATH={SANDBOX_PATH}"),
+        format!("HOME={SANDBOX_HOME}"),
+        format!("LANG={SANDBOX_LANG}"),
+    ];
+    for name in PASSED_ENV {
+        if let Some(value) = std::env::var_os(name) {
+            env.push(format!("{name}={}", value.to_string_lossy()));
+        }
+    }
+    env
+}
+
+/// Whether the write end of the pipe `fd` reads from is closed.
+fn peer_closed(fd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(fd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & libc::POLLHUP != 0
+}
+
+fn block_forwarded_signals() -> std::io::Result<libc::sigset_t> {
+    // SAFETY: sigset operations on local values.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in FORWARDED_SIGNALS {
+            libc::sigaddset(&mut set, sig);
+        }
+        sys::cvt(libc::sigprocmask(libc::SIG_BLOCK, &set, &mut old))?;
+        Ok(old)
+    }
+}
+
+fn restore_signal_mask(old: &libc::sigset_t) {
+    // SAFETY: restoring a mask obtained from sigprocmask.
+    unsafe { libc::sigprocmask(libc::SIG_SETMASK, old, std::ptr::null_mut()) };
+}
+
+extern "C" fn forward(sig: libc::c_int) {
+    let pid = CHILD.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+fn install_forwarder() -> std::io::Result<()> {
+    for sig in FORWARDED_SIGNALS {
+        set_handler(
+            sig,
+            forward as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        )?;
+    }
+    Ok(())
+}
+
+fn set_handler(sig: libc::c_int, handler: libc::sighandler_t) -> std::io::Result<()> {
+    // SAFETY: a zeroed sigaction with a valid handler and empty mask.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        sys::cvt(libc::sigaction(sig, &action, std::ptr::null_mut())).map(drop)
+    }
+}
+
+/// Gives PID 1 default dispositions (SIGPIPE included: Rust ignores it, and
+/// an ignored signal stays ignored across `execve`) and the original mask.
+fn reset_signals(mask: &libc::sigset_t) {
+    for sig in FORWARDED_SIGNALS.into_iter().chain([libc::SIGPIPE]) {
+        if let Err(e) = set_handler(sig, libc::SIG_DFL) {
+            tracing::warn!(signal = sig, error = %e, "cannot reset a signal disposition");
+        }
+    }
+    restore_signal_mask(mask);
+}
+
+/// Ends the way PID 1 ended: same exit code, or the same signal re-raised
+/// (without a core file). Returns only when re-raising did not end us.
+fn end_like(status: libc::c_int) -> i32 {
+    if libc::WIFEXITED(status) {
+        return libc::WEXITSTATUS(status);
+    }
+    let sig = libc::WTERMSIG(status);
+    let no_core = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain calls on our own process.
+    unsafe {
+        libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+        libc::signal(sig, libc::SIG_DFL);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, sig);
+        libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+        libc::kill(libc::getpid(), sig);
+    }
+    128 + sig
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_is_found_after_the_subcommand() {
+        let spec = InitSpec {
+            sessions_dir: "/s".into(),
+            exec: ExecSpec::Command {
+                argv: vec!["/bin/true".into()],
+            },
+            parent_pid: 1,
+        };
+        let json = serde_json::to_string(&spec).expect("serialize");
+        let full = vec![
+            "/usr/bin/cowork-helper".to_string(),
+            INIT_SUBCOMMAND.to_string(),
+            json.clone(),
+        ];
+        assert_eq!(parse_args(&full).expect("full argv"), spec);
+        let bare = vec!["cowork-helper".to_string(), json];
+        assert_eq!(parse_args(&bare).expect("bare"), spec);
+        let missing = vec!["x".to_string(), INIT_SUBCOMMAND.to_string()];
+        assert_eq!(
+            parse_args(&missing).map_err(|f| f.stage),
+            Err(Stage::Arguments)
+        );
+        let garbage = vec![
+            "x".to_string(),
+            INIT_SUBCOMMAND.to_string(),
+            "{".to_string(),
+        ];
+        assert!(parse_args(&garbage).is_err());
+    }
+
+    #[test]
+    fn environment_is_minimal() {
+        let env = sandbox_env();
+        assert!(env.contains(&format!("PATH={SANDBOX_PATH}")));
+        assert!(env.contains(&"HOME=/sessions".to_string()));
+        assert!(env.contains(&"LANG=C.UTF-8".to_string()));
+        assert!(env
+            .iter()
+            .all(|kv| ["PATH=", "HOME=", "LANG=", "COWORK_LOG="]
+                .iter()
+                .any(|p| kv.starts_with(p))));
+    }
+
+    #[test]
+    fn exit_codes_pass_through() {
+        // Exit status 3 as waitpid encodes it.
+        assert_eq!(end_like(3 << 8), 3);
+        assert_eq!(end_like(0), 0);
+    }
+}
