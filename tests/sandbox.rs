@@ -11,7 +11,7 @@
 //! stand-in daemon that is killed to prove the sandbox dies with it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -30,12 +30,26 @@ const NOBODY: u32 = 65534;
 const ENV_SESSIONS: &str = "COWORK_SANDBOX_TEST_SESSIONS";
 const ENV_MARKER: &str = "COWORK_SANDBOX_TEST_MARKER";
 const ENV_SENTINEL: &str = "COWORK_SANDBOX_TEST_SENTINEL";
+const ENV_HELPER: &str = "COWORK_SANDBOX_TEST_HELPER";
 
 /// Printed by an inner run whose assertions all passed.
 const INNER_OK: &str = "INNER-CHECKS-PASSED";
 
+/// The helper: the built one, or the copy named by [`ENV_HELPER`].
 fn helper() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
+    std::env::var_os(ENV_HELPER)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper")))
+}
+
+/// Puts `src` into `dir` (a hard link, else a copy), so a user who cannot
+/// traverse the checkout can still execute it.
+fn reachable_copy(src: &Path, dir: &Path) -> PathBuf {
+    let dst = dir.join(src.file_name().expect("a file name"));
+    if std::fs::hard_link(src, &dst).is_err() {
+        std::fs::copy(src, &dst).expect("copy the binary");
+    }
+    dst
 }
 
 fn is_root() -> bool {
@@ -84,7 +98,11 @@ fn processes_in(ns: &str) -> Vec<i32> {
 /// Runs the `#[ignore]`d test `name` of this binary in a child process,
 /// prepared by `setup`, and asserts it passed.
 fn run_inner(name: &str, setup: impl FnOnce(&mut Command)) -> String {
-    let exe = std::env::current_exe().expect("test binary");
+    run_inner_binary(&std::env::current_exe().expect("test binary"), name, setup)
+}
+
+/// [`run_inner`] with another copy of this test binary.
+fn run_inner_binary(exe: &Path, name: &str, setup: impl FnOnce(&mut Command)) -> String {
     let mut cmd = Command::new(exe);
     cmd.args([
         "--exact",
@@ -171,7 +189,13 @@ fn view_as_nobody() {
         .prefix("cowork-host-only-")
         .tempfile_in("/tmp")
         .expect("marker");
-    run_inner("inner_view", |cmd| {
+    // The checkout may sit below a directory nobody cannot traverse.
+    let bin = temp_dir(None);
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let test_exe = reachable_copy(&std::env::current_exe().expect("test binary"), bin.path());
+    let helper_exe = reachable_copy(&helper(), bin.path());
+    run_inner_binary(&test_exe, "inner_view", |cmd| {
+        cmd.env(ENV_HELPER, &helper_exe);
         cmd.env(ENV_SESSIONS, sessions.path())
             .env(ENV_MARKER, marker.path())
             .env(ENV_SENTINEL, "must-not-leak")
