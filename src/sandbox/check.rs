@@ -235,12 +235,10 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
                 };
             libc::_exit(status);
         }
-        let mut status = 0;
-        while libc::waitpid(pid, &mut status, 0) < 0 {
-            if errno() != libc::EINTR {
-                return (5, errno());
-            }
-        }
+        let status = match sys::waitpid(pid) {
+            Ok(status) => status,
+            Err(e) => return (5, e.raw_os_error().unwrap_or(libc::EIO)),
+        };
         match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
             (true, 0) => (PROBE_STEPS.len(), 0),
             (true, e) => (6, e),

@@ -215,7 +215,8 @@ fn cloexec_inherited_fds() -> Result<(), Failure> {
         else {
             continue;
         };
-        // The directory's own descriptor is gone by the time we get here.
+        // read_dir's own descriptor is already close-on-exec; entries closed
+        // since the listing are skipped.
         if fd > STATUS_FD && sys::fd_is_open(fd) {
             sys::set_cloexec(fd, true)
                 .context(Stage::Arguments, || format!("mark fd {fd} close-on-exec"))?;
