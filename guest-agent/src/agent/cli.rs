@@ -15,7 +15,10 @@ usage: cowork-guest-agent [options]
   --private-path PATH   hide PATH from spawned processes (repeatable)
   --drop-caps           spawned processes run without any capability
   --cgroup-root DIR     give each process its own cgroup below DIR (cgroup2)
-  --init-mounts         mount proc, sysfs, devtmpfs and cgroup2 if missing
+  --init-mounts         mount proc, sysfs, devtmpfs, cgroup2, devpts and tmpfs if missing
+  --init                run as the VM's init (PID 1 only): mounts, kernel modules,
+                        clock, loopback; power off when done. Implied for PID 1
+                        started without arguments (by the kernel).
   --sdk-target PATH     where InstallSdk puts the CLI (default /usr/local/bin/claude)
   --help, --version
 
@@ -101,6 +104,8 @@ pub struct Config {
     pub drop_caps: bool,
     pub cgroup_root: Option<PathBuf>,
     pub init_mounts: bool,
+    /// Act as the VM's init (see [`crate::agent::init::run_machine_init`]).
+    pub init: bool,
     pub sdk_target: PathBuf,
 }
 
@@ -116,6 +121,7 @@ impl Default for Config {
             drop_caps: false,
             cgroup_root: None,
             init_mounts: false,
+            init: false,
             sdk_target: DEFAULT_SDK_TARGET.into(),
         }
     }
@@ -160,6 +166,7 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
             "--sdk-target" => cfg.sdk_target = value(&mut it)?.into(),
             "--drop-caps" => cfg.drop_caps = flag(&inline)?,
             "--init-mounts" => cfg.init_mounts = flag(&inline)?,
+            "--init" => cfg.init = flag(&inline)?,
             "--help" | "-h" => return Ok(Command::Help),
             "--version" | "-V" => return Ok(Command::Version),
             other => return Err(CliError::Unknown(other.to_string())),
@@ -206,6 +213,7 @@ mod tests {
             "--cgroup-root",
             "/sys/fs/cgroup/x",
             "--init-mounts",
+            "--init",
             "--sdk-target",
             "/opt/claude",
         ]);
@@ -218,7 +226,7 @@ mod tests {
             cfg.private_paths,
             [PathBuf::from("/a"), PathBuf::from("/b")]
         );
-        assert!(cfg.drop_caps && cfg.init_mounts);
+        assert!(cfg.drop_caps && cfg.init_mounts && cfg.init);
         assert_eq!(cfg.cgroup_root, Some("/sys/fs/cgroup/x".into()));
         assert_eq!(cfg.sdk_target, PathBuf::from("/opt/claude"));
     }

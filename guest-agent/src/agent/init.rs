@@ -1,22 +1,41 @@
-//! Early init duties of the agent as a VM's PID 1 (`--init-mounts`).
+//! Early init duties of the agent as a VM's PID 1.
 //!
-//! Mounts the kernel filesystems a minimal root lacks: `proc` on `/proc`,
-//! `sysfs` on `/sys`, `devtmpfs` on `/dev` and `cgroup2` on
-//! `/sys/fs/cgroup`, each only when its mount point is not already a mount
-//! of that filesystem type. Failures are reported per mount and do not stop
-//! the others (a sandbox may forbid some of them).
+//! [`mount_early_filesystems`] (`--init-mounts`, and part of `--init`)
+//! mounts the kernel filesystems a minimal root lacks: `proc` on `/proc`,
+//! `sysfs` on `/sys`, `devtmpfs` on `/dev`, `cgroup2` on `/sys/fs/cgroup`,
+//! `devpts` on `/dev/pts` and tmpfs on `/dev/shm`, `/tmp` and `/run`, each
+//! only when its mount point is not already a mount of that filesystem type.
+//! Failures are reported per mount and do not stop the others (a sandbox may
+//! forbid some of them).
 //!
-//! Limits: loading kernel modules, `/dev/pts`, `/dev/shm` and `/run` belong
-//! to a later change; so does powering off on shutdown.
+//! [`run_machine_init`] (`--init`, or PID 1 started by the kernel without
+//! arguments) does everything a VM's init must before the agent dials the
+//! host: the mounts, the kernel modules ([`super::modules`]), the clock
+//! ([`super::clock`]) and the loopback interface. Powering off at the end is
+//! [`super::power`].
+//!
+//! Limits: no network beyond `lo` (the host link is vsock); no hostname,
+//! users or `/etc` setup.
 
 use std::ffi::CStr;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use super::sys;
+use super::{clock, modules};
 
 /// `statfs` magic of devtmpfs (it reports tmpfs's).
 const DEVTMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;
+
+/// `statfs` magic of devpts.
+const DEVPTS_MAGIC: u64 = libc::DEVPTS_SUPER_MAGIC as u64;
+
+/// `statfs` magic of tmpfs.
+const TMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;
+
+/// The loopback interface brought up by [`run_machine_init`].
+pub const LOOPBACK: &CStr = c"lo";
 
 /// Errors of early init.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +46,8 @@ pub enum InitError {
         target: PathBuf,
         source: io::Error,
     },
+    #[error("cannot bring up the loopback interface: {0}")]
+    Loopback(io::Error),
 }
 
 /// One kernel filesystem the agent provides.
@@ -38,7 +59,8 @@ struct EarlyMount {
     data: Option<&'static CStr>,
 }
 
-const EARLY_MOUNTS: [EarlyMount; 4] = [
+/// In mount order; a mount point below another comes after it.
+const EARLY_MOUNTS: [EarlyMount; 8] = [
     EarlyMount {
         fstype: c"proc",
         target: "proc",
@@ -66,6 +88,34 @@ const EARLY_MOUNTS: [EarlyMount; 4] = [
         magic: libc::CGROUP2_SUPER_MAGIC as u64,
         flags: libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
         data: None,
+    },
+    EarlyMount {
+        fstype: c"devpts",
+        target: "dev/pts",
+        magic: DEVPTS_MAGIC,
+        flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+        data: Some(c"mode=0620,ptmxmode=0666"),
+    },
+    EarlyMount {
+        fstype: c"tmpfs",
+        target: "dev/shm",
+        magic: TMPFS_MAGIC,
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: Some(c"mode=1777"),
+    },
+    EarlyMount {
+        fstype: c"tmpfs",
+        target: "tmp",
+        magic: TMPFS_MAGIC,
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: Some(c"mode=1777"),
+    },
+    EarlyMount {
+        fstype: c"tmpfs",
+        target: "run",
+        magic: TMPFS_MAGIC,
+        flags: libc::MS_NOSUID | libc::MS_NODEV,
+        data: Some(c"mode=0755"),
     },
 ];
 
@@ -121,5 +171,46 @@ pub fn run_early_init() {
             }
             MountOutcome::Failed(e) => tracing::warn!(error = %e, "early mount failed"),
         }
+    }
+}
+
+/// Brings the loopback interface up (the kernel then gives it 127.0.0.1).
+pub fn loopback_up() -> Result<(), InitError> {
+    // SAFETY: plain socket(2).
+    let fd =
+        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
+            .map_err(InitError::Loopback)?;
+    // SAFETY: a new descriptor owned by nobody else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; zero is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(LOOPBACK.to_bytes()) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS fills the flags of a valid ifreq.
+    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) })
+        .map_err(InitError::Loopback)?;
+    // SAFETY: reading the union member SIOCGIFFLAGS just wrote.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    if flags & libc::IFF_UP as libc::c_short != 0 {
+        return Ok(());
+    }
+    req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
+    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) })
+        .map_err(InitError::Loopback)?;
+    Ok(())
+}
+
+/// Everything a VM's init does before the agent dials the host: mounts,
+/// kernel modules, clock, loopback. Each step logs its own outcome; none
+/// stops the others.
+pub fn run_machine_init() {
+    run_early_init();
+    modules::load_all();
+    clock::set_clock();
+    match loopback_up() {
+        Ok(()) => tracing::debug!("loopback up"),
+        Err(e) => tracing::warn!(error = %e, "loopback not up"),
     }
 }

@@ -2,12 +2,15 @@
 //! host's requests (processes, files, mounts, the session-disk janitor)
 //! until the host goes away or asks it to shut down.
 //!
-//! The agent is meant to become the VM's PID 1; for now it also runs as
-//! PID 1 of a pid namespace in the host's sandbox, or as a plain process.
-//! It makes no assumption about which: everything environment-specific
-//! comes from [`Config`] (the command line). As PID 1 it reaps orphans
-//! ([`reaper`]); with `--init-mounts` it mounts the kernel filesystems
-//! ([`init`]).
+//! The agent runs as the VM's PID 1 (the guest image's `/init`), as PID 1
+//! of a pid namespace in the host's sandbox, or as a plain process.
+//! Everything environment-specific comes from [`Config`] (the command line).
+//! As PID 1 it reaps orphans ([`reaper`]); with `--init-mounts` it mounts the
+//! kernel filesystems ([`init`]); as the VM's init (`--init`, or PID 1
+//! started by the kernel without arguments) it also loads the kernel modules
+//! ([`modules`]), sets the clock ([`clock`]), brings up `lo`, reports boot
+//! milestones to our VMM ([`bootmark`]) and powers the machine off when the
+//! connection ends ([`power`]).
 //!
 //! Structure: one current-thread tokio runtime. The connection's read side
 //! is parsed by the serve loop, which answers quick requests inline and
@@ -24,19 +27,23 @@
 //! a spawn into a session that is being deleted at that moment races with
 //! the deletion (the host is expected not to do both at once).
 //!
-//! Limits: powering the VM off as PID 1, kernel modules and the in-guest
-//! CLI's access to [`GuestRequests`] are later changes.
+//! Limits: one connection per boot (the VM powers off when it ends); the
+//! in-guest CLI's access to [`GuestRequests`] is a later change.
 
+pub mod bootmark;
 pub mod cgroup;
 pub mod child;
 pub mod cli;
+pub mod clock;
 pub mod connect;
 pub mod fdio;
 pub mod files;
 pub mod guest;
 pub mod init;
+pub mod modules;
 pub(crate) mod mounts;
 pub mod outbox;
+pub mod power;
 pub mod process;
 pub mod reaper;
 pub(crate) mod sys;
@@ -60,6 +67,7 @@ pub use guest::{GuestRequestError, GuestRequests};
 use crate::framing::{self, FrameError};
 use crate::janitor;
 use crate::proto::{self, AgentMessage, BootTimes, Hello, HostMessage, Op};
+use bootmark::{BootMarks, Milestone};
 use fdio::{FdIo, FdReader};
 use outbox::Outbox;
 use process::{ProcessConfig, Processes};
@@ -76,6 +84,9 @@ const READ_BUFFER: usize = 256 * 1024;
 
 /// Threads of the blocking pool (file reads, mounts, janitor walks).
 const MAX_BLOCKING_THREADS: usize = 8;
+
+/// How long the runtime's blocking threads get to finish at exit.
+const RUNTIME_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// Exit code: the host went away or asked for shutdown.
 pub const EXIT_OK: i32 = 0;
@@ -129,9 +140,18 @@ impl BootClock {
 
 /// Entry point: parses `args` (the options, see [`cli::USAGE`]), runs the
 /// agent on a current-thread runtime and returns the process exit code.
+///
+/// As the VM's init (`--init`, or PID 1 started without arguments, which is
+/// how the kernel starts `/init`) it never returns: it prepares the machine
+/// ([`init::run_machine_init`]), runs the agent and then powers off
+/// ([`power::power_off`]), also when the agent fails or panics. A bad
+/// command line as PID 1 is logged and the defaults are used, since
+/// returning would panic the kernel.
 pub fn main_with_args(args: Vec<String>) -> i32 {
     let clock_start = sys::boottime_us();
-    let config = match cli::parse(&args) {
+    // SAFETY: getpid has no preconditions.
+    let pid1 = unsafe { libc::getpid() } == 1;
+    let mut config = match cli::parse(&args) {
         Ok(cli::Command::Run(c)) => c,
         Ok(cli::Command::Help) => {
             print!("{}", cli::USAGE);
@@ -141,22 +161,58 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
             println!("cowork-guest-agent {}", env!("CARGO_PKG_VERSION"));
             return EXIT_OK;
         }
+        Err(e) if pid1 => {
+            eprintln!("cowork-guest-agent: {e}; running as init with the defaults");
+            Config {
+                init: true,
+                ..Config::default()
+            }
+        }
         Err(e) => {
             eprintln!("cowork-guest-agent: {e}\n\n{}", cli::USAGE);
             return EXIT_USAGE;
         }
     };
+    if config.init && !pid1 {
+        eprintln!("cowork-guest-agent: --init is only for the VM's PID 1");
+        return EXIT_USAGE;
+    }
+    config.init |= pid1 && args.is_empty();
     init_logging();
     // Writes to a closed host link must fail with EPIPE, not kill the agent.
     // SAFETY: setting a signal disposition.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    if config.init_mounts {
-        init::run_early_init();
+    if !config.init {
+        if config.init_mounts {
+            init::run_early_init();
+        }
+        return run_agent(config, clock_start, BootMarks::none());
     }
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        kernel = %sys::kernel_release(),
+        "agent starting as the VM's init"
+    );
+    init::run_machine_init();
+    let marks = BootMarks::detect();
+    marks.mark(Milestone::AgentStart, clock_start);
+    let code = std::panic::catch_unwind(move || run_agent(config, clock_start, marks));
+    let reason = match code {
+        Ok(EXIT_OK) => power::Reason::HostDone,
+        Ok(_) => power::Reason::LinkFailed,
+        Err(_) => power::Reason::AgentFailed,
+    };
+    marks.mark(Milestone::PowerOff, sys::boottime_us());
+    power::power_off(reason)
+}
+
+/// Connects to the host and serves it; returns the process exit code.
+fn run_agent(config: Config, clock_start: u64, marks: BootMarks) -> i32 {
     let clock = BootClock {
         start_us: clock_start,
         init_done_us: sys::boottime_us(),
     };
+    marks.mark(Milestone::InitDone, clock.init_done_us);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(MAX_BLOCKING_THREADS)
@@ -168,7 +224,7 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
             return EXIT_LINK;
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
         let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
             Ok(c) => c,
@@ -177,6 +233,8 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
                 return EXIT_LINK;
             }
         };
+        marks.mark(Milestone::Connected, sys::boottime_us());
+        tracing::info!(connect = %config.connect, "connected to the host");
         match Agent::new(config, conn, clock) {
             Ok(agent) => agent.run().await,
             Err(e) => {
@@ -184,7 +242,10 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
                 EXIT_LINK
             }
         }
-    })
+    });
+    // Blocking work stuck in a syscall must not hold up the exit (or power off).
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
+    code
 }
 
 /// Logging to stderr, one line per event, filtered by `COWORK_LOG`.

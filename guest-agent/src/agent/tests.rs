@@ -1538,8 +1538,13 @@ async fn ns_init_mounts_kernel_filesystems_once() {
     assert!(t.path().join("proc/self/stat").exists());
     assert!(t.path().join("sys/kernel").is_dir());
     assert!(t.path().join("sys/fs/cgroup/cgroup.controllers").exists());
+    assert!(mounted(&first[4], "dev/pts"), "{first:?}");
+    assert!(t.path().join("dev/pts/ptmx").exists());
+    for (i, dir) in [(5, "dev/shm"), (6, "tmp"), (7, "run")] {
+        assert!(mounted(&first[i], dir), "{first:?}");
+    }
     let second = init::mount_early_filesystems(t.path());
-    for i in [0, 1, 3] {
+    for i in [0, 1, 3, 4, 5, 6, 7] {
         assert!(
             matches!(second[i], MountOutcome::AlreadyMounted(_)),
             "{second:?}"

@@ -1,0 +1,405 @@
+//! Loading the guest image's kernel modules as PID 1.
+//!
+//! The image ships plain (uncompressed) `.ko` files under
+//! `/lib/modules/<release>/` and a `modules.dep` in depmod's format
+//! (`path: dep-path dep-path ...`, paths relative to that directory), written
+//! by `scripts/mkinitramfs.sh` from each module's own `depends=` field since
+//! Debian's kernel package ships no `modules.dep`. Every module listed there
+//! is loaded with `finit_module(2)`, dependencies first
+//! ([`load_order`], a pure function). A module that is already loaded or
+//! built in (`EEXIST`) counts as loaded; any other failure is reported and
+//! the remaining modules are still tried (a missing device is not fatal to
+//! the agent, the host sees what is missing in the console log).
+//!
+//! Limits: no `modprobe.d` options, aliases or soft dependencies at run time
+//! (the image script resolves soft `pre:` dependencies into `modules.dep`);
+//! compressed modules are refused with a clear error rather than
+//! decompressed in the guest.
+
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use super::sys;
+
+/// Directory holding the per-release module trees.
+pub const MODULES_ROOT: &str = "/lib/modules";
+
+/// Name of the dependency file inside a module tree.
+pub const MODULES_DEP: &str = "modules.dep";
+
+/// Longest `modules.dep` accepted (a whole distro kernel's is about 1 MiB).
+const MAX_DEP_FILE: u64 = 16 * 1024 * 1024;
+
+/// Errors of reading the dependency file and loading modules.
+#[derive(Debug, thiserror::Error)]
+pub enum ModulesError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("{path} is larger than {MAX_DEP_FILE} bytes; not a modules.dep")]
+    TooLarge { path: PathBuf },
+    #[error("modules.dep line {line}: expected 'module.ko: dependencies...', got {text:?}")]
+    Syntax { line: usize, text: String },
+    #[error("module dependency cycle: {}", .0.join(" -> "))]
+    Cycle(Vec<String>),
+    #[error("{path} is compressed; the image must ship plain .ko files (rebuild it with scripts/mkguestimage.sh)")]
+    Compressed { path: PathBuf },
+    #[error("cannot load {path}: {source}")]
+    Load { path: PathBuf, source: io::Error },
+}
+
+/// One line of `modules.dep`: a module and what it needs, as tree-relative paths.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleDeps {
+    pub path: String,
+    pub deps: Vec<String>,
+}
+
+/// Parses depmod's `modules.dep` format. Blank lines and `#` comments are
+/// skipped; a line without `:` or with an empty module path is an error.
+pub fn parse_modules_dep(text: &str) -> Result<Vec<ModuleDeps>, ModulesError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let syntax = || ModulesError::Syntax {
+            line: i + 1,
+            text: line.chars().take(200).collect(),
+        };
+        let (path, deps) = line.split_once(':').ok_or_else(syntax)?;
+        let path = path.trim();
+        if path.is_empty() || path.contains(char::is_whitespace) {
+            return Err(syntax());
+        }
+        out.push(ModuleDeps {
+            path: path.to_string(),
+            deps: deps.split_whitespace().map(str::to_string).collect(),
+        });
+    }
+    Ok(out)
+}
+
+/// Orders every module of `entries` (and every dependency they name) so
+/// that each comes after all of its dependencies. Modules without an order
+/// between them keep the order of `entries` (and, for dependencies without a
+/// line of their own, the order they are named in). Duplicate lines are
+/// merged. A cycle is an error naming it.
+pub fn load_order(entries: &[ModuleDeps]) -> Result<Vec<String>, ModulesError> {
+    let mut deps_of: HashMap<&str, Vec<&str>> = HashMap::new();
+    for e in entries {
+        let slot = deps_of.entry(e.path.as_str()).or_default();
+        for d in &e.deps {
+            if !slot.contains(&d.as_str()) {
+                slot.push(d.as_str());
+            }
+        }
+    }
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        Visiting,
+        Done,
+    }
+    let mut marks: HashMap<&str, Mark> = HashMap::new();
+    let mut order = Vec::new();
+    for root in entries.iter().map(|e| e.path.as_str()) {
+        if marks.contains_key(root) {
+            continue;
+        }
+        // Iterative depth-first search; `stack` holds (module, next dependency index).
+        let mut stack: Vec<(&str, usize)> = vec![(root, 0)];
+        marks.insert(root, Mark::Visiting);
+        while let Some(&mut (node, ref mut next)) = stack.last_mut() {
+            let deps = deps_of.get(node).map(Vec::as_slice).unwrap_or(&[]);
+            if let Some(&dep) = deps.get(*next) {
+                *next += 1;
+                match marks.get(dep) {
+                    Some(Mark::Done) => {}
+                    Some(Mark::Visiting) => {
+                        let start = stack.iter().position(|(n, _)| *n == dep).unwrap_or(0);
+                        let mut cycle: Vec<String> =
+                            stack[start..].iter().map(|(n, _)| n.to_string()).collect();
+                        cycle.push(dep.to_string());
+                        return Err(ModulesError::Cycle(cycle));
+                    }
+                    None => {
+                        marks.insert(dep, Mark::Visiting);
+                        stack.push((dep, 0));
+                    }
+                }
+            } else {
+                marks.insert(node, Mark::Done);
+                order.push(node.to_string());
+                stack.pop();
+            }
+        }
+    }
+    Ok(order)
+}
+
+/// The module name of a tree path (`kernel/net/vmw_vsock/vsock.ko` -> `vsock`).
+pub fn module_name(path: &str) -> &str {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    file.split_once(".ko").map_or(file, |(stem, _)| stem)
+}
+
+/// What happened to one module.
+#[derive(Debug)]
+pub enum LoadOutcome {
+    Loaded(String),
+    AlreadyPresent(String),
+    Failed(ModulesError),
+}
+
+/// Reads `<tree>/modules.dep` and returns the modules' full paths in load order.
+pub fn planned_loads(tree: &Path) -> Result<Vec<PathBuf>, ModulesError> {
+    let dep = tree.join(MODULES_DEP);
+    let read = |source| ModulesError::Read {
+        path: dep.clone(),
+        source,
+    };
+    let len = std::fs::metadata(&dep).map_err(read)?.len();
+    if len > MAX_DEP_FILE {
+        return Err(ModulesError::TooLarge { path: dep });
+    }
+    let text = std::fs::read_to_string(&dep).map_err(read)?;
+    let order = load_order(&parse_modules_dep(&text)?)?;
+    Ok(order.iter().map(|rel| tree.join(rel)).collect())
+}
+
+/// Loads every module of `tree` in dependency order; one outcome per module.
+pub fn load_tree(tree: &Path) -> Result<Vec<LoadOutcome>, ModulesError> {
+    Ok(planned_loads(tree)?
+        .into_iter()
+        .map(|path| {
+            let name = module_name(&path.to_string_lossy()).to_string();
+            match load_module(&path) {
+                Ok(true) => LoadOutcome::Loaded(name),
+                Ok(false) => LoadOutcome::AlreadyPresent(name),
+                Err(e) => LoadOutcome::Failed(e),
+            }
+        })
+        .collect())
+}
+
+/// Loads one plain `.ko` with `finit_module(2)`. Returns false when the
+/// kernel already has it (`EEXIST`).
+pub fn load_module(path: &Path) -> Result<bool, ModulesError> {
+    if !path.to_string_lossy().ends_with(".ko") {
+        return Err(ModulesError::Compressed {
+            path: path.to_path_buf(),
+        });
+    }
+    let load = |source| ModulesError::Load {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = sys::open(path, libc::O_RDONLY | libc::O_CLOEXEC).map_err(load)?;
+    let params: &CStr = c"";
+    // SAFETY: finit_module with an open descriptor, a NUL-terminated empty
+    // parameter string and no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_finit_module,
+            file.as_raw_fd(),
+            params.as_ptr(),
+            0 as libc::c_int,
+        )
+    };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EEXIST) {
+        Ok(false)
+    } else {
+        Err(load(e))
+    }
+}
+
+/// The module tree of the running kernel.
+pub fn running_tree() -> PathBuf {
+    Path::new(MODULES_ROOT).join(sys::kernel_release())
+}
+
+/// Loads the running kernel's modules and logs one line per module. A tree
+/// without `modules.dep` means an image without modules: nothing to do.
+pub fn load_all() {
+    let tree = running_tree();
+    if !tree.join(MODULES_DEP).exists() {
+        tracing::info!(tree = %tree.display(), "no modules.dep; no kernel modules to load");
+        return;
+    }
+    let outcomes = match load_tree(&tree) {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, "kernel modules not loaded");
+            return;
+        }
+    };
+    let (mut loaded, mut present, mut failed) = (0, 0, 0);
+    for o in outcomes {
+        match o {
+            LoadOutcome::Loaded(name) => {
+                loaded += 1;
+                tracing::debug!(module = %name, "module loaded")
+            }
+            LoadOutcome::AlreadyPresent(name) => {
+                present += 1;
+                tracing::debug!(module = %name, "module already present")
+            }
+            LoadOutcome::Failed(e) => {
+                failed += 1;
+                tracing::warn!(error = %e, "module not loaded")
+            }
+        }
+    }
+    tracing::info!(loaded, present, failed, "kernel modules loaded");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deps(text: &str) -> Vec<ModuleDeps> {
+        parse_modules_dep(text).unwrap()
+    }
+
+    #[test]
+    fn parses_depmod_format() {
+        let d = deps(
+            "# comment\n\nkernel/a.ko: kernel/b.ko kernel/c.ko\n  kernel/b.ko:\nkernel/c.ko:kernel/b.ko\n",
+        );
+        assert_eq!(
+            d,
+            vec![
+                ModuleDeps {
+                    path: "kernel/a.ko".into(),
+                    deps: vec!["kernel/b.ko".into(), "kernel/c.ko".into()]
+                },
+                ModuleDeps {
+                    path: "kernel/b.ko".into(),
+                    deps: vec![]
+                },
+                ModuleDeps {
+                    path: "kernel/c.ko".into(),
+                    deps: vec!["kernel/b.ko".into()]
+                },
+            ]
+        );
+        for bad in ["kernel/a.ko kernel/b.ko", ": kernel/b.ko", "a b.ko: c.ko"] {
+            let e = parse_modules_dep(bad).unwrap_err();
+            assert!(
+                matches!(e, ModulesError::Syntax { line: 1, .. }),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    /// Position of `m` in `order`.
+    fn pos(order: &[String], m: &str) -> usize {
+        order
+            .iter()
+            .position(|x| x == m)
+            .unwrap_or_else(|| panic!("{m} missing from {order:?}"))
+    }
+
+    #[test]
+    fn dependencies_come_first_whatever_the_file_order() {
+        // The guest image's real chain, listed dependents first (worst case).
+        let d = deps(
+            "vmw_vsock_virtio_transport.ko: vmw_vsock_virtio_transport_common.ko vsock.ko virtio.ko virtio_ring.ko\n\
+             virtio_pci.ko: virtio_pci_modern_dev.ko virtio_pci_legacy_dev.ko virtio.ko virtio_ring.ko\n\
+             virtiofs.ko: fuse.ko virtio.ko virtio_ring.ko\n\
+             vmw_vsock_virtio_transport_common.ko: vsock.ko\n\
+             ext4.ko: jbd2.ko mbcache.ko crc16.ko\n\
+             jbd2.ko:\nmbcache.ko:\ncrc16.ko:\nfuse.ko:\nvsock.ko:\nvirtio.ko: virtio_ring.ko\nvirtio_ring.ko:\n\
+             virtio_pci_modern_dev.ko:\nvirtio_pci_legacy_dev.ko:\n",
+        );
+        let order = load_order(&d).unwrap();
+        assert_eq!(order.len(), 14, "{order:?}");
+        for e in &d {
+            for dep in &e.deps {
+                assert!(
+                    pos(&order, dep) < pos(&order, &e.path),
+                    "{dep} before {}",
+                    e.path
+                );
+            }
+        }
+        // Independent modules keep the file's order.
+        assert!(pos(&order, "vmw_vsock_virtio_transport.ko") < pos(&order, "virtio_pci.ko"));
+        assert!(pos(&order, "virtio_pci.ko") < pos(&order, "virtiofs.ko"));
+    }
+
+    #[test]
+    fn already_ordered_input_is_kept_and_duplicates_merge() {
+        let d = deps("a.ko:\nb.ko: a.ko\nc.ko: b.ko a.ko\nb.ko: a.ko\n");
+        assert_eq!(load_order(&d).unwrap(), ["a.ko", "b.ko", "c.ko"]);
+    }
+
+    #[test]
+    fn dependencies_without_their_own_line_are_loaded_too() {
+        let d = deps("top.ko: mid.ko base.ko\nmid.ko: base.ko\n");
+        assert_eq!(load_order(&d).unwrap(), ["base.ko", "mid.ko", "top.ko"]);
+    }
+
+    #[test]
+    fn cycles_are_named() {
+        let d = deps("a.ko: b.ko\nb.ko: c.ko\nc.ko: a.ko\nd.ko:\n");
+        match load_order(&d) {
+            Err(ModulesError::Cycle(c)) => assert_eq!(c, ["a.ko", "b.ko", "c.ko", "a.ko"]),
+            other => panic!("expected a cycle, got {other:?}"),
+        }
+        let selfdep = deps("x.ko: x.ko\n");
+        assert!(matches!(load_order(&selfdep), Err(ModulesError::Cycle(_))));
+    }
+
+    #[test]
+    fn deep_chains_do_not_recurse() {
+        let n = 20_000;
+        let text: String = (0..n)
+            .map(|i| format!("m{i}.ko: m{}.ko\n", i + 1))
+            .collect();
+        let order = load_order(&deps(&text)).unwrap();
+        assert_eq!(order.len(), n + 1);
+        assert_eq!(order[0], format!("m{n}.ko"));
+        assert_eq!(order[n], "m0.ko");
+    }
+
+    #[test]
+    fn names_and_plans() {
+        assert_eq!(module_name("kernel/net/vmw_vsock/vsock.ko"), "vsock");
+        assert_eq!(module_name("kernel/fs/fuse/virtiofs.ko.xz"), "virtiofs");
+        assert_eq!(module_name("crc16.ko"), "crc16");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(MODULES_DEP),
+            "kernel/b.ko: kernel/a.ko\nkernel/a.ko:\n",
+        )
+        .unwrap();
+        assert_eq!(
+            planned_loads(dir.path()).unwrap(),
+            [
+                dir.path().join("kernel/a.ko"),
+                dir.path().join("kernel/b.ko")
+            ]
+        );
+        let missing = planned_loads(&dir.path().join("nope")).unwrap_err();
+        assert!(matches!(missing, ModulesError::Read { .. }), "{missing}");
+    }
+
+    #[test]
+    fn loading_refuses_compressed_and_reports_missing_files() {
+        let e = load_module(Path::new("/nonexistent/x.ko.zst")).unwrap_err();
+        assert!(matches!(e, ModulesError::Compressed { .. }), "{e}");
+        let e = load_module(Path::new("/nonexistent/x.ko")).unwrap_err();
+        assert!(
+            matches!(&e, ModulesError::Load { source, .. } if source.kind() == io::ErrorKind::NotFound),
+            "{e}"
+        );
+    }
+}
