@@ -60,7 +60,7 @@ impl Machine {
     /// Waits until the machine ends by itself; describes how.
     pub async fn wait(&mut self) -> String {
         match self {
-            Self::Sandbox(s) => format!("{:?}", s.wait().await),
+            Self::Sandbox(s) => s.wait().await.to_string(),
         }
     }
 
