@@ -1,0 +1,3 @@
+//! vhost-user faces of the device models.
+
+pub mod vsock;

@@ -1,0 +1,309 @@
+//! The vhost-user face of the vsock model: serves [`VsockModel`] to a
+//! vhost-user frontend (QEMU's `vhost-user-vsock-pci` /
+//! `vhost-user-vsock-device`) over a Unix socket.
+//!
+//! ```text
+//! let host = VsockHost::new()?;
+//! let agent = host.listen(51234)?;
+//! let server = VhostUserVsockServer::bind(&VhostUserVsockConfig::new(sock, 3), &host)?;
+//! let thread = server.spawn()?;          // then start QEMU with:
+//! //   -object memory-backend-memfd,id=mem,size=512M,share=on -numa node,memdev=mem
+//! //   -chardev socket,id=vs,path=SOCK -device vhost-user-vsock-pci,chardev=vs
+//! let stream = agent.accept()?;          // the guest dialled CID 2:51234
+//! ```
+//!
+//! Guest memory comes from the frontend's shared (memfd) regions, mapped by
+//! the vhost-user-backend crate. The guest CID is served through the config
+//! space (`VHOST_USER_PROTOCOL_F_CONFIG`); QEMU's vhost-user-vsock reads it
+//! from there. QEMU keeps the event queue to itself, so this face has none:
+//! a host-requested transport reset just drops the connections.
+//!
+//! Limits: one frontend connection per [`VhostUserVsockServer`] (the server
+//! returns when it disconnects; bind a new one for the next VM); one worker
+//! thread; no dirty-page logging (no live migration).
+
+use std::io;
+use std::os::fd::RawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::thread::JoinHandle;
+
+use tracing::{info, warn};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use virtio_bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_F_VERSION_1};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::vsock::device::{NUM_QUEUES, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
+use crate::vsock::{DeviceError, VsockConfig, VsockHost, VsockModel};
+
+/// Guest memory as the vhost-user-backend crate maps it.
+type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// Handler token of the model's host fd (0..=2 are the queues, 3 is the
+/// exit event).
+const HOST_EVENT: u16 = NUM_QUEUES as u16 + 1;
+
+/// Errors of the vhost-user vsock server.
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserVsockError {
+    /// The device model could not be built.
+    #[error(transparent)]
+    Model(#[from] DeviceError),
+    /// Binding the vhost-user socket failed.
+    #[error("cannot listen on vhost-user socket {path}: {source}; check the directory exists and is writable")]
+    Bind {
+        /// Socket path.
+        path: PathBuf,
+        /// vhost error.
+        source: vhost::vhost_user::Error,
+    },
+    /// The vhost-user daemon failed to start or serve.
+    #[error("vhost-user vsock daemon failed: {0}")]
+    Daemon(vhost_user_backend::Error),
+    /// Registering the host fd with the worker, or creating the exit event,
+    /// failed.
+    #[error("cannot set up the vhost-user vsock worker: {0}; check the process fd limit")]
+    Setup(#[source] io::Error),
+}
+
+/// Configuration of the vhost-user face.
+#[derive(Debug, Clone)]
+pub struct VhostUserVsockConfig {
+    /// Path of the vhost-user Unix socket (replaced if it exists).
+    pub socket: PathBuf,
+    /// CID of the guest.
+    pub guest_cid: u64,
+    /// Largest queue size offered.
+    pub queue_size: u16,
+    /// Model tunables.
+    pub vsock: VsockConfig,
+}
+
+impl VhostUserVsockConfig {
+    /// Defaults for `socket` and `guest_cid`.
+    pub fn new(socket: impl Into<PathBuf>, guest_cid: u64) -> Self {
+        Self {
+            socket: socket.into(),
+            guest_cid,
+            queue_size: QUEUE_SIZE,
+            vsock: VsockConfig::default(),
+        }
+    }
+}
+
+/// The [`VhostUserBackendMut`] wrapping a [`VsockModel`].
+pub struct VhostUserVsockBackend {
+    model: VsockModel,
+    mem: Mem,
+    queue_size: u16,
+    exit_consumer: EventConsumer,
+    exit_notifier: EventNotifier,
+}
+
+impl VhostUserVsockBackend {
+    /// A backend over a new model.
+    pub fn new(
+        config: &VhostUserVsockConfig,
+        host: &VsockHost,
+        mem: Mem,
+    ) -> Result<Self, VhostUserVsockError> {
+        let model = VsockModel::new(config.guest_cid, config.vsock.clone(), host)?;
+        let (exit_consumer, exit_notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)
+            .map_err(VhostUserVsockError::Setup)?;
+        Ok(Self {
+            model,
+            mem,
+            queue_size: config.queue_size,
+            exit_consumer,
+            exit_notifier,
+        })
+    }
+
+    /// The model's host fd (registered with the worker's epoll).
+    pub fn host_fd(&self) -> RawFd {
+        self.model.host_fd()
+    }
+
+    fn pass(&mut self, vrings: &[VringRwLock<Mem>]) -> Result<(), DeviceError> {
+        let (Some(rx), Some(tx)) = (vrings.get(RX_QUEUE as usize), vrings.get(TX_QUEUE as usize))
+        else {
+            return Ok(());
+        };
+        let usable = |v: &VringRwLock<Mem>| {
+            let g = v.get_ref();
+            g.is_enabled() && g.get_queue().ready()
+        };
+        if !usable(rx) || !usable(tx) {
+            // Rings not set up yet: keep host events moving (and the level
+            // triggered host fd quiet) without touching guest memory.
+            self.model.process_host_events()?;
+            return Ok(());
+        }
+        let mem = self.mem.memory();
+        let sig = {
+            let mut rxg = rx.get_mut();
+            let mut txg = tx.get_mut();
+            self.model
+                .process(&*mem, rxg.get_queue_mut(), txg.get_queue_mut(), None)?
+        };
+        for (v, s) in [(rx, sig[0]), (tx, sig[1])] {
+            if s {
+                if let Err(e) = v.signal_used_queue() {
+                    warn!("vhost-user-vsock: cannot signal the guest: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl VhostUserBackendMut for VhostUserVsockBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock<Mem>;
+
+    fn num_queues(&self) -> usize {
+        NUM_QUEUES
+    }
+
+    fn max_queue_size(&self) -> usize {
+        self.queue_size as usize
+    }
+
+    fn features(&self) -> u64 {
+        (1 << VIRTIO_F_VERSION_1)
+            | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
+            | (1 << VIRTIO_RING_F_EVENT_IDX)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG
+    }
+
+    fn set_event_idx(&mut self, _enabled: bool) {
+        // The handler applies it to each vring's queue; the model reads it
+        // from there.
+    }
+
+    fn reset_device(&mut self) {
+        info!("vhost-user-vsock: device reset, dropping connections");
+        self.model.reset_transport();
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let cfg = self.model.guest_cid().to_le_bytes();
+        let start = offset as usize;
+        match start.checked_add(size as usize) {
+            Some(end) if end <= cfg.len() => cfg[start..end].to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    fn update_memory(&mut self, mem: Mem) -> io::Result<()> {
+        self.mem = mem;
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        Some((
+            self.exit_consumer.try_clone().ok()?,
+            self.exit_notifier.try_clone().ok()?,
+        ))
+    }
+
+    fn handle_event(
+        &mut self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[Self::Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        if device_event as usize > NUM_QUEUES + 1 {
+            warn!(device_event, "vhost-user-vsock: unknown event ignored");
+            return Ok(());
+        }
+        if let Err(e) = self.pass(vrings) {
+            // A broken ring is the guest's fault; keep serving the others.
+            warn!("vhost-user-vsock: {e}");
+        }
+        Ok(())
+    }
+}
+
+/// A bound vhost-user vsock socket, ready to serve one frontend.
+pub struct VhostUserVsockServer {
+    socket: PathBuf,
+    listener: Listener,
+    daemon: VhostUserDaemon<Arc<RwLock<VhostUserVsockBackend>>>,
+}
+
+impl VhostUserVsockServer {
+    /// Creates the socket at `config.socket` (replacing a stale one) and the
+    /// backend; the frontend may connect from now on.
+    pub fn bind(
+        config: &VhostUserVsockConfig,
+        host: &VsockHost,
+    ) -> Result<Self, VhostUserVsockError> {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let backend = VhostUserVsockBackend::new(config, host, mem.clone())?;
+        let host_fd = backend.host_fd();
+        let backend = Arc::new(RwLock::new(backend));
+        let daemon = VhostUserDaemon::new("vhost-user-vsock".into(), backend, mem)
+            .map_err(VhostUserVsockError::Daemon)?;
+        for h in daemon.get_epoll_handlers() {
+            h.register_listener(host_fd, EventSet::IN, u64::from(HOST_EVENT))
+                .map_err(VhostUserVsockError::Setup)?;
+        }
+        let listener =
+            Listener::new(&config.socket, true).map_err(|source| VhostUserVsockError::Bind {
+                path: config.socket.clone(),
+                source,
+            })?;
+        info!(socket = %config.socket.display(), guest_cid = config.guest_cid, "vhost-user-vsock: listening");
+        Ok(Self {
+            socket: config.socket.clone(),
+            listener,
+            daemon,
+        })
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Accepts one frontend and serves it until it disconnects.
+    pub fn run(mut self) -> Result<(), VhostUserVsockError> {
+        self.daemon
+            .start(&mut self.listener)
+            .map_err(VhostUserVsockError::Daemon)?;
+        info!(socket = %self.socket.display(), "vhost-user-vsock: frontend connected");
+        let res = self.daemon.wait();
+        for h in self.daemon.get_epoll_handlers() {
+            h.send_exit_event();
+        }
+        info!(socket = %self.socket.display(), "vhost-user-vsock: frontend disconnected");
+        match res {
+            Ok(()) => Ok(()),
+            Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => Ok(()),
+            Err(e) => Err(VhostUserVsockError::Daemon(e)),
+        }
+    }
+
+    /// [`Self::run`] on a new thread named `vhost-user-vsock`.
+    pub fn spawn(self) -> io::Result<JoinHandle<Result<(), VhostUserVsockError>>> {
+        std::thread::Builder::new()
+            .name("vhost-user-vsock".into())
+            .spawn(move || self.run())
+    }
+}

@@ -1,0 +1,555 @@
+//! The virtio-vsock device model ([`VsockModel`]) and its in-process face
+//! ([`VsockDevice`], a [`VirtioDevice`] for the vmm's virtio-mmio transport).
+//!
+//! [`VsockModel`] knows queues and guest memory, nothing of KVM or vhost-user:
+//! a face hands it the RX (0), TX (1) and event (2) queues with the guest
+//! memory they live in, and calls [`VsockModel::process`] whenever a queue
+//! was kicked or [`VsockModel::host_fd`] became readable. TX chains are parsed
+//! as byte streams ([`super::packet`]); a malformed chain is consumed (used
+//! with length 0) and the connection it names, if any, reset. RX buffers are
+//! filled only while a connection has something to say and its guest credit
+//! allows.
+//!
+//! [`VsockDevice`] runs the model on a worker thread with an epoll loop over
+//! the queue notify eventfds, the model's host fd and a stop eventfd. Its
+//! config space is the 64-bit guest CID (virtio 1.2 §5.10.4). On activation
+//! the event queue gets a TRANSPORT_RESET only if the host asked for one.
+//!
+//! Limits: no `VIRTIO_VSOCK_F_SEQPACKET`, no `VIRTIO_VSOCK_F_NO_IMPLIED_STREAM`
+//! (stream only); one RX packet per RX chain (no mergeable buffers).
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{debug, warn};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestMemory;
+use vmm::virtio::{
+    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    VirtioInterrupt,
+};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::backend::VsockHost;
+use super::muxer::{Muxer, MuxerError, MuxerStats};
+use super::packet::{
+    ChainReader, ChainWriter, PacketError, EVENT_SIZE, EVENT_TRANSPORT_RESET, HDR_SIZE,
+};
+use super::VsockConfig;
+
+/// Virtio device ID of a socket device (virtio 1.2 §5.10).
+pub const VIRTIO_ID_VSOCK: u32 = 19;
+/// Index of the RX queue (device → driver packets), §5.10.2.
+pub const RX_QUEUE: u16 = 0;
+/// Index of the TX queue (driver → device packets), §5.10.2.
+pub const TX_QUEUE: u16 = 1;
+/// Index of the event queue, §5.10.2.
+pub const EVENT_QUEUE: u16 = 2;
+/// Number of queues of the device.
+pub const NUM_QUEUES: usize = 3;
+/// Maximum size of each queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Size of the config space: `le64 guest_cid` (§5.10.4).
+pub const CONFIG_SIZE: usize = 8;
+/// Smallest CID a guest may have (0..=2 are reserved, §5.10.4).
+pub const MIN_GUEST_CID: u64 = 3;
+/// CIDs are 32-bit in practice (the upper 32 bits of `guest_cid` are
+/// reserved and zeroed, §5.10.4); `u32::MAX` is `VMADDR_CID_ANY`.
+pub const MAX_GUEST_CID: u64 = u32::MAX as u64 - 1;
+
+/// Errors of the device model.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The guest CID is reserved or out of range.
+    #[error("guest CID {0} is invalid; use a value in {MIN_GUEST_CID}..={MAX_GUEST_CID}")]
+    InvalidCid(u64),
+    /// The muxer's event sources failed.
+    #[error(transparent)]
+    Muxer(#[from] MuxerError),
+    /// The available ring could not be read: the queue is broken and the
+    /// device needs a reset.
+    #[error("virtqueue {index} is unusable: {source}; the guest driver must reset the device")]
+    Queue {
+        /// Queue index.
+        index: u16,
+        /// virtio-queue error.
+        source: virtio_queue::Error,
+    },
+}
+
+/// The virtio-vsock device model (see the module docs).
+pub struct VsockModel {
+    guest_cid: u64,
+    muxer: Muxer,
+}
+
+impl VsockModel {
+    /// A model for a guest with `guest_cid`, whose host side is `host`.
+    pub fn new(guest_cid: u64, config: VsockConfig, host: &VsockHost) -> Result<Self, DeviceError> {
+        check_cid(guest_cid)?;
+        Ok(Self {
+            guest_cid,
+            muxer: Muxer::new(guest_cid, config, host.shared.clone())?,
+        })
+    }
+
+    /// The guest CID.
+    pub fn guest_cid(&self) -> u64 {
+        self.guest_cid
+    }
+
+    /// Becomes readable when host-side work is pending; poll it (level
+    /// triggered) and call [`Self::process`].
+    pub fn host_fd(&self) -> RawFd {
+        self.muxer.epoll_fd()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> MuxerStats {
+        self.muxer.stats()
+    }
+
+    /// The connection table, for diagnostics and tests.
+    pub fn muxer(&self) -> &Muxer {
+        &self.muxer
+    }
+
+    /// Drops every connection and owes the guest a TRANSPORT_RESET event.
+    pub fn reset_transport(&mut self) {
+        self.muxer.reset_all();
+    }
+
+    /// Handles host-side events only (host streams, host requests, timers),
+    /// for a face whose queues are not usable yet.
+    pub fn process_host_events(&mut self) -> Result<(), DeviceError> {
+        self.muxer.process_host_events()?;
+        self.muxer.after_processing()?;
+        Ok(())
+    }
+
+    /// Runs host events, then TX, then RX (and the event queue when given).
+    /// Returns which queues need a used-buffer notification:
+    /// `[rx, tx, event]`.
+    pub fn process<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        rx: &mut Queue,
+        tx: &mut Queue,
+        event: Option<&mut Queue>,
+    ) -> Result<[bool; 3], DeviceError> {
+        self.muxer.process_host_events()?;
+        let tx_sig = self.process_tx(mem, tx)?;
+        let rx_sig = self.process_rx(mem, rx)?;
+        let ev_sig = match event {
+            Some(q) => self.process_event(mem, q)?,
+            None => {
+                // No event queue on this face (QEMU keeps it): nothing to tell.
+                self.muxer.take_transport_reset();
+                false
+            }
+        };
+        self.muxer.after_processing()?;
+        Ok([rx_sig, tx_sig, ev_sig])
+    }
+
+    /// Consumes every available TX chain. Returns whether the driver needs a
+    /// notification.
+    pub fn process_tx<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, DeviceError> {
+        let qerr = |source| DeviceError::Queue {
+            index: TX_QUEUE,
+            source,
+        };
+        let mut used = false;
+        loop {
+            q.disable_notification(mem).map_err(qerr)?;
+            loop {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(source) => return Err(qerr(source)),
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                match ChainReader::new(mem, chain) {
+                    Ok(mut reader) => match reader.read_header() {
+                        Ok(hdr) => {
+                            debug!(
+                                op = hdr.op_name(),
+                                src_port = hdr.src_port,
+                                dst_port = hdr.dst_port,
+                                len = hdr.len,
+                                "vsock: tx"
+                            );
+                            self.muxer.handle_guest_packet(&hdr, &mut reader);
+                        }
+                        Err(e) => warn!("vsock: TX chain {head} dropped: {e}"),
+                    },
+                    Err(e) => warn!("vsock: TX chain {head} dropped: {e}"),
+                }
+                // The device writes nothing into TX buffers.
+                if let Err(e) = q.add_used(mem, head, 0) {
+                    warn!("vsock: cannot return TX chain {head}: {e}");
+                    continue;
+                }
+                used = true;
+            }
+            if !q.enable_notification(mem).map_err(qerr)? {
+                break;
+            }
+        }
+        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+    }
+
+    /// Fills RX chains while packets are pending. Returns whether the driver
+    /// needs a notification.
+    pub fn process_rx<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, DeviceError> {
+        let qerr = |source| DeviceError::Queue {
+            index: RX_QUEUE,
+            source,
+        };
+        let mut used = false;
+        while self.muxer.has_rx_work() {
+            let chain = match q.iter(mem) {
+                Ok(mut it) => it.next(),
+                Err(source) => return Err(qerr(source)),
+            };
+            let Some(chain) = chain else {
+                // Out of buffers: ask for a kick when the driver adds some.
+                if q.enable_notification(mem).map_err(qerr)? {
+                    continue;
+                }
+                break;
+            };
+            let head = chain.head_index();
+            let mut writer = match ChainWriter::new(mem, chain) {
+                Ok(w) if w.capacity() >= HDR_SIZE => w,
+                Ok(w) => {
+                    let e = PacketError::RxTooSmall { got: w.capacity() };
+                    warn!("vsock: RX chain {head} dropped: {e}");
+                    used |= q.add_used(mem, head, 0).is_ok();
+                    continue;
+                }
+                Err(e) => {
+                    warn!("vsock: RX chain {head} dropped: {e}");
+                    used |= q.add_used(mem, head, 0).is_ok();
+                    continue;
+                }
+            };
+            let room = writer.capacity() - HDR_SIZE;
+            let Some((hdr, payload)) = self.muxer.next_rx_packet(room) else {
+                // Nobody had anything after all: give the chain back.
+                q.go_to_previous_position();
+                break;
+            };
+            debug!(
+                op = hdr.op_name(),
+                src_port = hdr.src_port,
+                dst_port = hdr.dst_port,
+                len = hdr.len,
+                "vsock: rx"
+            );
+            let res = writer
+                .write(&hdr.to_bytes())
+                .and_then(|_| writer.write(payload));
+            if let Err(e) = res {
+                warn!("vsock: RX chain {head} could not be written, packet lost: {e}");
+            }
+            let len = u32::try_from(writer.written()).unwrap_or(u32::MAX);
+            if let Err(e) = q.add_used(mem, head, len) {
+                warn!("vsock: cannot return RX chain {head}: {e}");
+                continue;
+            }
+            used = true;
+        }
+        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+    }
+
+    /// Posts a pending TRANSPORT_RESET event. Returns whether the driver
+    /// needs a notification.
+    pub fn process_event<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, DeviceError> {
+        if !self.muxer.transport_reset_pending() {
+            return Ok(false);
+        }
+        let qerr = |source| DeviceError::Queue {
+            index: EVENT_QUEUE,
+            source,
+        };
+        loop {
+            let chain = match q.iter(mem) {
+                Ok(mut it) => it.next(),
+                Err(source) => return Err(qerr(source)),
+            };
+            let Some(chain) = chain else {
+                q.enable_notification(mem).map_err(qerr)?;
+                return Ok(false);
+            };
+            let head = chain.head_index();
+            let written = match ChainWriter::new(mem, chain) {
+                Ok(mut w) if w.capacity() >= EVENT_SIZE => {
+                    w.write(&EVENT_TRANSPORT_RESET.to_le_bytes()).unwrap_or(0)
+                }
+                Ok(_) => 0,
+                Err(e) => {
+                    warn!("vsock: event chain {head} dropped: {e}");
+                    0
+                }
+            };
+            if q.add_used(mem, head, written as u32).is_err() {
+                warn!("vsock: cannot return event chain {head}");
+            }
+            if written == EVENT_SIZE {
+                self.muxer.take_transport_reset();
+                debug!("vsock: TRANSPORT_RESET event posted");
+                return q.needs_notification(mem).map_err(qerr);
+            }
+        }
+    }
+}
+
+fn check_cid(cid: u64) -> Result<(), DeviceError> {
+    if (MIN_GUEST_CID..=MAX_GUEST_CID).contains(&cid) {
+        Ok(())
+    } else {
+        Err(DeviceError::InvalidCid(cid))
+    }
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<()>,
+}
+
+/// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
+/// transport, running a [`VsockModel`] on its own thread while active.
+pub struct VsockDevice {
+    guest_cid: u64,
+    config: VsockConfig,
+    host: VsockHost,
+    acked: u64,
+    max_sizes: [u16; NUM_QUEUES],
+    worker: Option<Worker>,
+}
+
+impl VsockDevice {
+    /// A device with `guest_cid`, whose host side is `host`.
+    pub fn new(guest_cid: u64, config: VsockConfig, host: VsockHost) -> Result<Self, DeviceError> {
+        check_cid(guest_cid)?;
+        Ok(Self {
+            guest_cid,
+            config,
+            host,
+            acked: 0,
+            max_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            worker: None,
+        })
+    }
+
+    /// Features the driver accepted.
+    pub fn acked_features(&self) -> u64 {
+        self.acked
+    }
+
+    /// Whether the worker runs.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> bool {
+        let Some(w) = self.worker.take() else {
+            return true;
+        };
+        if let Err(e) = w.stop.write(1) {
+            warn!("vsock: cannot stop the worker: {e}");
+            self.worker = Some(w);
+            return false;
+        }
+        w.thread.join().is_ok()
+    }
+}
+
+impl Drop for VsockDevice {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+impl VirtioDevice for VsockDevice {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        features::VERSION_1 | features::RING_EVENT_IDX
+    }
+
+    fn ack_features(&mut self, features: u64) -> bool {
+        self.acked = features;
+        true
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        debug!(offset, "vsock: config space is read-only, write ignored");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let mut slots: [Option<ActiveQueue>; NUM_QUEUES] = [None, None, None];
+        for q in queues {
+            if let Some(slot) = slots.get_mut(q.index as usize) {
+                *slot = Some(q);
+            }
+        }
+        let [rx, tx, ev] = slots;
+        let rx = rx.ok_or(ActivateError::MissingQueue { index: RX_QUEUE })?;
+        let tx = tx.ok_or(ActivateError::MissingQueue { index: TX_QUEUE })?;
+        let ev = ev.ok_or(ActivateError::MissingQueue { index: EVENT_QUEUE })?;
+        let model = VsockModel::new(self.guest_cid, self.config.clone(), &self.host)
+            .map_err(|e| ActivateError::Device(e.to_string()))?;
+
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        let add = |fd: RawFd, token: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(ActivateError::Worker)
+        };
+        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        add(rx.notify.as_raw_fd(), TOKEN_RX)?;
+        add(tx.notify.as_raw_fd(), TOKEN_TX)?;
+        add(ev.notify.as_raw_fd(), TOKEN_EVENT)?;
+        add(model.host_fd(), TOKEN_HOST)?;
+        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            rx,
+            tx,
+            ev,
+            model,
+            epoll,
+            stop: worker_stop,
+        };
+        let thread = std::thread::Builder::new()
+            .name("virtio-vsock".into())
+            .spawn(move || ctx.run())
+            .map_err(ActivateError::Worker)?;
+        self.worker = Some(Worker { stop, thread });
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        self.stop_worker()
+    }
+}
+
+const TOKEN_STOP: u64 = 0;
+const TOKEN_RX: u64 = 1;
+const TOKEN_TX: u64 = 2;
+const TOKEN_EVENT: u64 = 3;
+const TOKEN_HOST: u64 = 4;
+
+struct WorkerCtx {
+    mem: GuestMemoryMmap,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    rx: ActiveQueue,
+    tx: ActiveQueue,
+    ev: ActiveQueue,
+    model: VsockModel,
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+impl WorkerCtx {
+    fn run(mut self) {
+        if let Err(e) = self.event_loop() {
+            warn!("vsock: {e}; device needs reset");
+            if let Err(e) = self.interrupt.signal_needs_reset() {
+                warn!("vsock: cannot signal needs-reset: {e}");
+            }
+            // Park until the transport resets (or drops) us.
+            let _ = self.stop.read();
+        }
+    }
+
+    fn event_loop(&mut self) -> Result<(), WorkerLoopError> {
+        let mut events = [EpollEvent::default(); 8];
+        // Buffers may have been posted before DRIVER_OK: one pass up front.
+        self.pass()?;
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WorkerLoopError::Epoll(e)),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => return Ok(()),
+                    TOKEN_RX => drop(self.rx.notify.read()),
+                    TOKEN_TX => drop(self.tx.notify.read()),
+                    TOKEN_EVENT => drop(self.ev.notify.read()),
+                    _ => {}
+                }
+            }
+            self.pass()?;
+        }
+    }
+
+    fn pass(&mut self) -> Result<(), WorkerLoopError> {
+        let sig = self.model.process(
+            &self.mem,
+            &mut self.rx.queue,
+            &mut self.tx.queue,
+            Some(&mut self.ev.queue),
+        )?;
+        for (i, s) in sig.iter().enumerate() {
+            if *s {
+                if let Err(e) = self.interrupt.signal_used_queue(i as u16) {
+                    warn!("vsock: cannot signal queue {i}: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why the in-process worker stopped.
+#[derive(Debug, thiserror::Error)]
+enum WorkerLoopError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("epoll_wait failed: {0}")]
+    Epoll(io::Error),
+}
