@@ -41,6 +41,11 @@ const MULTI_NAME_PREFIX: u8 = 0x2f;
 const MEMORY32_FIXED_TAG: u8 = 0x86;
 /// Resource descriptor: large item "extended interrupt" (tag 0x89).
 const EXT_INTERRUPT_TAG: u8 = 0x89;
+/// Resource descriptor: small item "I/O port" (0x47 = type 0x8, length 7).
+const IO_PORT_TAG: u8 = 0x47;
+/// Resource descriptor: small item "IRQ" without flags (0x22 = type 0x4,
+/// length 2): edge-triggered, active-high, exclusive.
+const IRQ_NO_FLAGS_TAG: u8 = 0x22;
 /// Resource descriptor: small item "end tag" (0x79 = type 0xF, length 1).
 const END_TAG: u8 = 0x79;
 
@@ -56,6 +61,12 @@ pub enum AmlError {
     /// A package length exceeds the 28-bit PkgLength field.
     #[error("AML object of {0} bytes is too large for a PkgLength")]
     TooLarge(usize),
+    /// An ISA IRQ descriptor for an IRQ above 15.
+    #[error("ISA IRQ {0} out of range 0-15")]
+    BadIrq(u8),
+    /// An EISA ID is not three uppercase letters and four hex digits.
+    #[error("invalid EISA ID {0:?}: expected e.g. \"PNP0501\"")]
+    BadEisaId(String),
     /// A string contains a NUL or non-ASCII byte.
     #[error("AML string {0:?} must be ASCII without NUL")]
     BadString(String),
@@ -270,6 +281,18 @@ pub enum Resource {
         /// Global system interrupt.
         gsi: u32,
     },
+    /// `IO(Decode16, base, base, 1, len)`: a fixed 16-bit port range.
+    Io {
+        /// First port.
+        base: u16,
+        /// Number of ports.
+        len: u8,
+    },
+    /// `IRQNoFlags() { irq }`: an ISA IRQ (0-15), edge, active high.
+    IrqNoFlags {
+        /// ISA IRQ number.
+        irq: u8,
+    },
 }
 
 /// `ResourceTemplate() { ... }` — a Buffer of resource descriptors ending
@@ -297,6 +320,21 @@ impl Aml for ResourceTemplate {
                     data.push(1); // interrupt table length
                     data.extend_from_slice(&gsi.to_le_bytes());
                 }
+                Resource::Io { base, len } => {
+                    data.push(IO_PORT_TAG);
+                    data.push(1); // bit 0: decodes 16 address bits
+                    data.extend_from_slice(&base.to_le_bytes()); // minimum
+                    data.extend_from_slice(&base.to_le_bytes()); // maximum
+                    data.push(1); // alignment
+                    data.push(len);
+                }
+                Resource::IrqNoFlags { irq } => {
+                    if irq > 15 {
+                        return Err(AmlError::BadIrq(irq));
+                    }
+                    data.push(IRQ_NO_FLAGS_TAG);
+                    data.extend_from_slice(&(1u16 << irq).to_le_bytes());
+                }
             }
         }
         // End tag with a checksum byte making the template sum to zero.
@@ -308,6 +346,33 @@ impl Aml for ResourceTemplate {
         Int(data.len() as u64).encode(&mut body)?;
         body.extend_from_slice(&data);
         with_pkg(&[BUFFER_OP], body, out)
+    }
+}
+
+/// A compressed EISA ID (`EisaId("PNP0501")`): three letters, 5 bits
+/// each, and four hex digits, stored big-endian in a DWord.
+pub struct EisaId(pub u32);
+
+impl EisaId {
+    /// Compresses `id`.
+    pub fn new(id: &str) -> Result<Self, AmlError> {
+        let b = id.as_bytes();
+        let bad = || AmlError::BadEisaId(id.to_string());
+        if b.len() != 7 || !b[..3].iter().all(|c| c.is_ascii_uppercase()) {
+            return Err(bad());
+        }
+        let hex = u16::from_str_radix(&id[3..], 16).map_err(|_| bad())?;
+        let l = |c: u8| u32::from(c - 0x40);
+        let v = (l(b[0]) << 26) | (l(b[1]) << 21) | (l(b[2]) << 16) | u32::from(hex);
+        Ok(Self(v.swap_bytes()))
+    }
+}
+
+impl Aml for EisaId {
+    fn encode(&self, out: &mut Vec<u8>) -> Result<(), AmlError> {
+        out.push(DWORD_PREFIX);
+        out.extend_from_slice(&self.0.to_le_bytes());
+        Ok(())
     }
 }
 
@@ -360,6 +425,31 @@ mod tests {
         assert_eq!(enc(0xd000_0000), [0x0c, 0, 0, 0, 0xd0]);
         assert_eq!(enc(1 << 40), [0x0e, 0, 0, 0, 0, 0, 1, 0, 0]);
         assert!(Str("a\0b").encode(&mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn eisa_id_and_isa_resources() {
+        // Well-known compressed values.
+        assert_eq!(EisaId::new("PNP0501").unwrap().0, 0x0105_d041);
+        assert_eq!(EisaId::new("PNP0A03").unwrap().0, 0x030a_d041);
+        assert!(EisaId::new("pnp0501").is_err());
+        assert!(EisaId::new("PNP05").is_err());
+        assert!(EisaId::new("PNPXYZW").is_err());
+        let mut v = Vec::new();
+        ResourceTemplate(vec![
+            Resource::Io {
+                base: 0x3f8,
+                len: 8,
+            },
+            Resource::IrqNoFlags { irq: 4 },
+        ])
+        .encode(&mut v)
+        .unwrap();
+        assert_eq!(&v[4..12], &[0x47, 1, 0xf8, 3, 0xf8, 3, 1, 8]);
+        assert_eq!(&v[12..15], &[0x22, 0x10, 0]);
+        assert!(ResourceTemplate(vec![Resource::IrqNoFlags { irq: 16 }])
+            .encode(&mut Vec::new())
+            .is_err());
     }
 
     #[test]

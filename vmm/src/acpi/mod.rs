@@ -7,9 +7,13 @@
 //!   RTC, no i8042 to probe (reset still works through port 0x64) and no MSI.
 //! - MADT: one enabled Local APIC per vCPU (APIC ID = index), the IOAPIC,
 //!   and LINT1 = NMI on all processors.
-//! - DSDT: `\_S5` and, under `\_SB`, one `LNRO0005` (virtio-mmio) device per
-//!   slot with `Memory32Fixed` + edge `Interrupt`, so kernels built without
-//!   `VIRTIO_MMIO_CMDLINE_DEVICES` find the devices.
+//! - DSDT: `\_S5` and, under `\_SB`, COM1 (`PNP0501`, ports 0x3f8-0x3ff,
+//!   ISA IRQ 4) and one `LNRO0005` (virtio-mmio) device per slot with
+//!   `Memory32Fixed` + edge `Interrupt`, so kernels built without
+//!   `VIRTIO_MMIO_CMDLINE_DEVICES` find the devices. COM1 must be described:
+//!   on a hardware-reduced platform Linux has no legacy PIC and sets up no
+//!   ISA IRQ mappings, so the 8250 driver only gets a working IRQ 4 (and
+//!   interrupt-driven TX for user space) through the ACPI/PNP description.
 //!
 //! Tables are packed into `[ACPI_START, ACPI_END)` with the RSDP first
 //! (16-byte aligned, inside the legacy scan range).
@@ -21,7 +25,7 @@ use vm_memory::{Bytes, GuestAddress};
 use crate::layout;
 use crate::memory::GuestMemory;
 
-use aml::{Aml, Device, Int, Name, Package, Resource, ResourceTemplate, Scope, Str};
+use aml::{Aml, Device, EisaId, Int, Name, Package, Resource, ResourceTemplate, Scope, Str};
 
 /// OEM ID in every table.
 pub const OEM_ID: [u8; 6] = *b"COWORK";
@@ -189,6 +193,35 @@ pub fn dsdt(slots: &[MmioSlot]) -> Result<Vec<u8>, AcpiError> {
             ]),
         });
     }
+    let com1_hid = EisaId::new("PNP0501")?;
+    let com1_uid = Int(0);
+    let com1_crs = ResourceTemplate(vec![
+        Resource::Io {
+            base: layout::COM1_PORT,
+            len: layout::COM1_PORT_LEN as u8,
+        },
+        Resource::IrqNoFlags {
+            irq: layout::COM1_IRQ as u8,
+        },
+    ]);
+    let com1_names = [
+        Name {
+            name: "_HID",
+            value: &com1_hid,
+        },
+        Name {
+            name: "_UID",
+            value: &com1_uid,
+        },
+        Name {
+            name: "_CRS",
+            value: &com1_crs,
+        },
+    ];
+    let com1 = Device {
+        name: "COM1",
+        children: com1_names.iter().map(|x| x as &dyn Aml).collect(),
+    };
     let hid = Str("LNRO0005");
     let names: Vec<[Name; 3]> = devs
         .iter()
@@ -217,9 +250,11 @@ pub fn dsdt(slots: &[MmioSlot]) -> Result<Vec<u8>, AcpiError> {
             children: n.iter().map(|x| x as &dyn Aml).collect(),
         })
         .collect();
+    let mut sb_children: Vec<&dyn Aml> = vec![&com1];
+    sb_children.extend(devices.iter().map(|d| d as &dyn Aml));
     let sb = Scope {
         name: "\\_SB_",
-        children: devices.iter().map(|d| d as &dyn Aml).collect(),
+        children: sb_children,
     };
     let body = aml::encode_all(&[&s5_name, &sb])?;
     Ok(sdt(b"DSDT", 2, &body))
