@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Build the cowork guest image: Debian's cloud kernel (vmlinuz) and an initramfs whose /init is the
+# statically linked guest agent, with busybox and the kernel modules the guest needs. Offline once
+# the kernel is cached and the agent's crates are in cargo's cache.
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+SCRIPTS_DIR="$COWORK_REPO_ROOT/scripts"
+
+# Rust target of the static agent (glibc, linked with +crt-static).
+AGENT_TARGET=x86_64-unknown-linux-gnu
+AGENT_BIN=cowork-guest-agent
+# Format line of image-info; the QEMU backend accepts a directory as our image only when its
+# image-info starts with it.
+IMAGE_FORMAT=cowork-guest-image/1
+
+usage() {
+	cat <<USAGE
+Usage: $COWORK_SCRIPT_NAME [--output DIR] [--agent PATH] [--cache DIR] [--quiet]
+
+Builds, into the output directory:
+
+  vmlinuz      Debian's linux-image-cloud-amd64 kernel (scripts/fetch-kernel.sh)
+  initramfs    gzip'd newc cpio (scripts/mkinitramfs.sh): /init = the static guest agent
+               ($AGENT_BIN), busybox-static with applet links, and mkinitramfs.sh's 'guest'
+               module set (virtio mmio/pci, vsock, virtiofs, virtio-blk, virtio-rng, ext4)
+               with their dependencies, decompressed, plus a modules.dep the agent loads
+               them from in dependency order
+  image-info   $IMAGE_FORMAT, kernel version and the agent's SHA-256
+
+On success prints shell-style assignments on stdout:
+  IMAGE_DIR=... VMLINUZ=... INITRAMFS=... KERNEL_VERSION=...
+
+Options:
+  --output DIR   output directory (default: \$COWORK_GUEST_IMAGE_DIR, else
+                 <repo>/target/guest-image)
+  --agent PATH   use this static agent binary instead of building it with
+                 RUSTFLAGS='-C target-feature=+crt-static' cargo build --release
+                 -p guest-agent --target $AGENT_TARGET
+  --cache DIR    kernel cache directory, passed to fetch-kernel.sh (default:
+                 $(guest_cache_dir))
+  --quiet        no progress messages on stderr
+  -h, --help     this text
+USAGE
+}
+
+output="${COWORK_GUEST_IMAGE_DIR:-$COWORK_REPO_ROOT/target/guest-image}"
+agent=""
+cache_args=()
+while (($#)); do
+	case "$1" in
+	--output) output="${2:?--output needs a directory}"; shift 2 ;;
+	--agent) agent="${2:?--agent needs a path}"; shift 2 ;;
+	--cache) cache_args=(--cache "${2:?--cache needs a directory}"); shift 2 ;;
+	--quiet) COWORK_QUIET=1; export COWORK_QUIET; shift ;;
+	-h | --help) usage; exit 0 ;;
+	*) usage >&2; die "unknown argument '$1'" ;;
+	esac
+done
+output="$(abs_path "$output")"
+need_cmd readelf "install binutils"
+need_cmd sha256sum "install coreutils"
+
+# --- kernel --------------------------------------------------------------------------------
+quiet_args=()
+[[ "${COWORK_QUIET:-0}" == 1 ]] && quiet_args=(--quiet)
+kernel_vars="$("$SCRIPTS_DIR/fetch-kernel.sh" "${cache_args[@]}" "${quiet_args[@]}")" ||
+	die "fetching the kernel failed (see above)"
+KERNEL_VERSION="" VMLINUZ="" MODULES_DIR=""
+while IFS='=' read -r key value; do
+	case "$key" in
+	KERNEL_VERSION) KERNEL_VERSION="$value" ;;
+	VMLINUZ) VMLINUZ="$value" ;;
+	MODULES_DIR) MODULES_DIR="$value" ;;
+	esac
+done <<<"$kernel_vars"
+[[ -n "$KERNEL_VERSION" && -f "$VMLINUZ" && -d "$MODULES_DIR" ]] ||
+	die "fetch-kernel.sh did not report a kernel, vmlinuz and module tree"
+
+# --- agent ---------------------------------------------------------------------------------
+if [[ -z "$agent" ]]; then
+	need_cmd cargo "install Rust (rustup) to build the agent, or pass --agent"
+	note "building the static guest agent (release, $AGENT_TARGET)"
+	target_dir="$(cd "$COWORK_REPO_ROOT" && cargo metadata --format-version 1 --no-deps |
+		sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')"
+	[[ -n "$target_dir" ]] || die "cannot find cargo's target directory"
+	(cd "$COWORK_REPO_ROOT" &&
+		RUSTFLAGS='-C target-feature=+crt-static' cargo build --release -p guest-agent \
+			--bin "$AGENT_BIN" --target "$AGENT_TARGET" ${COWORK_QUIET:+--quiet}) >&2 ||
+		die "building the agent failed (is the $AGENT_TARGET target installed? rustup target add $AGENT_TARGET)"
+	agent="$target_dir/$AGENT_TARGET/release/$AGENT_BIN"
+fi
+[[ -x "$agent" ]] || die "agent binary '$agent' not found or not executable"
+if readelf -l "$agent" 2>/dev/null | grep -q 'Requesting program interpreter'; then
+	die "$agent is dynamically linked; it must be static to run as /init"
+fi
+
+# --- image ---------------------------------------------------------------------------------
+mkdir -p "$output"
+note "building the initramfs ($KERNEL_VERSION)"
+"$SCRIPTS_DIR/mkinitramfs.sh" --output "$output/initramfs" --init "$agent" \
+	--module-set guest --modules-dir "$MODULES_DIR" ||
+	die "building the initramfs failed (see above)"
+cp -f "$VMLINUZ" "$output/vmlinuz.tmp"
+mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"
+{
+	printf '%s\n' "$IMAGE_FORMAT"
+	printf 'KERNEL_VERSION=%s\n' "$KERNEL_VERSION"
+	printf 'AGENT_SHA256=%s\n' "$(sha256sum "$agent" | cut -d' ' -f1)"
+} >"$output/image-info.tmp"
+mv -f "$output/image-info.tmp" "$output/image-info"
+
+printf 'IMAGE_DIR=%s\n' "$output"
+printf 'VMLINUZ=%s\n' "$output/vmlinuz"
+printf 'INITRAMFS=%s\n' "$output/initramfs"
+printf 'KERNEL_VERSION=%s\n' "$KERNEL_VERSION"
