@@ -1,0 +1,463 @@
+//! Test support for the nested-KVM harness and the guest-image scripts.
+//!
+//! This machine's own KVM cannot boot Linux, so tests that need a real Linux guest run their
+//! VMM inside `scripts/nested-run.sh`: a QEMU TCG L1 guest with emulated AMD SVM whose root is
+//! this host's `/` over virtiofs, where `/dev/kvm` does boot Linux. On hosts whose KVM can boot
+//! Linux (vmx/svm in /proc/cpuinfo, not PVM) the same tests run directly.
+//!
+//! Include it from an integration test with
+//! `#[path = "support/nested.rs"] mod nested;`.
+//!
+//! Environment:
+//! - `COWORK_NESTED_TESTS=1`: the tests are required; missing prerequisites fail instead of skip.
+//! - `COWORK_NESTED_MODE=direct|nested`: force a mode instead of detecting it.
+//! - `COWORK_GUEST_CACHE`, `XDG_CACHE_HOME`: where the kernel cache lives (see
+//!   `scripts/lib/common.sh`; [`guest_cache_dir`] resolves it the same way).
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+use std::{env, fmt, fs};
+
+/// The repository root (the root package's manifest directory).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Absolute path of a script under `scripts/`.
+pub fn script(name: &str) -> PathBuf {
+    repo_root().join("scripts").join(name)
+}
+
+/// The guest cache directory, resolved like `scripts/lib/common.sh` does.
+pub fn guest_cache_dir() -> PathBuf {
+    if let Some(dir) = env::var_os("COWORK_GUEST_CACHE").filter(|v| !v.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        return PathBuf::from(dir).join("cowork-helper/guest");
+    }
+    repo_root().join("target/guest-cache")
+}
+
+/// Whether `COWORK_NESTED_TESTS=1`: then missing prerequisites are failures, not skips.
+pub fn nested_tests_required() -> bool {
+    env::var("COWORK_NESTED_TESTS").is_ok_and(|v| v == "1")
+}
+
+/// Print a skip notice that shows even though libtest captures test output.
+pub fn loud_skip(test: &str, reason: &str) {
+    loud_notice(&format!(
+        "SKIPPED {test}: {reason}\n(set COWORK_NESTED_TESTS=1 to make this a failure)"
+    ));
+}
+
+/// Print a framed notice straight to stderr, bypassing libtest's output capture.
+pub fn loud_notice(text: &str) {
+    use std::io::Write;
+    let bar = "=".repeat(78);
+    let _ = writeln!(io::stderr(), "\n{bar}\n{text}\n{bar}");
+}
+
+/// The Debian cloud kernel fetched by `scripts/fetch-kernel.sh`.
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    pub version: String,
+    /// bzImage as shipped by Debian.
+    pub vmlinuz: PathBuf,
+    /// Uncompressed ELF kernel (has the PVH entry note).
+    pub vmlinux: PathBuf,
+    /// `lib/modules/<version>`.
+    pub modules_dir: PathBuf,
+}
+
+impl Kernel {
+    fn from_dir(dir: &Path) -> Option<Kernel> {
+        if !dir.join(".complete").exists() {
+            return None;
+        }
+        let version = fs::read_to_string(dir.join("version"))
+            .ok()?
+            .trim()
+            .to_string();
+        Some(Kernel {
+            version,
+            vmlinuz: dir.join("vmlinuz"),
+            vmlinux: dir.join("vmlinux"),
+            modules_dir: dir.join("modules"),
+        })
+    }
+}
+
+/// The cached kernel, if `scripts/fetch-kernel.sh` has run; never touches the network.
+pub fn cached_kernel() -> Option<Kernel> {
+    let current = fs::canonicalize(guest_cache_dir().join("current")).ok()?;
+    Kernel::from_dir(&current)
+}
+
+/// Run `scripts/fetch-kernel.sh` (offline when the kernel is cached already).
+pub fn fetch_kernel() -> Result<Kernel, String> {
+    let out = Command::new(script("fetch-kernel.sh"))
+        .arg("--quiet")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run fetch-kernel.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "fetch-kernel.sh failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let vars = parse_key_values(&String::from_utf8_lossy(&out.stdout));
+    let vmlinuz = vars
+        .get("VMLINUZ")
+        .ok_or("fetch-kernel.sh printed no VMLINUZ")?;
+    let dir = Path::new(vmlinuz).parent().ok_or("bad VMLINUZ path")?;
+    Kernel::from_dir(dir)
+        .ok_or_else(|| format!("fetch-kernel.sh left no kernel in {}", dir.display()))
+}
+
+/// Build an initramfs with `scripts/mkinitramfs.sh`: busybox, `init` as /init, and `modules`
+/// (with their dependencies) from the cached kernel.
+pub fn build_initramfs(output: &Path, init: &Path, modules: &[&str]) -> Result<(), String> {
+    let mut cmd = Command::new(script("mkinitramfs.sh"));
+    cmd.arg("--output").arg(output).arg("--init").arg(init);
+    for m in modules {
+        cmd.arg("--module").arg(m);
+    }
+    let out = cmd
+        .env("COWORK_QUIET", "1")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run mkinitramfs.sh: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "mkinitramfs.sh failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// Can this host's `/dev/kvm` boot Linux directly? `Err` says why not.
+///
+/// Requires `/dev/kvm`, the vmx or svm CPU flag (absent under PVM and in plain TCG guests) and
+/// no `kvm_pvm` module (PVM's KVM runs simple guests but not a Linux kernel).
+pub fn host_kvm_boots_linux() -> Result<(), String> {
+    if !Path::new("/dev/kvm").exists() {
+        return Err("no /dev/kvm".into());
+    }
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        return Err("/dev/kvm is PVM (kvm_pvm), which cannot boot Linux".into());
+    }
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").map_err(|e| format!("/proc/cpuinfo: {e}"))?;
+    let virt = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .flat_map(|l| l.split_whitespace())
+        .any(|f| f == "vmx" || f == "svm");
+    if !virt {
+        return Err("no vmx/svm flag in /proc/cpuinfo".into());
+    }
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
+    Ok(())
+}
+
+/// `scripts/nested-run.sh --check`: `Ok(summary)` when qemu, virtiofsd and the kernel are
+/// there, `Err(what is missing)` otherwise.
+pub fn harness_check() -> Result<String, String> {
+    let out = Command::new(script("nested-run.sh"))
+        .arg("--check")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run nested-run.sh: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!(
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// What a command run in the nested guest produced.
+#[derive(Debug, Clone)]
+pub struct NestedOutput {
+    /// The command's stdout and stderr, merged (they share the L1 serial console).
+    pub stdout: String,
+    /// The command's exit status.
+    pub exit_code: i32,
+    /// The harness's own messages (timings, warnings).
+    pub harness_log: String,
+    /// Timings reported by the harness, e.g. `l1_ready_s`, `command_s`, `total_s`.
+    pub timings: BTreeMap<String, String>,
+}
+
+/// Why the harness could not produce a command result.
+#[derive(Debug)]
+pub enum NestedError {
+    /// The harness timed out (boot included).
+    Timeout {
+        stdout: String,
+        harness_log: String,
+    },
+    /// The L1 guest kernel panicked before the command finished (after the retries).
+    L1Panic {
+        stdout: String,
+        harness_log: String,
+    },
+    /// Anything else: prerequisites missing, QEMU failed, ...
+    Harness {
+        message: String,
+        stdout: String,
+        harness_log: String,
+    },
+    Io(io::Error),
+}
+
+impl fmt::Display for NestedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NestedError::Timeout {
+                stdout,
+                harness_log,
+            } => {
+                write!(f, "nested harness timed out\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
+            }
+            NestedError::L1Panic {
+                stdout,
+                harness_log,
+            } => {
+                write!(f, "the L1 guest kernel panicked\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
+            }
+            NestedError::Harness {
+                message,
+                stdout,
+                harness_log,
+            } => {
+                write!(f, "nested harness failed: {message}\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
+            }
+            NestedError::Io(e) => write!(f, "cannot run the nested harness: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for NestedError {}
+
+/// Options for [`run_in_nested_kvm_with`].
+#[derive(Debug, Clone)]
+pub struct NestedOptions {
+    /// Whole-run limit, L1 boot included.
+    pub timeout: Duration,
+    /// How often to retry when the L1 kernel panics (a rare QEMU TCG SVM emulation fault).
+    pub retries_on_l1_panic: u32,
+    /// L1 memory in MiB (None: the harness default, 2048).
+    pub mem_mib: Option<u32>,
+    /// L1 vCPUs (None: the harness default, 2).
+    pub smp: Option<u32>,
+    /// Working directory of the command (None: this process's).
+    pub cwd: Option<PathBuf>,
+}
+
+impl Default for NestedOptions {
+    fn default() -> Self {
+        NestedOptions {
+            timeout: Duration::from_secs(600),
+            retries_on_l1_panic: 1,
+            mem_mib: None,
+            smp: None,
+            cwd: None,
+        }
+    }
+}
+
+/// Run `cmd` with `bash -c` inside the nested-KVM guest (in this process's working directory,
+/// with its environment) and return its output and exit status. Retries once if the L1 kernel
+/// panics.
+pub fn run_in_nested_kvm(cmd: &str, timeout: Duration) -> Result<NestedOutput, NestedError> {
+    run_in_nested_kvm_with(
+        cmd,
+        &NestedOptions {
+            timeout,
+            ..NestedOptions::default()
+        },
+    )
+}
+
+/// [`run_in_nested_kvm`] with options.
+pub fn run_in_nested_kvm_with(
+    cmd: &str,
+    opts: &NestedOptions,
+) -> Result<NestedOutput, NestedError> {
+    let mut attempt = 0;
+    loop {
+        match run_once(cmd, opts) {
+            Err(NestedError::L1Panic { .. }) if attempt < opts.retries_on_l1_panic => {
+                attempt += 1;
+                eprintln!(
+                    "nested harness: the L1 kernel panicked; retrying ({attempt}/{})",
+                    opts.retries_on_l1_panic
+                );
+            }
+            other => return other,
+        }
+    }
+}
+
+fn run_once(cmd: &str, opts: &NestedOptions) -> Result<NestedOutput, NestedError> {
+    let dir = tempfile::tempdir().map_err(NestedError::Io)?;
+    let result_file = dir.path().join("result");
+    let mut command = Command::new(script("nested-run.sh"));
+    command
+        .arg("--timeout")
+        .arg(opts.timeout.as_secs().max(1).to_string());
+    command.arg("--result").arg(&result_file);
+    if let Some(mem) = opts.mem_mib {
+        command.arg("--mem").arg(mem.to_string());
+    }
+    if let Some(smp) = opts.smp {
+        command.arg("--smp").arg(smp.to_string());
+    }
+    if let Some(cwd) = &opts.cwd {
+        command.arg("--cwd").arg(cwd);
+    }
+    command.arg("-c").arg(cmd);
+    // The script enforces the timeout itself; this is only a backstop.
+    let out = run_with_timeout(&mut command, opts.timeout + Duration::from_secs(60))
+        .map_err(NestedError::Io)?;
+    let stdout = out.stdout;
+    let harness_log = out.stderr;
+    if out.timed_out {
+        return Err(NestedError::Timeout {
+            stdout,
+            harness_log,
+        });
+    }
+    let result = fs::read_to_string(&result_file).unwrap_or_default();
+    let mut fields = parse_key_values(&result);
+    let status = fields.remove("status").unwrap_or_default();
+    let message = fields.remove("message").unwrap_or_default();
+    match status.as_str() {
+        "ok" => {
+            let exit_code = fields
+                .remove("rc")
+                .and_then(|rc| rc.parse().ok())
+                .ok_or_else(|| NestedError::Harness {
+                    message: format!("no exit code in the result: {result:?}"),
+                    stdout: stdout.clone(),
+                    harness_log: harness_log.clone(),
+                })?;
+            Ok(NestedOutput {
+                stdout,
+                exit_code,
+                harness_log,
+                timings: fields,
+            })
+        }
+        "timeout" => Err(NestedError::Timeout {
+            stdout,
+            harness_log,
+        }),
+        "l1-panic" => Err(NestedError::L1Panic {
+            stdout,
+            harness_log,
+        }),
+        _ => Err(NestedError::Harness {
+            message: if message.is_empty() {
+                format!("nested-run.sh exited with {} and no result", out.status)
+            } else {
+                message
+            },
+            stdout,
+            harness_log,
+        }),
+    }
+}
+
+/// Output of [`run_with_timeout`].
+#[derive(Debug)]
+pub struct TimedOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+}
+
+/// Run a command with piped stdout/stderr; on timeout send SIGTERM, then SIGKILL 10 s later.
+pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> io::Result<TimedOutput> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut out_pipe = child.stdout.take().expect("piped stdout");
+    let mut err_pipe = child.stderr.take().expect("piped stderr");
+    let out_reader = thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = out_pipe.read_to_end(&mut buf);
+        buf
+    });
+    let err_reader = thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = err_pipe.read_to_end(&mut buf);
+        buf
+    });
+    let deadline = Instant::now() + timeout;
+    let mut timed_out = false;
+    let mut term_sent_at: Option<Instant> = None;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        let now = Instant::now();
+        match term_sent_at {
+            None if now >= deadline => {
+                timed_out = true;
+                // SIGTERM first so nested-run.sh's trap can stop QEMU and virtiofsd.
+                // SAFETY: plain kill(2) on our own child's pid.
+                unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                term_sent_at = Some(now);
+            }
+            Some(t) if now >= t + Duration::from_secs(10) => {
+                let _ = child.kill();
+            }
+            _ => {}
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = String::from_utf8_lossy(&out_reader.join().unwrap_or_default()).into_owned();
+    let stderr = String::from_utf8_lossy(&err_reader.join().unwrap_or_default()).into_owned();
+    Ok(TimedOutput {
+        status,
+        stdout,
+        stderr,
+        timed_out,
+    })
+}
+
+/// Quote a string for a POSIX shell command line.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// Parse `KEY=VALUE` lines (as printed by fetch-kernel.sh and written by nested-run.sh).
+pub fn parse_key_values(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_string(), v.to_string()))
+        .collect()
+}
