@@ -207,15 +207,45 @@ fn mem_kib(pid: u32) -> Option<(u64, u64)> {
     Some((field("VmHWM:")?, field("VmRSS:")?))
 }
 
+/// CPU time (user + system) a process has used so far, in milliseconds.
+fn cpu_ms(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return 0.0;
+    };
+    // After the comm: state is field 3; utime and stime are fields 14 and 15.
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11).and_then(|s| s.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks as f64 * 1000.0 / hz
+}
+
 /// Resets a process's peak RSS (`VmHWM`) to its current RSS.
 fn reset_hwm(pid: u32) {
     let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
 }
 
+/// A process's name, with its first argument when that names a role
+/// (`cowork-helper __agent`).
 fn comm(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+    let name = std::fs::read_to_string(format!("/proc/{pid}/comm"))
         .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+        .unwrap_or_default();
+    let role = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .and_then(|c| {
+            c.split(|&b| b == 0)
+                .nth(1)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+        })
+        .filter(|a| a.starts_with("__"));
+    match role {
+        Some(r) => format!("{name} {r}"),
+        None => name,
+    }
 }
 
 /// Every descendant of `root` (by walking `/proc/*/stat` parent links).
@@ -315,6 +345,18 @@ impl Sampler {
             self.tree_peak.load(Ordering::Relaxed),
         )
     }
+}
+
+/// The fields of an event the throughput measurement needs, borrowed from
+/// the frame where possible.
+#[derive(serde::Deserialize)]
+struct OutputEvent<'a> {
+    #[serde(rename = "type", borrow)]
+    ty: std::borrow::Cow<'a, str>,
+    #[serde(default, borrow)]
+    id: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, borrow)]
+    data: Option<std::borrow::Cow<'a, str>>,
 }
 
 fn is_exit_of(ev: &Value, id: &str) -> bool {
@@ -485,6 +527,11 @@ async fn measure(opts: &Opts, helper: &Helper, pid: u32) -> Result<(), String> {
     for &k in &kids {
         reset_hwm(k);
     }
+    let cpu_before: Vec<(u32, f64)> = std::iter::once(pid)
+        .chain(kids.iter().copied())
+        .chain(std::iter::once(std::process::id()))
+        .map(|p| (p, cpu_ms(p)))
+        .collect();
     let sampler = Sampler::start(pid);
     let id = "bigout";
     let script = format!("head -c {STDOUT_BYTES} /dev/zero | tr '\\0' a");
@@ -498,25 +545,40 @@ async fn measure(opts: &Opts, helper: &Helper, pid: u32) -> Result<(), String> {
     let mut bytes = 0u64;
     let mut first: Option<Duration> = None;
     loop {
-        let ev = sub
-            .next_event(Duration::from_secs(60))
+        let body = sub
+            .next_raw(Duration::from_secs(60))
             .await
             .map_err(e("waiting for stdout"))?;
-        if ev.get("id").and_then(Value::as_str) != Some(id) {
+        // Borrowing parse: no JSON tree, no copy of the data unless escaped.
+        let ev: OutputEvent =
+            serde_json::from_slice(&body).map_err(|err| format!("bad event frame: {err}"))?;
+        if ev.id.as_deref() != Some(id) {
             continue;
         }
-        match ev.get("type").and_then(Value::as_str) {
-            Some("stdout") => {
-                let d = ev.get("data").and_then(Value::as_str).unwrap_or("");
+        match ev.ty.as_ref() {
+            "stdout" => {
                 first.get_or_insert_with(|| t.elapsed());
-                bytes += d.len() as u64;
+                bytes += ev.data.map_or(0, |d| d.len()) as u64;
             }
-            Some("exit") => break,
+            "exit" => break,
             _ => {}
         }
     }
     let el = t.elapsed();
     let (sampled_helper, sampled_tree) = sampler.finish();
+    let cpu: Vec<String> = cpu_before
+        .iter()
+        .map(|&(p, before)| {
+            let who = if p == pid {
+                "helper".to_string()
+            } else if p == std::process::id() {
+                "bench client".to_string()
+            } else {
+                comm(p)
+            };
+            format!("{who} {:.0} ms", cpu_ms(p) - before)
+        })
+        .collect();
     if bytes != STDOUT_BYTES {
         return Err(format!(
             "stdout test received {bytes} bytes, expected {STDOUT_BYTES}"
@@ -533,6 +595,7 @@ async fn measure(opts: &Opts, helper: &Helper, pid: u32) -> Result<(), String> {
         &format!("≥ {TARGET_STDOUT_MIBS} MiB/s (Node: 105–136)"),
         Some(mibs >= TARGET_STDOUT_MIBS),
     ));
+    rows.push(row("  CPU used during it", cpu.join(", "), "", None));
     let helper_hwm = mem_kib(pid).map(|m| m.0).unwrap_or(0);
     let helper_mib = helper_hwm as f64 / 1024.0;
     rows.push(row(

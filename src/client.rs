@@ -344,7 +344,8 @@ impl ProcessOutput {
 /// events. Events skipped by [`Subscription::next_matching`] are kept and
 /// handed out by later calls, so several waits can interleave.
 pub struct Subscription {
-    rx: mpsc::Receiver<Result<Value>>,
+    /// Raw frame bodies from the reader task; parsed on receipt.
+    rx: mpsc::Receiver<Result<Vec<u8>>>,
     stash: VecDeque<Value>,
     reader: JoinHandle<()>,
     // Kept open: the desktop client never half-closes its subscription.
@@ -394,17 +395,18 @@ impl Subscription {
         let (tx, rx) = mpsc::channel(4096);
         let reader = tokio::spawn(async move {
             loop {
-                match read_json(&mut rd, &mut buf).await {
-                    Ok(Some(v)) => {
-                        if tx.send(Ok(v)).await.is_err() {
-                            return;
-                        }
+                let mut buf = Vec::new();
+                let r = match framing::read_frame(&mut rd, MAX_CLIENT_FRAME, &mut buf).await {
+                    Ok(true) => Ok(buf),
+                    Ok(false) => return,
+                    Err(FrameError::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                        return
                     }
-                    Ok(None) => return,
-                    Err(e) => {
-                        let _ = tx.send(Err(e)).await;
-                        return;
-                    }
+                    Err(e) => Err(e.into()),
+                };
+                let failed = r.is_err();
+                if tx.send(r).await.is_err() || failed {
+                    return;
                 }
             }
         });
@@ -417,7 +419,7 @@ impl Subscription {
         })
     }
 
-    async fn recv(&mut self, deadline: Instant) -> Result<Value> {
+    async fn recv_raw(&mut self, deadline: Instant) -> Result<Vec<u8>> {
         if self.closed {
             return Err(ClientError::Closed);
         }
@@ -430,6 +432,20 @@ impl Subscription {
             }
             Err(_) => Err(ClientError::Timeout(left)),
         }
+    }
+
+    async fn recv(&mut self, deadline: Instant) -> Result<Value> {
+        let body = self.recv_raw(deadline).await?;
+        Ok(serde_json::from_slice(&body)?)
+    }
+
+    /// The next event's frame body, unparsed (stashed events re-encoded).
+    /// For consumers that parse events their own, cheaper way.
+    pub async fn next_raw(&mut self, timeout: Duration) -> Result<Vec<u8>> {
+        if let Some(v) = self.stash.pop_front() {
+            return Ok(serde_json::to_vec(&v)?);
+        }
+        self.recv_raw(Instant::now() + timeout).await
     }
 
     /// The next event (stashed ones first).
