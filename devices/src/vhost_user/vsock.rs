@@ -67,11 +67,17 @@ pub enum VhostUserVsockError {
     },
     /// The vhost-user daemon failed to start or serve.
     #[error("vhost-user vsock daemon failed: {0}")]
-    Daemon(vhost_user_backend::Error),
+    Daemon(String),
     /// Registering the host fd with the worker, or creating the exit event,
     /// failed.
     #[error("cannot set up the vhost-user vsock worker: {0}; check the process fd limit")]
     Setup(#[source] io::Error),
+}
+
+/// vhost-user-backend errors may carry a thread's panic payload, which is not
+/// `Sync`; keep their text.
+fn daemon_err(e: vhost_user_backend::Error) -> VhostUserVsockError {
+    VhostUserVsockError::Daemon(e.to_string())
 }
 
 /// Configuration of the vhost-user face.
@@ -257,7 +263,7 @@ impl VhostUserVsockServer {
         let host_fd = backend.host_fd();
         let backend = Arc::new(RwLock::new(backend));
         let daemon = VhostUserDaemon::new("vhost-user-vsock".into(), backend, mem)
-            .map_err(VhostUserVsockError::Daemon)?;
+            .map_err(daemon_err)?;
         for h in daemon.get_epoll_handlers() {
             h.register_listener(host_fd, EventSet::IN, u64::from(HOST_EVENT))
                 .map_err(VhostUserVsockError::Setup)?;
@@ -284,7 +290,7 @@ impl VhostUserVsockServer {
     pub fn run(mut self) -> Result<(), VhostUserVsockError> {
         self.daemon
             .start(&mut self.listener)
-            .map_err(VhostUserVsockError::Daemon)?;
+            .map_err(daemon_err)?;
         info!(socket = %self.socket.display(), "vhost-user-vsock: frontend connected");
         let res = self.daemon.wait();
         for h in self.daemon.get_epoll_handlers() {
@@ -296,7 +302,7 @@ impl VhostUserVsockServer {
             Err(vhost_user_backend::Error::HandleRequest(
                 vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
             )) => Ok(()),
-            Err(e) => Err(VhostUserVsockError::Daemon(e)),
+            Err(e) => Err(daemon_err(e)),
         }
     }
 

@@ -22,6 +22,9 @@ pub mod device;
 pub mod muxer;
 pub mod packet;
 
+#[cfg(test)]
+mod tests;
+
 pub use backend::{ConnectError, HostError, Listener, VsockHost, DEFAULT_CONNECT_TIMEOUT};
 pub use device::{DeviceError, VsockDevice, VsockModel, VIRTIO_ID_VSOCK};
 
