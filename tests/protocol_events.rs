@@ -199,6 +199,21 @@ async fn startup_events_wait_for_a_subscriber_that_comes_after_start_vm() {
         .await
         .expect("apiReachability replayed");
     assert_eq!(api["status"], json!("unknown"), "{api}");
+    // A failing installSdk is the sdk_install step failing.
+    remote_err(
+        pipe.call(
+            "installSdk",
+            json!({"sdkSubpath": rel(&host.path().join("sdk")), "version": "0.0.404"}),
+        )
+        .await,
+        "installSdk of a missing version",
+    );
+    expect_in_order(
+        &mut late,
+        &[("sdk_install", "failed")],
+        "subscriber after a failed installSdk",
+    )
+    .await;
     pipe.call("stopVM", Value::Null).await.unwrap();
 }
 
@@ -509,5 +524,43 @@ async fn pipelined_configure_applies_to_the_next_request() {
         wrong, 0,
         "isRunning sent right after configure ran against another profile {wrong}/40 times"
     );
+    pipe.call("stopVM", Value::Null).await.unwrap();
+}
+
+/// installSdk may come before the guest connects: it is applied on connect.
+#[tokio::test]
+async fn install_sdk_before_start_is_applied_when_the_guest_connects() {
+    let d = shared();
+    let p = Profile::new(d, &uid("early-sdk"));
+    let pipe = p.pipe(d).await;
+    let host = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(host.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = host.path().join("sdk").join("3.1.4");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("claude"), "#!/bin/sh\necho early-cli\n").unwrap();
+    std::fs::set_permissions(dir.join("claude"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    pipe.call(
+        "installSdk",
+        json!({"sdkSubpath": rel(&host.path().join("sdk")), "version": "3.1.4"}),
+    )
+    .await
+    .expect("installSdk before startVM");
+    let mut sub = p.subscribe(d).await;
+    start_vm(d, &pipe, json!({})).await;
+    let out = run_ok(
+        &pipe,
+        &mut sub,
+        &uid("early"),
+        "early",
+        "/usr/local/bin/claude",
+    )
+    .await;
+    assert_eq!(out, "early-cli\n");
+    expect_in_order(
+        &mut sub,
+        &[("sdk_install", "started"), ("sdk_install", "completed")],
+        "subscriber",
+    )
+    .await;
     pipe.call("stopVM", Value::Null).await.unwrap();
 }

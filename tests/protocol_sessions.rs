@@ -663,6 +663,60 @@ async fn session_disk_info_delete_and_prune() {
         "a live session was pruned: {r}"
     );
 
+    // Real effect: a finished session's .cache is emptied and its old tmp
+    // entries go; fresh tmp entries, other files and live sessions stay.
+    let cached = uid("s-cache");
+    run_ok(
+        &pipe,
+        &mut sub,
+        &uid("mkcache"),
+        &cached,
+        "mkdir -p .cache/pip tmp && head -c 1048576 /dev/zero > .cache/pip/wheel && echo o > tmp/old && touch -d @1000 tmp/old && echo n > tmp/new && echo keep > work.txt",
+    )
+    .await;
+    // The live session's process is `cat`; give it a cache through another process.
+    run_ok(
+        &pipe,
+        &mut sub,
+        &uid("livecache"),
+        &live,
+        "mkdir -p .cache && echo c > .cache/live-c",
+    )
+    .await;
+    let r = pipe
+        .call(
+            "pruneSessionCaches",
+            json!({"onlyIfFreeBytesBelow": u64::MAX / 2, "includeSessionTmp": true, "sessionTmpOlderThanSeconds": 3600}),
+        )
+        .await
+        .unwrap();
+    assert!(
+        r["prunedSessions"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(cached)),
+        "{cached} not pruned: {r}"
+    );
+    assert!(
+        r["skippedSessions"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(live)),
+        "{r}"
+    );
+    assert!(r["freedBytes"].as_u64().unwrap() >= 1 << 20, "{r}");
+    let out = run_ok(
+        &pipe,
+        &mut sub,
+        &uid("lscache"),
+        &cached,
+        "test -d .cache && echo cache-dir; test -e .cache/pip && echo CACHE-LEFT; test -e tmp/old && echo OLD-LEFT; test -e tmp/new && echo new-kept; test -e work.txt && echo work-kept; true",
+    )
+    .await;
+    assert_eq!(out, "cache-dir\nnew-kept\nwork-kept\n", "after prune");
+    let out = run_ok(&pipe, &mut sub, &uid("lslive"), &live, "cat .cache/live-c").await;
+    assert_eq!(out, "c\n", "a live session's cache was pruned");
+
     // deleteSessionDirs: invalid names, a live session, a finished one.
     let r = pipe
         .call(
