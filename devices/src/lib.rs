@@ -7,5 +7,6 @@
 //! frontend) over a Unix socket. Either way the helper talks to the guest
 //! through a [`vsock::VsockHost`] handle.
 
+pub mod fs;
 pub mod vhost_user;
 pub mod vsock;

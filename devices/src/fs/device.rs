@@ -1,0 +1,454 @@
+//! The in-process virtio-fs device (virtio 1.2 §5.11) serving a
+//! [`SessionFs`] to the guest through the vmm's virtio transport.
+//!
+//! Queue 0 is the high-priority queue (the Linux driver sends FORGET,
+//! BATCH_FORGET and INTERRUPT there), queues 1..=N are request queues. Every
+//! descriptor chain of either kind is parsed by fuse-backend-rs's virtiofs
+//! transport (`Reader` over the device-readable descriptors, `VirtioFsWriter`
+//! over the device-writable ones) and answered by its `Server`; the chain is
+//! then put in the used ring with the number of bytes written, and the
+//! driver is signalled through [`VirtioInterrupt`] when the ring's
+//! notification suppression asks for it.
+//!
+//! Config space (little-endian, [`CONFIG_SIZE`] bytes, read-only):
+//! * `0x00` `tag`: UTF-8 filesystem tag, NUL-padded to [`TAG_LEN`] bytes (the
+//!   guest mounts it with `mount -t virtiofs <tag> <dir>`);
+//! * `0x24` `num_request_queues` (u32).
+//!
+//! A malformed chain (buffers outside guest memory, a truncated or garbage
+//! FUSE message) is completed with a used length of 0 and counted; the
+//! device keeps serving. A malformed available ring, or a panic inside the
+//! FUSE server (caught), makes the worker report
+//! [`VirtioInterrupt::signal_needs_reset`] and stop until the driver resets
+//! the device. A reset also ends the FUSE session (DESTROY semantics), so
+//! the driver's next INIT starts from a clean state.
+//!
+//! Limits: one worker thread serves all queues, one request at a time; no
+//! DAX window (no shared-memory region) and no notification queue
+//! (`VIRTIO_FS_F_NOTIFICATION` is not offered).
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use fuse_backend_rs::api::filesystem::FileSystem;
+use fuse_backend_rs::api::server::Server;
+use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
+use tracing::{debug, error, info, warn};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vmm::virtio::{
+    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    VirtioInterrupt,
+};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::SessionFs;
+
+/// Virtio device ID of a filesystem device.
+pub const FS_DEVICE_ID: u32 = 26;
+/// Size of the `tag` field of the config space.
+pub const TAG_LEN: usize = 36;
+/// Size of the config space: tag + `num_request_queues`.
+pub const CONFIG_SIZE: usize = TAG_LEN + 4;
+/// Index of the high-priority queue.
+pub const HIPRIO_QUEUE: u16 = 0;
+/// Index of the first request queue.
+pub const FIRST_REQUEST_QUEUE: u16 = 1;
+/// Maximum size of every queue (the Linux driver uses what it is offered).
+pub const QUEUE_SIZE: u16 = 1024;
+/// Most request queues a device may declare.
+pub const MAX_REQUEST_QUEUES: u16 = 16;
+/// The tag our guest agent mounts (ours, not the official helper's
+/// `claudeshared`, whose share is the whole host root with another layout).
+pub const DEFAULT_TAG: &str = "cowork-sessions";
+/// How many malformed-chain messages a device logs at warning level before
+/// going quiet (debug level), so a hostile driver cannot flood the host log.
+pub const MALFORMED_LOG_BUDGET: u32 = 32;
+
+/// epoll token of the stop eventfd; queue `i` (by position) uses `i + 1`.
+const TOKEN_STOP: u64 = 0;
+
+/// Why a device could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum FsDeviceError {
+    /// The tag is empty.
+    #[error("virtio-fs tag must not be empty")]
+    EmptyTag,
+    /// The tag does not fit the config space.
+    #[error("virtio-fs tag {tag:?} is {len} bytes; at most {TAG_LEN} fit the config space")]
+    TagTooLong {
+        /// The refused tag.
+        tag: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The tag contains NUL (it is NUL-padded in config space).
+    #[error("virtio-fs tag {0:?} contains NUL")]
+    NulInTag(String),
+    /// Request queue count out of range.
+    #[error("virtio-fs needs 1..={MAX_REQUEST_QUEUES} request queues, not {0}")]
+    RequestQueues(u16),
+}
+
+/// Counters a device keeps (since it was built).
+#[derive(Debug, Default)]
+pub struct FsDeviceStats {
+    /// Descriptor chains completed (answered or not).
+    pub chains: AtomicU64,
+    /// Chains completed with length 0 because they could not be parsed or
+    /// the FUSE message in them was malformed.
+    pub malformed: AtomicU64,
+    /// Times the worker gave up and asked for a device reset.
+    pub needs_reset: AtomicU64,
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<()>,
+}
+
+/// The virtio-fs device model.
+pub struct FsDevice {
+    config: [u8; CONFIG_SIZE],
+    queue_sizes: Vec<u16>,
+    fs: Arc<SessionFs>,
+    server: Arc<Server<Arc<SessionFs>>>,
+    acked: u64,
+    stats: Arc<FsDeviceStats>,
+    log_budget: Arc<AtomicU32>,
+    worker: Option<Worker>,
+}
+
+impl FsDevice {
+    /// A device exporting `fs` under `tag` with `request_queues` request
+    /// queues (plus the high-priority queue).
+    pub fn new(tag: &str, request_queues: u16, fs: Arc<SessionFs>) -> Result<Self, FsDeviceError> {
+        if tag.is_empty() {
+            return Err(FsDeviceError::EmptyTag);
+        }
+        if tag.len() > TAG_LEN {
+            return Err(FsDeviceError::TagTooLong {
+                tag: tag.to_string(),
+                len: tag.len(),
+            });
+        }
+        if tag.contains('\0') {
+            return Err(FsDeviceError::NulInTag(tag.to_string()));
+        }
+        if request_queues == 0 || request_queues > MAX_REQUEST_QUEUES {
+            return Err(FsDeviceError::RequestQueues(request_queues));
+        }
+        let mut config = [0u8; CONFIG_SIZE];
+        config[..tag.len()].copy_from_slice(tag.as_bytes());
+        config[TAG_LEN..].copy_from_slice(&u32::from(request_queues).to_le_bytes());
+        Ok(Self {
+            config,
+            queue_sizes: vec![QUEUE_SIZE; usize::from(request_queues) + 1],
+            server: Arc::new(Server::new(fs.clone())),
+            fs,
+            acked: 0,
+            stats: Arc::default(),
+            log_budget: Arc::new(AtomicU32::new(MALFORMED_LOG_BUDGET)),
+            worker: None,
+        })
+    }
+
+    /// The exported filesystem (add and remove grants through it).
+    pub fn fs(&self) -> &Arc<SessionFs> {
+        &self.fs
+    }
+
+    /// The device's counters.
+    pub fn stats(&self) -> Arc<FsDeviceStats> {
+        self.stats.clone()
+    }
+
+    /// Features the driver accepted at the last FEATURES_OK.
+    pub fn acked_features(&self) -> u64 {
+        self.acked
+    }
+
+    /// Whether a worker is running.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> bool {
+        let Some(w) = self.worker.take() else {
+            return true;
+        };
+        if let Err(e) = w.stop.write(1) {
+            warn!("virtio-fs: cannot stop the worker: {e}");
+            self.worker = Some(w);
+            return false;
+        }
+        w.thread.join().is_ok()
+    }
+}
+
+impl Drop for FsDevice {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+impl VirtioDevice for FsDevice {
+    fn device_type(&self) -> u32 {
+        FS_DEVICE_ID
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        features::VERSION_1 | features::RING_EVENT_IDX | features::RING_INDIRECT_DESC
+    }
+
+    fn ack_features(&mut self, features: u64) -> bool {
+        self.acked = features;
+        true
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        debug!(
+            offset,
+            len = data.len(),
+            "virtio-fs: config space is read-only; write ignored"
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let declared = self.queue_sizes.len();
+        let queues: Vec<ActiveQueue> = queues
+            .into_iter()
+            .filter(|q| usize::from(q.index) < declared)
+            .collect();
+        for required in [HIPRIO_QUEUE, FIRST_REQUEST_QUEUE] {
+            if !queues.iter().any(|q| q.index == required) {
+                return Err(ActivateError::MissingQueue { index: required });
+            }
+        }
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        let add = |fd: RawFd, token: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(ActivateError::Worker)
+        };
+        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        for (pos, q) in queues.iter().enumerate() {
+            add(q.notify.as_raw_fd(), pos as u64 + 1)?;
+        }
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            queues,
+            server: self.server.clone(),
+            stats: self.stats.clone(),
+            log_budget: self.log_budget.clone(),
+            epoll,
+            stop: stop.try_clone().map_err(ActivateError::Worker)?,
+        };
+        let thread = std::thread::Builder::new()
+            .name("virtio-fs".into())
+            .spawn(move || ctx.run())
+            .map_err(ActivateError::Worker)?;
+        self.worker = Some(Worker { stop, thread });
+        info!(
+            tag = %String::from_utf8_lossy(&self.config[..TAG_LEN]).trim_end_matches('\0'),
+            "virtio-fs device activated"
+        );
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        let stopped = self.stop_worker();
+        if stopped {
+            // End the FUSE session as DESTROY would: open files and inodes
+            // of the previous driver instance are released.
+            FileSystem::destroy(&*self.fs);
+            info!("virtio-fs device reset");
+        }
+        stopped
+    }
+}
+
+/// Why the worker stopped serving.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    #[error("virtqueue {index}: {source}")]
+    Queue {
+        index: u16,
+        source: virtio_queue::Error,
+    },
+    #[error("the FUSE server panicked on a request from virtqueue {index}")]
+    ServerPanic { index: u16 },
+    #[error("epoll failed: {0}")]
+    Epoll(io::Error),
+}
+
+struct WorkerCtx {
+    mem: GuestMemoryMmap,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    queues: Vec<ActiveQueue>,
+    server: Arc<Server<Arc<SessionFs>>>,
+    stats: Arc<FsDeviceStats>,
+    log_budget: Arc<AtomicU32>,
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+impl WorkerCtx {
+    fn run(mut self) {
+        if let Err(e) = self.event_loop() {
+            error!("virtio-fs: {e}; the device needs a reset");
+            self.stats.needs_reset.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = self.interrupt.signal_needs_reset() {
+                warn!("virtio-fs: cannot signal needs-reset: {e}");
+            }
+            // Park until the transport resets (or drops) the device.
+            let _ = self.stop.read();
+        }
+    }
+
+    fn event_loop(&mut self) -> Result<(), WorkerError> {
+        let mut events = vec![EpollEvent::default(); self.queues.len() + 1];
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WorkerError::Epoll(e)),
+            };
+            for ev in &events[..n] {
+                let token = ev.data();
+                if token == TOKEN_STOP {
+                    return Ok(());
+                }
+                let Some(pos) = usize::try_from(token - 1)
+                    .ok()
+                    .filter(|p| *p < self.queues.len())
+                else {
+                    continue;
+                };
+                // Reset the counter; EAGAIN only means a spurious wakeup.
+                let _ = self.queues[pos].notify.read();
+                self.process(pos)?;
+            }
+        }
+    }
+
+    /// Serves every available chain of the queue at `pos`.
+    fn process(&mut self, pos: usize) -> Result<(), WorkerError> {
+        let mem = &self.mem;
+        let aq = &mut self.queues[pos];
+        let index = aq.index;
+        let q: &mut Queue = &mut aq.queue;
+        let qerr = |source| WorkerError::Queue { index, source };
+        let mut used_any = false;
+        loop {
+            q.disable_notification(mem).map_err(qerr)?;
+            loop {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(source) => return Err(qerr(source)),
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let len = serve_chain(
+                    &self.server,
+                    mem,
+                    chain,
+                    index,
+                    &self.stats,
+                    &self.log_budget,
+                )?;
+                q.add_used(mem, head, len).map_err(qerr)?;
+                self.stats.chains.fetch_add(1, Ordering::Relaxed);
+                used_any = true;
+            }
+            if !q.enable_notification(mem).map_err(qerr)? {
+                break;
+            }
+        }
+        if used_any && q.needs_notification(mem).map_err(qerr)? {
+            if let Err(e) = self.interrupt.signal_used_queue(index) {
+                warn!("virtio-fs: cannot signal virtqueue {index}: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Takes one message from the malformed-chain log budget.
+fn take_budget(budget: &AtomicU32) -> bool {
+    budget
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// Answers the FUSE request in `chain`; returns the used length (bytes
+/// written to the device-writable buffers, 0 for a malformed chain).
+fn serve_chain(
+    server: &Server<Arc<SessionFs>>,
+    mem: &GuestMemoryMmap,
+    chain: DescriptorChain<&GuestMemoryMmap>,
+    index: u16,
+    stats: &FsDeviceStats,
+    budget: &AtomicU32,
+) -> Result<u32, WorkerError> {
+    let malformed = |what: &str, err: &dyn std::fmt::Display| {
+        stats.malformed.fetch_add(1, Ordering::Relaxed);
+        if take_budget(budget) {
+            warn!(
+                queue = index,
+                "virtio-fs: malformed request ({what}): {err}"
+            );
+        } else {
+            debug!(
+                queue = index,
+                "virtio-fs: malformed request ({what}): {err}"
+            );
+        }
+        0
+    };
+    let reader = match Reader::from_descriptor_chain(mem, chain.clone()) {
+        Ok(r) => r,
+        Err(e) => return Ok(malformed("readable buffers", &e)),
+    };
+    let writer = match VirtioFsWriter::new(mem, chain) {
+        Ok(w) => w,
+        Err(e) => return Ok(malformed("writable buffers", &e)),
+    };
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        server.handle_message(reader, Writer::VirtioFs(writer), None, None)
+    }));
+    match result {
+        Ok(Ok(written)) => Ok(u32::try_from(written).unwrap_or(u32::MAX)),
+        Ok(Err(e)) => Ok(malformed("FUSE message", &e)),
+        Err(_) => Err(WorkerError::ServerPanic { index }),
+    }
+}
+
+#[cfg(test)]
+mod tests;
