@@ -201,7 +201,12 @@ impl Daemon {
             "startVM" => {
                 let params: StartVmParams = req.params()?;
                 tracing::info!(profile = %profile.key, backend = vm.config().backend.as_str(), "startVM");
-                vm.start(params.api_probe_url).await?;
+                let boot = crate::backend::BootOptions {
+                    bundle_path: params.bundle_path.map(Into::into),
+                    memory_gb: params.memory_gb,
+                    cpu_count: params.cpu_count,
+                };
+                vm.start(params.api_probe_url, boot).await?;
                 Value::Null
             }
             "stopVM" => {

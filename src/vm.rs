@@ -306,7 +306,11 @@ impl Vm {
     }
 
     /// Boots the machine and waits for the agent. Idempotent while running.
-    pub async fn start(self: &Arc<Self>, api_probe_url: Option<String>) -> Result<(), VmError> {
+    pub async fn start(
+        self: &Arc<Self>,
+        api_probe_url: Option<String>,
+        boot: crate::backend::BootOptions,
+    ) -> Result<(), VmError> {
         let mut lifecycle = self.lifecycle.lock().await;
         if lifecycle.is_some() && self.is_guest_connected() {
             return Ok(());
@@ -325,7 +329,7 @@ impl Vm {
                 .await;
             return Err(e);
         }
-        let booted = crate::backend::boot(&self.cfg)
+        let booted = crate::backend::boot(&self.cfg, &boot)
             .await
             .map_err(VmError::Start);
         let crate::backend::Booted {

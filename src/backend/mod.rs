@@ -6,7 +6,10 @@
 //! agent's view (for session mounts and the SDK). Everything after the
 //! agent's hello is backend-independent (see `crate::vm`).
 
+pub mod qemu;
+
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 
 use tokio::net::UnixStream;
@@ -19,12 +22,15 @@ use crate::vm::VmConfig;
 pub enum BackendKind {
     /// Linux namespaces on the host.
     Sandbox,
+    /// A Linux guest under QEMU, reached over our vhost-user vsock device.
+    Qemu,
 }
 
 impl BackendKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Sandbox => "sandbox",
+            Self::Qemu => "qemu",
         }
     }
 }
@@ -54,6 +60,7 @@ impl HostPaths {
 /// A running machine.
 pub enum Machine {
     Sandbox(Sandbox),
+    Qemu(qemu::QemuMachine),
 }
 
 impl Machine {
@@ -61,6 +68,7 @@ impl Machine {
     pub async fn wait(&mut self) -> String {
         match self {
             Self::Sandbox(s) => s.wait().await.to_string(),
+            Self::Qemu(q) => q.wait().await,
         }
     }
 
@@ -68,6 +76,7 @@ impl Machine {
     pub async fn kill(&mut self) {
         match self {
             Self::Sandbox(s) => s.kill().await,
+            Self::Qemu(q) => q.kill().await,
         }
     }
 }
@@ -79,8 +88,20 @@ pub struct Booted {
     pub host_paths: HostPaths,
 }
 
+/// What `startVM` asks of the machine beyond the profile's static config;
+/// backends use what applies to them.
+#[derive(Clone, Debug, Default)]
+pub struct BootOptions {
+    /// `startVM.bundlePath`: a directory that may hold a guest image.
+    pub bundle_path: Option<PathBuf>,
+    /// `startVM.memoryGB`.
+    pub memory_gb: Option<f64>,
+    /// `startVM.cpuCount`.
+    pub cpu_count: Option<u32>,
+}
+
 /// Boots `cfg.backend`.
-pub async fn boot(cfg: &VmConfig) -> Result<Booted, String> {
+pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> {
     match cfg.backend {
         BackendKind::Sandbox => {
             let sandbox_cfg = SandboxConfig {
@@ -99,5 +120,6 @@ pub async fn boot(cfg: &VmConfig) -> Result<Booted, String> {
                 host_paths,
             })
         }
+        BackendKind::Qemu => qemu::boot(opts).await,
     }
 }

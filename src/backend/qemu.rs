@@ -1,0 +1,1059 @@
+//! The QEMU backend (`--backend qemu`): the guest agent runs as PID 1 of a
+//! real Linux guest booted by `qemu-system-x86_64`, and reaches the helper
+//! over our own virtio-vsock device, served as vhost-user from inside this
+//! process (crate `devices`).
+//!
+//! Boot: the guest image (`vmlinuz`, `initramfs`, `image-info`; built by
+//! `scripts/mkguestimage.sh`) is taken from `startVM.bundlePath` when that
+//! directory holds one of ours, else from `$COWORK_GUEST_IMAGE_DIR`, else
+//! from `guest-image/` next to or one level above the helper's executable
+//! (`target/guest-image` for a `target/*/cowork-helper` build). QEMU runs
+//! with KVM where `/dev/kvm` can run Linux
+//! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
+//! overrides), on an i440fx `pc` machine with memfd-shared guest memory
+//! (vhost-user needs it), `-nodefaults -nographic`, the serial console on
+//! QEMU's stdout, `vhost-user-vsock-pci` on a socket in a private 0700
+//! directory, and `virtio-rng-pci`. The agent dials CID 2 port 51234; the
+//! device hands the helper a socketpair end, which becomes the agent link.
+//!
+//! Console: every line QEMU prints (guest serial console and QEMU's own
+//! stderr) is logged at debug, one event per line, control characters
+//! removed and long lines cut; the last [`CONSOLE_TAIL`] lines are kept and
+//! quoted when the boot fails or the machine ends unexpectedly.
+//!
+//! Lifetime: QEMU is started with `kill_on_drop`, in its own process group,
+//! with `PR_SET_PDEATHSIG` = SIGKILL, so it never outlives the helper. The
+//! pdeath signal fires when the *thread* that forked QEMU exits: [`boot`]
+//! must run on a runtime worker thread (as the daemon's requests do), never
+//! on a short-lived blocking-pool thread. On stop the controller first asks
+//! the agent to shut down (the agent powers the guest off); [`QemuMachine::kill`]
+//! then gives QEMU [`POWEROFF_DEADLINE`] to exit before killing it.
+//!
+//! Limits: x86_64 guests only; no host folder sharing yet
+//! ([`HostPaths::Unavailable`]: spawn mounts are reported as failed and
+//! `installSdk` fails) and no session disk (sessions live in the guest's
+//! RAM); no network besides vsock.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use devices::vhost_user::vsock::{VhostUserVsockConfig, VhostUserVsockError, VhostUserVsockServer};
+use devices::vsock::{HostError, Listener, VsockHost};
+use guest_agent::proto::AGENT_PORT;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, Command};
+
+use super::{AgentStream, BootOptions, Booted, HostPaths, Machine};
+use crate::vm::HELLO_TIMEOUT;
+
+/// Environment variable naming the QEMU binary (a path or a name in `PATH`).
+pub const QEMU_ENV: &str = "COWORK_QEMU";
+/// QEMU binary looked up in `PATH` when [`QEMU_ENV`] is unset.
+pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
+/// Environment variable naming the guest image directory.
+pub const IMAGE_DIR_ENV: &str = "COWORK_GUEST_IMAGE_DIR";
+/// Environment variable forcing the accelerator (`kvm` or `tcg`).
+pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
+/// Environment variable whose value becomes the guest agent's `COWORK_LOG`.
+pub const GUEST_LOG_ENV: &str = "COWORK_GUEST_LOG";
+/// Directory name of the guest image next to (or above) the executable.
+pub const IMAGE_DIR_NAME: &str = "guest-image";
+/// First line of `image-info` in an image built by `scripts/mkguestimage.sh`.
+pub const IMAGE_FORMAT: &str = "cowork-guest-image/1";
+/// Files of a guest image.
+pub const IMAGE_FILES: [&str; 3] = ["vmlinuz", "initramfs", "image-info"];
+
+/// The guest's CID (each VM has its own device, so all can use the same).
+pub const GUEST_CID: u64 = 3;
+/// Guest memory when `startVM` does not say.
+pub const DEFAULT_MEMORY_MIB: u64 = 2048;
+/// Smallest guest memory accepted.
+pub const MIN_MEMORY_MIB: u64 = 256;
+/// Largest guest memory accepted.
+pub const MAX_MEMORY_MIB: u64 = 64 * 1024;
+/// vCPUs when `startVM` does not say (capped at the host's CPU count).
+pub const DEFAULT_CPUS: u32 = 2;
+/// Kernel command line (the agent is `/init`; `panic=-1` plus `-no-reboot`
+/// turn a guest panic into QEMU exiting).
+pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
+
+/// How long QEMU gets to power off after the agent was told to shut down.
+pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the agent has to dial in; a little less than the controller's
+/// hello timeout so the error quoting the console wins the race.
+pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::from_secs(5));
+/// Console lines kept for error messages.
+pub const CONSOLE_TAIL: usize = 40;
+/// Console lines quoted in an error.
+const QUOTED_LINES: usize = 15;
+/// Longest console line kept; the rest of a longer one starts a new line.
+const MAX_CONSOLE_LINE: usize = 1024;
+/// How often the agent listener is polled.
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// How long the console readers get to drain QEMU's output after it exited.
+const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
+/// How long the vhost-user thread gets to end after QEMU is gone.
+const VHOST_JOIN: Duration = Duration::from_secs(5);
+/// Longest Unix socket path (`sun_path` minus the NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Errors of starting the QEMU machine, worded for the client's log.
+#[derive(Debug, thiserror::Error)]
+pub enum QemuError {
+    #[error("QEMU not found: {0}; install qemu-system-x86 or set {QEMU_ENV}")]
+    NoQemu(String),
+    #[error("no guest image: {0}; build one with scripts/mkguestimage.sh or set {IMAGE_DIR_ENV}")]
+    NoImage(String),
+    #[error("{ACCEL_ENV}={0:?} is not kvm or tcg")]
+    BadAccel(String),
+    #[error("cannot create the VM's runtime directory {path}: {source}")]
+    RunDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot set up the vsock device: {0}")]
+    Vsock(#[from] HostError),
+    #[error("cannot serve the vsock device over vhost-user: {0}")]
+    VhostUser(#[from] VhostUserVsockError),
+    #[error("cannot start the vhost-user thread: {0}")]
+    Thread(std::io::Error),
+    #[error("cannot start {qemu}: {source}")]
+    Spawn {
+        qemu: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A guest image directory of ours.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestImage {
+    pub dir: PathBuf,
+    pub vmlinuz: PathBuf,
+    pub initramfs: PathBuf,
+}
+
+impl GuestImage {
+    /// The image in `dir`, or why `dir` does not hold one of ours.
+    pub fn at(dir: &Path) -> Result<GuestImage, String> {
+        for f in IMAGE_FILES {
+            let p = dir.join(f);
+            if !p.is_file() {
+                return Err(format!("{} is missing", p.display()));
+            }
+        }
+        let info = std::fs::read_to_string(dir.join("image-info"))
+            .map_err(|e| format!("cannot read {}/image-info: {e}", dir.display()))?;
+        if info.lines().next() != Some(IMAGE_FORMAT) {
+            return Err(format!(
+                "{}/image-info is not a {IMAGE_FORMAT} image",
+                dir.display()
+            ));
+        }
+        Ok(GuestImage {
+            dir: dir.to_path_buf(),
+            vmlinuz: dir.join("vmlinuz"),
+            initramfs: dir.join("initramfs"),
+        })
+    }
+
+    /// Finds the image: `bundle` when it holds ours, else
+    /// `$COWORK_GUEST_IMAGE_DIR` (which must then hold one), else
+    /// `guest-image/` next to or above the executable.
+    pub fn locate(bundle: Option<&Path>) -> Result<GuestImage, QemuError> {
+        let mut tried = Vec::new();
+        if let Some(b) = bundle {
+            // bundlePath may come root-relative like the client's other host paths.
+            match GuestImage::at(&Path::new("/").join(b)) {
+                Ok(img) => return Ok(img),
+                Err(why) => tried.push(format!("bundlePath: {why}")),
+            }
+        }
+        if let Some(dir) = std::env::var_os(IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
+            return GuestImage::at(Path::new(&dir))
+                .map_err(|why| QemuError::NoImage(format!("{IMAGE_DIR_ENV}: {why}")));
+        }
+        for dir in default_image_dirs() {
+            match GuestImage::at(&dir) {
+                Ok(img) => return Ok(img),
+                Err(why) => tried.push(why),
+            }
+        }
+        Err(QemuError::NoImage(if tried.is_empty() {
+            "no place to look".into()
+        } else {
+            tried.join("; ")
+        }))
+    }
+}
+
+/// `guest-image/` next to the executable and one level up.
+pub fn default_image_dirs() -> Vec<PathBuf> {
+    let Some(exe_dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    else {
+        return Vec::new();
+    };
+    let mut dirs = vec![exe_dir.join(IMAGE_DIR_NAME)];
+    if let Some(up) = exe_dir.parent() {
+        dirs.push(up.join(IMAGE_DIR_NAME));
+    }
+    dirs
+}
+
+/// The QEMU binary: `$COWORK_QEMU` (a path, or a name looked up in `PATH`)
+/// or `qemu-system-x86_64` in `PATH`.
+pub fn find_qemu() -> Result<PathBuf, QemuError> {
+    let wanted = std::env::var_os(QEMU_ENV)
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| DEFAULT_QEMU.into());
+    let wanted = PathBuf::from(wanted);
+    if wanted.components().count() > 1 {
+        return if is_executable(&wanted) {
+            Ok(wanted)
+        } else {
+            Err(QemuError::NoQemu(format!(
+                "{} is not an executable file",
+                wanted.display()
+            )))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(&wanted))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| QemuError::NoQemu(format!("{} is not in PATH", wanted.display())))
+}
+
+fn is_executable(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// QEMU's accelerator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// KVM when this host's `/dev/kvm` can run Linux, else TCG; with the reason.
+pub fn choose_accel() -> Result<(Accel, String), QemuError> {
+    match std::env::var(ACCEL_ENV).ok().filter(|v| !v.is_empty()) {
+        Some(v) if v == "kvm" => return Ok((Accel::Kvm, format!("{ACCEL_ENV}=kvm"))),
+        Some(v) if v == "tcg" => return Ok((Accel::Tcg, format!("{ACCEL_ENV}=tcg"))),
+        Some(v) => return Err(QemuError::BadAccel(v)),
+        None => {}
+    }
+    Ok(match kvm_for_linux() {
+        Ok(()) => (Accel::Kvm, "/dev/kvm can run Linux guests".into()),
+        Err(why) => (Accel::Tcg, format!("TCG because {why}")),
+    })
+}
+
+/// Whether `/dev/kvm` is usable and can boot Linux (why not otherwise).
+pub fn kvm_for_linux() -> Result<(), String> {
+    vmm::kvm_check::check_capabilities().map_err(|e| e.to_string())?;
+    vmm::kvm_check::linux_capable().map_err(|e| e.to_string())
+}
+
+/// Everything QEMU is started with.
+#[derive(Clone, Debug)]
+pub struct QemuPlan {
+    pub qemu: PathBuf,
+    pub image: GuestImage,
+    pub accel: Accel,
+    pub memory_mib: u64,
+    pub cpus: u32,
+    pub vsock_socket: PathBuf,
+    /// Extra kernel command-line words (`COWORK_LOG=...`).
+    pub extra_cmdline: Vec<String>,
+}
+
+impl QemuPlan {
+    /// QEMU's arguments.
+    pub fn args(&self) -> Vec<OsString> {
+        let mem = self.memory_mib;
+        let mut cmdline = KERNEL_CMDLINE.to_string();
+        for w in &self.extra_cmdline {
+            cmdline.push(' ');
+            cmdline.push_str(w);
+        }
+        let cpu = match self.accel {
+            Accel::Kvm => "host",
+            Accel::Tcg => "max",
+        };
+        let mut a: Vec<OsString> = [
+            "-name",
+            "cowork-guest",
+            "-nodefaults",
+            "-nographic",
+            "-no-user-config",
+            "-no-reboot",
+            "-accel",
+            self.accel.as_str(),
+            "-cpu",
+            cpu,
+            "-M",
+            "pc",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
+        let mut push = |k: &str, v: String| {
+            a.push(k.into());
+            a.push(v.into());
+        };
+        push("-smp", self.cpus.to_string());
+        push("-m", format!("{mem}M"));
+        push(
+            "-object",
+            format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
+        );
+        push("-numa", "node,memdev=mem".into());
+        push("-serial", "stdio".into());
+        push(
+            "-chardev",
+            format!(
+                "socket,id=vsock,path={}",
+                qemu_opt_escape(&self.vsock_socket.to_string_lossy())
+            ),
+        );
+        push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
+        push("-device", "virtio-rng-pci".into());
+        a.push("-kernel".into());
+        a.push(self.image.vmlinuz.clone().into());
+        a.push("-initrd".into());
+        a.push(self.image.initramfs.clone().into());
+        a.push("-append".into());
+        a.push(cmdline.into());
+        a
+    }
+}
+
+/// Escapes a value for QEMU's `key=value,...` option syntax (commas double).
+pub fn qemu_opt_escape(v: &str) -> String {
+    v.replace(',', ",,")
+}
+
+/// Guest memory for a `startVM.memoryGB` value.
+pub fn memory_mib(memory_gb: Option<f64>) -> u64 {
+    match memory_gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => {
+            ((gb * 1024.0).round() as u64).clamp(MIN_MEMORY_MIB, MAX_MEMORY_MIB)
+        }
+        _ => DEFAULT_MEMORY_MIB,
+    }
+}
+
+/// vCPUs for a `startVM.cpuCount` value, at most the host's CPU count.
+pub fn cpu_count(requested: Option<u32>, host_cpus: u32) -> u32 {
+    requested
+        .filter(|&n| n > 0)
+        .unwrap_or(DEFAULT_CPUS)
+        .min(host_cpus.max(1))
+}
+
+/// The kernel command-line word passing `$COWORK_GUEST_LOG` to the agent,
+/// when it is set and is one word of safe characters.
+pub fn guest_log_word(value: Option<&str>) -> Option<String> {
+    let v = value?.trim();
+    let safe = !v.is_empty()
+        && v.len() <= 200
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_=,:.-".contains(c));
+    safe.then(|| format!("COWORK_LOG={v}"))
+}
+
+/// What the daemon needs to know about QEMU here (for `auto` and `doctor`).
+#[derive(Debug)]
+pub struct Probe {
+    pub qemu: Result<PathBuf, String>,
+    pub image: Result<GuestImage, String>,
+    pub accel: Result<(Accel, String), String>,
+}
+
+impl Probe {
+    /// Looks for QEMU, the guest image and the accelerator.
+    pub fn run() -> Probe {
+        Probe {
+            qemu: find_qemu().map_err(|e| e.to_string()),
+            image: GuestImage::locate(None).map_err(|e| e.to_string()),
+            accel: choose_accel().map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Whether the backend can start here.
+    pub fn usable(&self) -> bool {
+        self.qemu.is_ok() && self.image.is_ok() && self.accel.is_ok()
+    }
+}
+
+/// The last console lines, shared by the readers and the error paths.
+#[derive(Clone, Default)]
+struct Console {
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl Console {
+    fn push(&self, line: String) {
+        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        if t.len() == CONSOLE_TAIL {
+            t.pop_front();
+        }
+        t.push_back(line);
+    }
+
+    /// The last `n` lines, indented, for an error message.
+    fn quote(&self, n: usize) -> String {
+        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        if t.is_empty() {
+            return " (the console printed nothing)".into();
+        }
+        let skip = t.len().saturating_sub(n);
+        let mut s = String::from("; last console lines:");
+        for l in t.iter().skip(skip) {
+            s.push_str("\n  ");
+            s.push_str(l);
+        }
+        s
+    }
+}
+
+/// Removes control characters (ANSI escapes' printable rest is kept) and
+/// trailing whitespace from one console line.
+pub fn clean_console_line(raw: &[u8]) -> String {
+    let text = String::from_utf8_lossy(raw);
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI sequences (ESC [ ... final byte) and two-byte escapes vanish whole.
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                for c2 in chars.by_ref() {
+                    if ('\u{40}'..='\u{7e}').contains(&c2) {
+                        break;
+                    }
+                }
+            } else {
+                chars.next();
+            }
+        } else if c == '\t' {
+            out.push(' ');
+        } else if !c.is_control() {
+            out.push(c);
+        }
+    }
+    out.trim_end().to_string()
+}
+
+/// Reads `stream` line by line into the log and `console` until EOF.
+async fn pump_console(mut stream: impl AsyncRead + Unpin, console: Console, source: &'static str) {
+    let mut buf = vec![0u8; 4096];
+    let mut line: Vec<u8> = Vec::new();
+    let emit = |line: &mut Vec<u8>| {
+        let text = clean_console_line(line);
+        line.clear();
+        if !text.is_empty() {
+            tracing::debug!(source, line = %text, "guest console");
+            console.push(text);
+        }
+    };
+    loop {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        for &b in &buf[..n] {
+            if b == b'\n' {
+                emit(&mut line);
+            } else {
+                line.push(b);
+                if line.len() >= MAX_CONSOLE_LINE {
+                    emit(&mut line);
+                }
+            }
+        }
+    }
+    emit(&mut line);
+}
+
+/// The VM's private runtime directory (0700; holds the vhost-user socket);
+/// removed on drop.
+struct RunDir(PathBuf);
+
+/// Distinguishes the runtime directories of one helper's VMs.
+static RUN_DIR_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl RunDir {
+    fn create() -> Result<RunDir, QemuError> {
+        let name = format!(
+            "cowork-qemu-{}-{}",
+            std::process::id(),
+            RUN_DIR_SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .filter(|d| d.join(&name).join("vsock.sock").as_os_str().len() <= MAX_SOCKET_PATH)
+            .unwrap_or_else(std::env::temp_dir);
+        let path = base.join(name);
+        let fail = |source| QemuError::RunDir {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&base).map_err(fail)?;
+        // A leftover of a crashed helper with a recycled pid: start clean.
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(fail)?;
+        Ok(RunDir(path))
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running QEMU guest.
+pub struct QemuMachine {
+    child: Child,
+    pid: Option<u32>,
+    console: Console,
+    /// The tasks copying QEMU's stdout and stderr into the console.
+    pumps: Vec<tokio::task::JoinHandle<()>>,
+    /// The agent dialled in (so a stop is expected to power the guest off).
+    connected: Arc<AtomicBool>,
+    vhost: Option<std::thread::JoinHandle<Result<(), VhostUserVsockError>>>,
+    vhost_socket: PathBuf,
+    /// Keeps the device's host side alive as long as the machine.
+    _host: VsockHost,
+    ended: Option<String>,
+    // Dropped last: the socket lives in it.
+    _run_dir: RunDir,
+}
+
+impl QemuMachine {
+    /// Waits until QEMU exits by itself; describes how, quoting the console.
+    pub async fn wait(&mut self) -> String {
+        if let Some(how) = &self.ended {
+            return how.clone();
+        }
+        let status = self.child.wait().await;
+        self.drain_console().await;
+        let how = match status {
+            Ok(st) => format!("QEMU exited ({st}){}", self.console.quote(QUOTED_LINES)),
+            Err(e) => format!("cannot wait for QEMU: {e}"),
+        };
+        tracing::info!(pid = self.pid, how = %how, "qemu ended");
+        self.ended = Some(how.clone());
+        self.finish_vhost().await;
+        how
+    }
+
+    /// Ends QEMU: when the agent had connected, the guest is expected to
+    /// power off (the controller asked the agent to shut down) and gets
+    /// [`POWEROFF_DEADLINE`]; then QEMU is killed. Idempotent.
+    pub async fn kill(&mut self) {
+        if self.ended.is_none() {
+            let started = Instant::now();
+            let mut status = None;
+            if self.connected.load(Ordering::Acquire) {
+                match tokio::time::timeout(POWEROFF_DEADLINE, self.child.wait()).await {
+                    Ok(Ok(st)) => status = Some(st),
+                    Ok(Err(e)) => tracing::warn!(error = %e, "cannot wait for QEMU"),
+                    Err(_) => tracing::warn!(
+                        deadline_s = POWEROFF_DEADLINE.as_secs(),
+                        "guest did not power off in time; killing QEMU"
+                    ),
+                }
+            }
+            if status.is_none() {
+                let _ = self.child.start_kill();
+                status = self.child.wait().await.ok();
+            }
+            let how = match status {
+                Some(st) => format!("QEMU ended ({st})"),
+                None => "QEMU ended (status unknown)".into(),
+            };
+            tracing::info!(
+                pid = self.pid,
+                how = %how,
+                ms = started.elapsed().as_millis() as u64,
+                "qemu stopped"
+            );
+            self.ended = Some(how);
+        }
+        self.drain_console().await;
+        self.finish_vhost().await;
+    }
+
+    /// Lets the console readers reach EOF, so the last lines are in.
+    async fn drain_console(&mut self) {
+        let pumps = std::mem::take(&mut self.pumps);
+        let all = async {
+            for p in pumps {
+                let _ = p.await;
+            }
+        };
+        if tokio::time::timeout(CONSOLE_DRAIN, all).await.is_err() {
+            tracing::debug!("QEMU's output is still open (a child holds it?)");
+        }
+    }
+
+    /// Joins the vhost-user thread. It ends when QEMU disconnects; if QEMU
+    /// never connected, a throwaway connection unblocks its accept.
+    async fn finish_vhost(&mut self) {
+        let Some(handle) = self.vhost.take() else {
+            return;
+        };
+        if !handle.is_finished() {
+            let _ = std::os::unix::net::UnixStream::connect(&self.vhost_socket);
+        }
+        let joined = tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + VHOST_JOIN;
+            while !handle.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(ACCEPT_POLL);
+            }
+            if handle.is_finished() {
+                Some(handle.join())
+            } else {
+                None
+            }
+        })
+        .await;
+        match joined {
+            Ok(Some(Ok(Ok(())))) => tracing::debug!("vhost-user vsock thread ended"),
+            Ok(Some(Ok(Err(e)))) => tracing::debug!(error = %e, "vhost-user vsock thread ended"),
+            Ok(Some(Err(_))) => tracing::warn!("vhost-user vsock thread panicked"),
+            Ok(None) => tracing::warn!("vhost-user vsock thread did not end; left behind"),
+            Err(e) => tracing::warn!(error = %e, "cannot join the vhost-user vsock thread"),
+        }
+    }
+}
+
+/// Boots the guest: resolves QEMU, the image and the accelerator, serves
+/// the vsock device, starts QEMU and returns the machine with the future of
+/// the agent's stream.
+pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
+    let plan_parts = (
+        find_qemu(),
+        GuestImage::locate(opts.bundle_path.as_deref()),
+        choose_accel(),
+    );
+    let (qemu, image, (accel, accel_why)) = match plan_parts {
+        (Ok(q), Ok(i), Ok(a)) => (q, i, a),
+        (q, i, a) => {
+            let errs: Vec<String> = [q.err(), i.err(), a.err()]
+                .into_iter()
+                .flatten()
+                .map(|e| e.to_string())
+                .collect();
+            return Err(errs.join("; "));
+        }
+    };
+    let host_cpus = std::thread::available_parallelism()
+        .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+        .unwrap_or(1);
+    let run_dir = RunDir::create().map_err(|e| e.to_string())?;
+    let plan = QemuPlan {
+        qemu,
+        image,
+        accel,
+        memory_mib: memory_mib(opts.memory_gb),
+        cpus: cpu_count(opts.cpu_count, host_cpus),
+        vsock_socket: run_dir.0.join("vsock.sock"),
+        extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
+            .into_iter()
+            .collect(),
+    };
+    start(plan, run_dir, &accel_why)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Booted, QemuError> {
+    let host = VsockHost::new()?;
+    let listener = host.listen(AGENT_PORT)?;
+    let server = VhostUserVsockServer::bind(
+        &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
+        &host,
+    )?;
+    let vhost = server.spawn().map_err(QemuError::Thread)?;
+
+    let mut cmd = Command::new(&plan.qemu);
+    cmd.args(plan.args())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .process_group(0);
+    // SAFETY: the closure only calls async-signal-safe functions (prctl,
+    // getppid, _exit) between fork and exec.
+    let parent = std::process::id();
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The helper died before prctl took effect: do not start at all.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let spawned = cmd.spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(source) => {
+            // Unblock and end the vhost-user thread: no frontend will come.
+            let _ = std::os::unix::net::UnixStream::connect(&plan.vsock_socket);
+            let _ = vhost.join();
+            return Err(QemuError::Spawn {
+                qemu: plan.qemu.clone(),
+                source,
+            });
+        }
+    };
+    let pid = child.id();
+    tracing::info!(
+        pid,
+        qemu = %plan.qemu.display(),
+        image = %plan.image.dir.display(),
+        accel = plan.accel.as_str(),
+        accel_reason = accel_why,
+        memory_mib = plan.memory_mib,
+        cpus = plan.cpus,
+        "qemu started"
+    );
+    let console = Console::default();
+    let mut pumps = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        pumps.push(tokio::spawn(pump_console(out, console.clone(), "serial")));
+    }
+    if let Some(err) = child.stderr.take() {
+        pumps.push(tokio::spawn(pump_console(err, console.clone(), "qemu")));
+    }
+    let connected = Arc::new(AtomicBool::new(false));
+    let agent = agent_stream(listener, console.clone(), connected.clone());
+    let machine = QemuMachine {
+        child,
+        pid,
+        console,
+        pumps,
+        connected,
+        vhost: Some(vhost),
+        vhost_socket: plan.vsock_socket.clone(),
+        _host: host,
+        ended: None,
+        _run_dir: run_dir,
+    };
+    Ok(Booted {
+        machine: Machine::Qemu(machine),
+        agent,
+        host_paths: HostPaths::Unavailable(
+            "this backend cannot share host folders until virtio-fs lands",
+        ),
+    })
+}
+
+/// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
+fn agent_stream(listener: Listener, console: Console, connected: Arc<AtomicBool>) -> AgentStream {
+    Box::pin(async move {
+        let began = Instant::now();
+        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
+        loop {
+            match listener.try_accept() {
+                Ok(Some(stream)) => {
+                    connected.store(true, Ordering::Release);
+                    tracing::info!(
+                        ms = began.elapsed().as_millis() as u64,
+                        "guest agent dialled vsock port {AGENT_PORT}"
+                    );
+                    let wrap =
+                        |e: std::io::Error| format!("cannot use the agent's vsock stream: {e}");
+                    stream.set_nonblocking(true).map_err(wrap)?;
+                    return tokio::net::UnixStream::from_std(stream).map_err(wrap);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(format!(
+                        "the vsock device stopped before the guest agent dialled in: {e}{}",
+                        console.quote(QUOTED_LINES)
+                    ))
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "the guest agent did not dial vsock port {AGENT_PORT} within {}s{}",
+                    AGENT_DIAL_TIMEOUT.as_secs(),
+                    console.quote(QUOTED_LINES)
+                ));
+            }
+            tokio::time::sleep(ACCEPT_POLL).await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn image_dir(format_line: &str) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("vmlinuz"), b"kernel").unwrap();
+        std::fs::write(d.path().join("initramfs"), b"initramfs").unwrap();
+        std::fs::write(
+            d.path().join("image-info"),
+            format!("{format_line}\nKERNEL_VERSION=6.1.0-x-cloud-amd64\n"),
+        )
+        .unwrap();
+        d
+    }
+
+    #[test]
+    fn recognises_our_images_only() {
+        let ours = image_dir(IMAGE_FORMAT);
+        let img = GuestImage::at(ours.path()).unwrap();
+        assert_eq!(img.vmlinuz, ours.path().join("vmlinuz"));
+        assert_eq!(img.initramfs, ours.path().join("initramfs"));
+        // A bundle of ours wins over every other place.
+        assert_eq!(GuestImage::locate(Some(ours.path())).unwrap(), img);
+
+        let other = image_dir("something-else/2");
+        let e = GuestImage::at(other.path()).unwrap_err();
+        assert!(e.contains("is not a cowork-guest-image/1 image"), "{e}");
+        std::fs::remove_file(other.path().join("initramfs")).unwrap();
+        let e = GuestImage::at(other.path()).unwrap_err();
+        assert!(e.contains("initramfs is missing"), "{e}");
+    }
+
+    fn plan(accel: Accel, socket: &str) -> QemuPlan {
+        QemuPlan {
+            qemu: "/usr/bin/qemu-system-x86_64".into(),
+            image: GuestImage {
+                dir: "/img".into(),
+                vmlinuz: "/img/vmlinuz".into(),
+                initramfs: "/img/initramfs".into(),
+            },
+            accel,
+            memory_mib: 1024,
+            cpus: 2,
+            vsock_socket: socket.into(),
+            extra_cmdline: vec!["COWORK_LOG=debug".into()],
+        }
+    }
+
+    /// The value following `key` in `args`, for each occurrence.
+    fn values<'a>(args: &'a [OsString], key: &str) -> Vec<&'a str> {
+        args.windows(2)
+            .filter(|w| w[0] == key)
+            .map(|w| w[1].to_str().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn qemu_command_line() {
+        let a = plan(Accel::Tcg, "/run/x,y/vsock.sock").args();
+        for flag in ["-nodefaults", "-nographic", "-no-reboot"] {
+            assert!(a.iter().any(|x| x == flag), "{flag} missing: {a:?}");
+        }
+        assert_eq!(values(&a, "-accel"), ["tcg"]);
+        assert_eq!(values(&a, "-cpu"), ["max"]);
+        assert_eq!(values(&a, "-m"), ["1024M"]);
+        assert_eq!(values(&a, "-smp"), ["2"]);
+        assert_eq!(
+            values(&a, "-object"),
+            ["memory-backend-memfd,id=mem,size=1024M,share=on"]
+        );
+        assert_eq!(values(&a, "-numa"), ["node,memdev=mem"]);
+        assert_eq!(values(&a, "-serial"), ["stdio"]);
+        // A comma in the socket path must not split QEMU's option.
+        assert_eq!(
+            values(&a, "-chardev"),
+            ["socket,id=vsock,path=/run/x,,y/vsock.sock"]
+        );
+        assert_eq!(
+            values(&a, "-device"),
+            ["vhost-user-vsock-pci,chardev=vsock", "virtio-rng-pci"]
+        );
+        assert_eq!(values(&a, "-kernel"), ["/img/vmlinuz"]);
+        assert_eq!(values(&a, "-initrd"), ["/img/initramfs"]);
+        assert_eq!(
+            values(&a, "-append"),
+            [format!("{KERNEL_CMDLINE} COWORK_LOG=debug").as_str()]
+        );
+        let k = plan(Accel::Kvm, "/s").args();
+        assert_eq!(values(&k, "-accel"), ["kvm"]);
+        assert_eq!(values(&k, "-cpu"), ["host"]);
+    }
+
+    #[test]
+    fn sizes_and_log_words() {
+        assert_eq!(memory_mib(None), DEFAULT_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(4.0)), 4096);
+        assert_eq!(memory_mib(Some(0.5)), 512);
+        assert_eq!(memory_mib(Some(0.01)), MIN_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(1e9)), MAX_MEMORY_MIB);
+        for bad in [f64::NAN, f64::INFINITY, -2.0, 0.0] {
+            assert_eq!(memory_mib(Some(bad)), DEFAULT_MEMORY_MIB, "{bad}");
+        }
+        assert_eq!(cpu_count(None, 8), DEFAULT_CPUS);
+        assert_eq!(cpu_count(Some(4), 2), 2);
+        assert_eq!(cpu_count(Some(0), 8), DEFAULT_CPUS);
+        assert_eq!(cpu_count(Some(3), 0), 1);
+        assert_eq!(
+            guest_log_word(Some("info,guest_agent=debug")).as_deref(),
+            Some("COWORK_LOG=info,guest_agent=debug")
+        );
+        for bad in [None, Some(""), Some("debug quiet"), Some("a;rm -rf /")] {
+            assert_eq!(guest_log_word(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn console_lines_are_cleaned() {
+        assert_eq!(
+            clean_console_line(b"\x1bc\x1b[?7l\x1b[2JSeaBIOS (version 1)\r"),
+            "SeaBIOS (version 1)"
+        );
+        assert_eq!(clean_console_line(b"a\tb\x07c  "), "a bc");
+        assert_eq!(clean_console_line(b"\xff\xfeok"), "\u{fffd}\u{fffd}ok");
+        assert_eq!(clean_console_line(b"\x1b["), "");
+    }
+
+    #[tokio::test]
+    async fn console_tail_is_bounded_and_long_lines_are_cut() {
+        let mut input = Vec::new();
+        for i in 0..100 {
+            input.extend_from_slice(format!("line {i}\r\n").as_bytes());
+        }
+        input.extend_from_slice(&vec![b'x'; MAX_CONSOLE_LINE + 10]);
+        input.extend_from_slice(b"\n\n\nlast without newline");
+        let console = Console::default();
+        pump_console(&input[..], console.clone(), "test").await;
+        let tail: Vec<String> = console.tail.lock().unwrap().iter().cloned().collect();
+        assert_eq!(tail.len(), CONSOLE_TAIL);
+        assert_eq!(tail[tail.len() - 1], "last without newline");
+        assert_eq!(tail[tail.len() - 2], "x".repeat(10));
+        assert_eq!(tail[tail.len() - 3], "x".repeat(MAX_CONSOLE_LINE));
+        assert_eq!(tail[tail.len() - 4], "line 99");
+        let q = console.quote(2);
+        assert_eq!(
+            q,
+            format!(
+                "; last console lines:\n  {}\n  last without newline",
+                "x".repeat(10)
+            )
+        );
+        assert!(Console::default().quote(3).contains("printed nothing"));
+    }
+
+    /// A stand-in for QEMU: a script that ignores QEMU's arguments.
+    fn fake_qemu(dir: &Path, body: &str) -> PathBuf {
+        let p = dir.join("fake-qemu");
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn fake_plan(qemu: PathBuf, run_dir: &RunDir) -> QemuPlan {
+        QemuPlan {
+            qemu,
+            vsock_socket: run_dir.0.join("vsock.sock"),
+            ..plan(Accel::Tcg, "")
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_boot_quotes_the_console_and_cleans_up() {
+        let tmp = tempfile::tempdir().unwrap();
+        let qemu = fake_qemu(
+            tmp.path(),
+            "echo 'Booting the kernel'; echo 'Kernel panic - not syncing: VFS' ; echo 'qemu: bad option' >&2; exit 1",
+        );
+        let run_dir = RunDir::create().unwrap();
+        let dir = run_dir.0.clone();
+        assert_eq!(
+            std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        let booted = start(fake_plan(qemu, &run_dir), run_dir, "test")
+            .await
+            .unwrap();
+        let Machine::Qemu(mut m) = booted.machine else {
+            panic!("not a QEMU machine")
+        };
+        let how = m.wait().await;
+        assert!(how.contains("exit status: 1"), "{how}");
+        assert!(how.contains("Kernel panic - not syncing: VFS"), "{how}");
+        assert!(how.contains("qemu: bad option"), "{how}");
+        // The vhost-user thread, whose frontend never came, was ended.
+        assert!(m.vhost.is_none());
+        m.kill().await;
+        drop(m);
+        assert!(!dir.exists(), "runtime directory left behind");
+        assert!(matches!(
+            booted.host_paths.agent_path("home/u"),
+            Err(why) if why.contains("virtio-fs")
+        ));
+    }
+
+    #[tokio::test]
+    async fn kill_before_the_agent_connected_does_not_wait() {
+        let tmp = tempfile::tempdir().unwrap();
+        let qemu = fake_qemu(tmp.path(), "echo started; exec sleep 600");
+        let run_dir = RunDir::create().unwrap();
+        let booted = start(fake_plan(qemu, &run_dir), run_dir, "test")
+            .await
+            .unwrap();
+        let Machine::Qemu(mut m) = booted.machine else {
+            panic!("not a QEMU machine")
+        };
+        let pid = m.pid.unwrap();
+        let t0 = Instant::now();
+        m.kill().await;
+        assert!(t0.elapsed() < POWEROFF_DEADLINE, "{:?}", t0.elapsed());
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "QEMU still there"
+        );
+        // Idempotent, and wait() reports the earlier end.
+        m.kill().await;
+        assert!(m.wait().await.contains("QEMU ended"));
+    }
+
+    #[tokio::test]
+    async fn a_missing_qemu_binary_is_a_clear_error() {
+        let run_dir = RunDir::create().unwrap();
+        let plan = fake_plan("/nonexistent/qemu-system-x86_64".into(), &run_dir);
+        match start(plan, run_dir, "test").await {
+            Err(QemuError::Spawn { qemu, .. }) => {
+                assert_eq!(qemu, PathBuf::from("/nonexistent/qemu-system-x86_64"))
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(_) => panic!("started a missing binary"),
+        }
+    }
+}
