@@ -17,10 +17,12 @@ pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
-    /// Pick the best backend available here (today: the sandbox).
+    /// Pick the best backend available here (see `resolve_backend`).
     Auto,
     /// Linux namespaces on the host; no VM.
     Sandbox,
+    /// A Linux guest under QEMU (KVM where it can run Linux, else TCG).
+    Qemu,
 }
 
 #[derive(Debug, Parser)]
@@ -126,12 +128,49 @@ fn default_data_dir() -> PathBuf {
 }
 
 /// Resolves `auto` to a concrete backend, with the reason.
+///
+/// `auto` follows the rule of issue 4: QEMU when QEMU and a guest image are
+/// present and `/dev/kvm` cannot run Linux, else the sandbox. Mind that on
+/// a host like the CI machine (PVM KVM) building the guest image switches
+/// `auto` to QEMU under TCG, which starts in seconds where the sandbox takes
+/// milliseconds; the test suites and `bench` pass `--backend` explicitly.
 pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
     match choice {
         BackendChoice::Sandbox => (BackendKind::Sandbox, "requested with --backend sandbox"),
-        BackendChoice::Auto => (
+        BackendChoice::Qemu => (BackendKind::Qemu, "requested with --backend qemu"),
+        BackendChoice::Auto => {
+            use crate::backend::qemu;
+            auto_backend(
+                qemu::find_qemu().is_ok(),
+                qemu::GuestImage::locate(None).is_ok(),
+                qemu::kvm_for_linux().is_ok(),
+            )
+        }
+    }
+}
+
+/// `auto`'s rule over the facts it depends on (see [`resolve_backend`]).
+pub fn auto_backend(
+    qemu_found: bool,
+    image_found: bool,
+    kvm_runs_linux: bool,
+) -> (BackendKind, &'static str) {
+    match (qemu_found, image_found, kvm_runs_linux) {
+        (true, true, false) => (
+            BackendKind::Qemu,
+            "auto: QEMU and a guest image are present and /dev/kvm cannot run Linux, so the guest runs under QEMU (TCG)",
+        ),
+        (_, _, true) => (
             BackendKind::Sandbox,
-            "auto: the namespace sandbox is the only backend in this build",
+            "auto: /dev/kvm can run Linux, so QEMU is not preferred; no in-process VM backend in this build, so the namespace sandbox",
+        ),
+        (false, _, false) => (
+            BackendKind::Sandbox,
+            "auto: no QEMU found, so the namespace sandbox",
+        ),
+        (true, false, false) => (
+            BackendKind::Sandbox,
+            "auto: no guest image found (scripts/mkguestimage.sh), so the namespace sandbox",
         ),
     }
 }
@@ -191,6 +230,24 @@ fn doctor(cli: &Cli) -> i32 {
             Err(e) => println!("kvm: /dev/kvm works for small guests but NOT for Linux: {e}"),
         },
         Err(e) => println!("kvm: UNAVAILABLE: {e}"),
+    }
+    let probe = crate::backend::qemu::Probe::run();
+    match (&probe.qemu, &probe.image, &probe.accel) {
+        (Ok(q), Ok(img), Ok((accel, why))) => println!(
+            "qemu: available ({}, guest image {}, accel {}: {why})",
+            q.display(),
+            img.dir.display(),
+            accel.as_str()
+        ),
+        _ => {
+            let missing: Vec<&str> = [&probe.qemu.as_ref().err(), &probe.image.as_ref().err()]
+                .into_iter()
+                .flatten()
+                .map(|e| e.as_str())
+                .chain(probe.accel.as_ref().err().map(String::as_str))
+                .collect();
+            println!("qemu: UNAVAILABLE: {}", missing.join("; "));
+        }
     }
     0
 }
@@ -283,6 +340,29 @@ async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_prefers_qemu_only_with_qemu_an_image_and_no_linux_kvm() {
+        assert_eq!(auto_backend(true, true, false).0, BackendKind::Qemu);
+        for (q, i, k) in [
+            (true, true, true),
+            (false, true, false),
+            (true, false, false),
+            (false, false, true),
+        ] {
+            let (kind, why) = auto_backend(q, i, k);
+            assert_eq!(kind, BackendKind::Sandbox, "{q} {i} {k}");
+            assert!(why.starts_with("auto: "), "{why}");
+        }
+        assert!(auto_backend(false, true, false).1.contains("no QEMU"));
+        assert!(auto_backend(true, false, false)
+            .1
+            .contains("mkguestimage.sh"));
+        assert_eq!(
+            resolve_backend(BackendChoice::Qemu),
+            (BackendKind::Qemu, "requested with --backend qemu")
+        );
+    }
 
     #[test]
     fn go_style_socket_flags() {
