@@ -571,10 +571,15 @@ async fn sigterm_and_sigint_stop_vm_remove_socket_exit_zero() {
         )
         .await
         .unwrap();
-        assert!(
-            !pids_with_arg(&marker).is_empty(),
-            "the spawned sleep should be visible on the host"
-        );
+        // spawn answers once the process is forked; wait for its exec.
+        let t0 = Instant::now();
+        while pids_with_arg(&marker).is_empty() {
+            assert!(
+                t0.elapsed() < T,
+                "the spawned sleep should be visible on the host"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         d.signal(sig);
         // Stopping the VM ends the process: its exit event may still reach us.
         let st = d.wait_exit(T).expect("helper exits after the signal");
