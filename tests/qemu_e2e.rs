@@ -33,6 +33,8 @@ const START_LIMIT: Duration = Duration::from_secs(120);
 const T: Duration = Duration::from_secs(60);
 /// Lines of the bulk-output case.
 const SEQ_LINES: usize = 20_000;
+/// One VM at a time: TCG is CPU heavy and the machine is shared.
+static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Environment variable that prints the helper's whole log at the end.
 const VERBOSE_ENV: &str = "COWORK_QEMU_E2E_VERBOSE";
 
@@ -227,6 +229,7 @@ async fn qemu_backend_end_to_end() {
     if !prerequisites() {
         return;
     }
+    let _one = ONE_VM.lock().await;
     let mut helper = Helper::start();
     let root = "/tmp/qemu-e2e-profile";
     let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
@@ -424,4 +427,39 @@ async fn qemu_backend_end_to_end() {
         eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
     }
     assert!(st.success(), "helper exit: {st}");
+}
+
+/// A helper killed with SIGKILL (no chance to clean up) takes its QEMU with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_dies_with_a_killed_helper() {
+    if !prerequisites() {
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let mut helper = Helper::start();
+    let pipe = Pipe::connect_profile(&helper.socket, PROFILE, "/tmp/qemu-e2e-kill")
+        .await
+        .expect("connect");
+    // startVM's reply is not awaited: QEMU only has to exist.
+    let call = tokio::spawn(async move { pipe.call("startVM", json!({"cpuCount": 1})).await });
+    let t0 = Instant::now();
+    let qemu = loop {
+        if let Some(&pid) = children_named(helper.pid(), "qemu-system").first() {
+            break pid;
+        }
+        assert!(t0.elapsed() < T, "QEMU never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut child = helper.child.take().expect("helper child");
+    child.kill().expect("SIGKILL the helper");
+    child.wait().expect("reap the helper");
+    let t1 = Instant::now();
+    while Path::new(&format!("/proc/{qemu}")).exists() {
+        assert!(
+            t1.elapsed() < Duration::from_secs(10),
+            "QEMU {qemu} outlived the killed helper"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = call.await;
 }

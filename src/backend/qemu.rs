@@ -518,6 +518,7 @@ impl RunDir {
             source,
         };
         std::fs::create_dir_all(&base).map_err(fail)?;
+        sweep_stale_run_dirs(&base);
         // A leftover of a crashed helper with a recycled pid: start clean.
         let _ = std::fs::remove_dir_all(&path);
         std::fs::DirBuilder::new()
@@ -525,6 +526,29 @@ impl RunDir {
             .create(&path)
             .map_err(fail)?;
         Ok(RunDir(path))
+    }
+}
+
+/// Removes runtime directories of helpers that are gone (killed before
+/// they could clean up), recognised by the pid in their name.
+fn sweep_stale_run_dirs(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("cowork-qemu-"))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::debug!(dir = %e.path().display(), "removing a dead helper's runtime directory");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 
@@ -1042,6 +1066,23 @@ mod tests {
         // Idempotent, and wait() reports the earlier end.
         m.kill().await;
         assert!(m.wait().await.contains("QEMU ended"));
+    }
+
+    #[test]
+    fn stale_runtime_dirs_of_dead_helpers_are_swept() {
+        let base = tempfile::tempdir().unwrap();
+        // Above any pid_max, so never a live process.
+        let dead = base.path().join("cowork-qemu-999999999-0");
+        let live = base
+            .path()
+            .join(format!("cowork-qemu-{}-7", std::process::id()));
+        let unrelated = base.path().join("cowork-qemu-x");
+        for d in [&dead, &live, &unrelated] {
+            std::fs::create_dir(d).unwrap();
+        }
+        sweep_stale_run_dirs(base.path());
+        assert!(!dead.exists());
+        assert!(live.exists() && unrelated.exists());
     }
 
     #[tokio::test]
