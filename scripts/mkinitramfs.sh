@@ -6,6 +6,11 @@ set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+# Byte-wise string lengths for the cpio headers.
+export LC_ALL=C
+
+# This script avoids a fork per file in its loops: it also runs inside the nested harness's
+# L1 guest, where every process start costs TCG time.
 
 # Named module sets. Dependencies are added automatically, so each set lists only the modules
 # the guest actually uses.
@@ -60,6 +65,7 @@ compress=gzip
 softdeps=1
 modules=()
 adds=()
+applets=()
 while (($#)); do
 	case "$1" in
 	--output) output="${2:?--output needs a file}"; shift 2 ;;
@@ -108,18 +114,13 @@ if [[ -n "$busybox" ]]; then
 		die "$busybox is dynamically linked; install busybox-static"
 	fi
 	cp "$busybox" "$root/bin/busybox"
-	while IFS= read -r applet; do
-		[[ -z "$applet" || "$applet" == bin/busybox ]] && continue
-		[[ -e "$root/$applet" || -L "$root/$applet" ]] && continue
-		mkdir -p "$root/$(dirname "$applet")"
-		# Relative link from the applet's directory back to /bin/busybox.
-		up="$(dirname "$applet" | sed -e 's|[^/][^/]*|..|g')"
-		ln -s "$up/bin/busybox" "$root/$applet"
-	done < <("$busybox" --list-full)
+	# The applet links are written straight into the archive (see below), not created here.
+	mapfile -t applets < <("$busybox" --list-full)
 fi
 
 # --- kernel modules ------------------------------------------------------------------------
-norm() { printf '%s\n' "${1//-/_}"; }
+# Module names use '_' where file names may use '-'; sets the variable named $1.
+norm() { printf -v "$1" '%s' "${2//-/_}"; }
 
 if ((${#modules[@]})); then
 	modules_dir="${modules_dir:-$(guest_cache_dir)/current/modules}"
@@ -135,7 +136,7 @@ if ((${#modules[@]})); then
 	declare -A mod_path=()
 	while IFS= read -r rel; do
 		base="${rel##*/}"
-		name="$(norm "${base%%.ko*}")"
+		norm name "${base%%.ko*}"
 		mod_path[$name]="$rel"
 	done < <(cd "$modules_dir" && find kernel -name '*.ko' -o -name '*.ko.*')
 
@@ -143,7 +144,8 @@ if ((${#modules[@]})); then
 	if [[ -f "$modules_dir/modules.builtin" ]]; then
 		while IFS= read -r rel; do
 			base="${rel##*/}"
-			builtin[$(norm "${base%%.ko*}")]=1
+			norm name "${base%%.ko*}"
+			builtin[$name]=1
 		done <"$modules_dir/modules.builtin"
 	fi
 
@@ -173,7 +175,7 @@ if ((${#modules[@]})); then
 	# Depth-first: a module is appended to 'order' after everything it depends on.
 	visit() {
 		local name dep rel ko depends soft word pre
-		name="$(norm "$1")"
+		norm name "$1"
 		case "${state[$name]:-}" in
 		done) return 0 ;;
 		visiting) die "module dependency cycle through $name" ;;
@@ -194,7 +196,8 @@ if ((${#modules[@]})); then
 		local dep_list=()
 		for dep in ${depends//,/ }; do
 			visit "$dep"
-			[[ -n "${staged[$(norm "$dep")]:-}" ]] && dep_list+=("$(norm "$dep")")
+			norm dep "$dep"
+			[[ -n "${staged[$dep]:-}" ]] && dep_list+=("$dep")
 		done
 		if ((softdeps)); then
 			soft="$(modinfo_field "$dest/$ko" softdep)"
@@ -204,10 +207,11 @@ if ((${#modules[@]})); then
 				pre:) pre=1 ;;
 				post:) pre=0 ;;
 				*)
+					norm word "$word"
 					if ((pre)); then
-						if [[ -n "${mod_path[$(norm "$word")]:-}" ]]; then
+						if [[ -n "${mod_path[$word]:-}" ]]; then
 							visit "$word"
-						elif [[ -z "${builtin[$(norm "$word")]:-}" ]]; then
+						elif [[ -z "${builtin[$word]:-}" ]]; then
 							note "$name: soft dependency '$word' is not a module file, skipped"
 						fi
 					fi
@@ -265,21 +269,39 @@ for spec in "${adds[@]}"; do
 done
 
 # --- archive -------------------------------------------------------------------------------
-# Device nodes go into a second, hand-written newc archive so that no root or mknod is needed;
-# the kernel unpacks concatenated archives in order.
-newc_entry() { # name mode(octal) rdevmajor rdevminor
-	local name="$1" namesize=$((${#1} + 1)) pad
-	printf '070701%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%s\0' \
-		0 "$((8#$2))" 0 0 1 0 0 0 0 "$3" "$4" "$namesize" 0 "$name"
-	pad=$(((4 - (110 + namesize) % 4) % 4))
-	head -c "$pad" /dev/zero
+# Device nodes and busybox's applet links go into a second, hand-written newc archive: no root
+# or mknod is needed, and no process per link. The kernel unpacks concatenated archives in
+# order.
+# Padding as printf format text: bash strings cannot hold NUL bytes, printf formats can.
+NUL_PADS=('' '\0' '\0\0' '\0\0\0')
+newc_entry() { # name mode(octal) rdevmajor rdevminor [data]
+	local name="$1" data="${5:-}" namesize=$((${#1} + 1)) hpad dpad
+	hpad=$(((4 - (110 + namesize) % 4) % 4))
+	dpad=$(((4 - ${#data} % 4) % 4))
+	# shellcheck disable=SC2059 # the padding is format text on purpose
+	printf "070701%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%s\\0${NUL_PADS[hpad]}%s${NUL_PADS[dpad]}" \
+		0 "$((8#$2))" 0 0 1 0 "${#data}" 0 0 "$3" "$4" "$namesize" 0 "$name" "$data"
 }
 {
-	(cd "$root" && find . -mindepth 1 | LC_ALL=C sort |
+	(cd "$root" && find . -mindepth 1 | sort |
 		cpio --quiet -o -H newc -R 0:0 --reproducible)
 	{
 		newc_entry dev/console 020600 5 1
 		newc_entry dev/null 020666 1 3
+		declare -A seen_applet=()
+		for applet in "${applets[@]}"; do
+			[[ -z "$applet" || "$applet" == bin/busybox || -n "${seen_applet[$applet]:-}" ]] && continue
+			seen_applet[$applet]=1
+			# Relative link from the applet's directory back to bin/busybox.
+			dir="${applet%/*}"
+			[[ "$applet" == */* ]] || dir=""
+			up=""
+			while [[ -n "$dir" ]]; do
+				up+="../"
+				[[ "$dir" == */* ]] && dir="${dir%/*}" || dir=""
+			done
+			newc_entry "$applet" 0120777 0 0 "${up}bin/busybox"
+		done
 		newc_entry 'TRAILER!!!' 0 0 0
 	}
 } >"$stage/initramfs.cpio"

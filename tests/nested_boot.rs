@@ -200,7 +200,7 @@ fn boot(plan: &Plan, format: KernelFormat, initrd: &Path) -> BootResult {
             let detail = if out.timed_out {
                 format!("timed out after {DIRECT_TIMEOUT:?}")
             } else {
-                format!("exit status {}", out.status)
+                out.status.to_string()
             };
             BootResult {
                 output: format!("{}\n--- stderr ---\n{}", out.stdout, out.stderr),
