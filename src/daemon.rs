@@ -8,7 +8,9 @@
 //! `default` profile.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -152,6 +154,40 @@ impl Daemon {
         }
     }
 
+    /// Starts one request in the connection's read loop. Whatever must keep
+    /// the connection's order happens before this returns: `configure`
+    /// (later requests use its profile) and the queueing of `writeStdin`
+    /// data; everything else is returned as a future the caller runs
+    /// concurrently, so a slow request never delays the next one.
+    pub async fn begin(self: &Arc<Self>, conn: &Arc<Connection>, req: Request) -> Dispatch {
+        match req.method.as_str() {
+            "configure" => Dispatch::Done(self.dispatch(conn, &req).await),
+            "writeStdin" => {
+                let params: WriteStdinParams = match req.params() {
+                    Ok(p) => p,
+                    Err(e) => return Dispatch::Done(Err(e.to_string())),
+                };
+                let profile = self.profile_for(conn);
+                profile.vm.touch();
+                match profile
+                    .vm
+                    .write_stdin_ordered(&params.id, params.data.as_bytes())
+                    .await
+                {
+                    Ok(ack) => Dispatch::Later(Box::pin(async move {
+                        ack.await.map(|()| Value::Null).map_err(|e| e.to_string())
+                    })),
+                    Err(e) => Dispatch::Done(Err(e.to_string())),
+                }
+            }
+            _ => {
+                let daemon = self.clone();
+                let conn = conn.clone();
+                Dispatch::Later(Box::pin(async move { daemon.dispatch(&conn, &req).await }))
+            }
+        }
+    }
+
     /// Executes one request (everything but `subscribeEvents`).
     pub async fn dispatch(&self, conn: &Connection, req: &Request) -> Result<Value, String> {
         let method = req.method.as_str();
@@ -240,7 +276,9 @@ impl Daemon {
             }
             "writeStdin" => {
                 let params: WriteStdinParams = req.params()?;
-                vm.write_stdin(&params.id, params.data.as_bytes()).await?;
+                vm.write_stdin_ordered(&params.id, params.data.as_bytes())
+                    .await?
+                    .await?;
                 Value::Null
             }
             "isProcessRunning" => {
@@ -318,6 +356,14 @@ impl Daemon {
             other => return Err(DispatchError::Other(unknown_method(other))),
         })
     }
+}
+
+/// How [`Daemon::begin`] left a request.
+pub enum Dispatch {
+    /// Already answered.
+    Done(Result<Value, String>),
+    /// Answered when this future completes.
+    Later(Pin<Box<dyn Future<Output = Result<Value, String>> + Send>>),
 }
 
 enum DispatchError {

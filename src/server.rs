@@ -23,7 +23,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
-use crate::daemon::{Connection, ConnectionGuard, Daemon};
+use crate::daemon::{Connection, ConnectionGuard, Daemon, Dispatch};
 use crate::events::Frame;
 use crate::protocol::{self, ProfileParams, Request};
 
@@ -234,23 +234,35 @@ async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream) {
             stream_events(profile.vm.hub.clone(), tx.clone(), &mut rd).await;
             break;
         }
-        let daemon = daemon.clone();
-        let conn = conn.clone();
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            let started = std::time::Instant::now();
-            let outcome = daemon.dispatch(&conn, &req).await;
-            match &outcome {
-                Ok(_) => {
-                    tracing::debug!(method = %req.method, ms = started.elapsed().as_secs_f64() * 1e3, "rpc ok")
+        let started = std::time::Instant::now();
+        let method = req.method.clone();
+        let id = req.id.clone();
+        match daemon.begin(&conn, req).await {
+            Dispatch::Done(outcome) => {
+                log_outcome(&method, started, &outcome);
+                if tx.send(reply_frame(id.as_ref(), outcome)).await.is_err() {
+                    break;
                 }
-                Err(e) => tracing::info!(method = %req.method, error = %e, "rpc failed"),
             }
-            let _ = tx.send(reply_frame(req.id.as_ref(), outcome)).await;
-        });
+            Dispatch::Later(work) => {
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let outcome = work.await;
+                    log_outcome(&method, started, &outcome);
+                    let _ = tx.send(reply_frame(id.as_ref(), outcome)).await;
+                });
+            }
+        }
     }
     drop(tx);
     let _ = writer.await;
+}
+
+fn log_outcome(method: &str, started: std::time::Instant, outcome: &Result<Value, String>) {
+    match outcome {
+        Ok(_) => tracing::debug!(method, ms = started.elapsed().as_secs_f64() * 1e3, "rpc ok"),
+        Err(e) => tracing::info!(method, error = %e, "rpc failed"),
+    }
 }
 
 /// Forwards the hub's events until the subscriber goes away.

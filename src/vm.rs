@@ -148,6 +148,12 @@ impl AgentLink {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(Value, Vec<u8>), VmError> {
+        self.send(op, payload).await?.wait(self, timeout).await
+    }
+
+    /// Queues `op` towards the agent. Requests sent one after another reach
+    /// the agent in that order; the answer is awaited separately.
+    pub async fn send(&self, op: Op, payload: &[u8]) -> Result<PendingCall, VmError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(VmError::AgentGone);
         }
@@ -161,6 +167,25 @@ impl AgentLink {
             lock(&self.pending).remove(&id);
             return Err(VmError::AgentGone);
         }
+        Ok(PendingCall { id, name, rx })
+    }
+}
+
+/// A request that reached the agent's queue and awaits its answer.
+pub struct PendingCall {
+    id: u64,
+    name: &'static str,
+    rx: oneshot::Receiver<Reply>,
+}
+
+impl PendingCall {
+    /// Waits for the answer.
+    pub async fn wait(
+        self,
+        link: &AgentLink,
+        timeout: Duration,
+    ) -> Result<(Value, Vec<u8>), VmError> {
+        let PendingCall { id, name, rx } = self;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(Reply {
                 result: Ok(v),
@@ -169,12 +194,14 @@ impl AgentLink {
             Ok(Ok(Reply { result: Err(e), .. })) => Err(VmError::Agent(e)),
             Ok(Err(_)) => Err(VmError::AgentGone),
             Err(_) => {
-                lock(&self.pending).remove(&id);
+                lock(&link.pending).remove(&id);
                 Err(VmError::Timeout { op: name, timeout })
             }
         }
     }
+}
 
+impl AgentLink {
     /// Sends a message that has no answer.
     async fn notify(&self, msg: &HostMessage) -> Result<(), VmError> {
         let mut frame = Vec::new();
@@ -422,9 +449,14 @@ impl Vm {
         // Re-apply a previously requested SDK install.
         let pending_sdk = lock(&self.sdk).clone();
         if let Some((rel, version)) = pending_sdk {
-            if let Err(e) = self.apply_sdk(&link, &rel, &version).await {
-                tracing::warn!(error = %e, "re-installing the SDK after boot failed");
+            self.hub
+                .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+                .await;
+            let outcome = self.apply_sdk(&link, &rel, &version).await;
+            if let Err(e) = &outcome {
+                tracing::warn!(error = %e, "installing the SDK after boot failed");
             }
+            self.publish_sdk_outcome(outcome.is_ok()).await;
         }
         Ok(())
     }
@@ -704,11 +736,19 @@ impl Vm {
         .map(|_| ())
     }
 
-    pub async fn write_stdin(&self, id: &str, data: &[u8]) -> Result<(), VmError> {
+    /// Queues stdin data for a process (in call order) and returns the wait
+    /// for the agent's acknowledgement, so that a connection can keep the
+    /// order of pipelined writes without serialising their round trips.
+    pub async fn write_stdin_ordered(
+        &self,
+        id: &str,
+        data: &[u8],
+    ) -> Result<impl std::future::Future<Output = Result<(), VmError>>, VmError> {
         let link = self.connected_link()?;
-        link.call(Op::WriteStdin { id: id.to_string() }, data, CALL_TIMEOUT)
-            .await
-            .map(|_| ())
+        let pending = link
+            .send(Op::WriteStdin { id: id.to_string() }, data)
+            .await?;
+        Ok(async move { pending.wait(&link, CALL_TIMEOUT).await.map(|_| ()) })
     }
 
     pub fn process_status(&self, id: &str) -> Value {
@@ -764,42 +804,34 @@ impl Vm {
 
     /// Records the SDK to install and installs it now when the guest is up.
     pub async fn install_sdk(&self, sdk_subpath: &str, version: &str) -> Result<Value, VmError> {
-        let sub = guest_agent::names::host_relative_path(sdk_subpath)
-            .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?;
-        guest_agent::names::session_name(version)
-            .map_err(|_| VmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
-        let rel = format!("{sub}/{version}/claude");
-        let host = Path::new("/").join(&rel);
-        let meta = std::fs::metadata(&host)
-            .map_err(|e| VmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
-        if !meta.is_file() {
-            return Err(VmError::Invalid(format!(
-                "installSdk: {} is not a file",
-                host.display()
-            )));
-        }
+        let rel = match check_sdk(sdk_subpath, version) {
+            Ok(rel) => rel,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+                    .await;
+                self.publish_sdk_outcome(false).await;
+                return Err(e);
+            }
+        };
         *lock(&self.sdk) = Some((rel.clone(), version.to_string()));
         let Ok(link) = self.connected_link() else {
-            // Installed when the guest connects.
+            // Installed (with its startup steps) when the guest connects.
             return Ok(json!({"installed": false, "pending": true}));
         };
         self.hub
             .publish(&event::startup_step(step::SDK_INSTALL, "started"))
             .await;
-        match self.apply_sdk(&link, &rel, version).await {
-            Ok(v) => {
-                self.hub
-                    .publish(&event::startup_step(step::SDK_INSTALL, "completed"))
-                    .await;
-                Ok(v)
-            }
-            Err(e) => {
-                self.hub
-                    .publish(&event::startup_step(step::SDK_INSTALL, "failed"))
-                    .await;
-                Err(e)
-            }
-        }
+        let outcome = self.apply_sdk(&link, &rel, version).await;
+        self.publish_sdk_outcome(outcome.is_ok()).await;
+        outcome
+    }
+
+    async fn publish_sdk_outcome(&self, ok: bool) {
+        let status = if ok { "completed" } else { "failed" };
+        self.hub
+            .publish(&event::startup_step(step::SDK_INSTALL, status))
+            .await;
     }
 
     async fn apply_sdk(
@@ -891,6 +923,26 @@ impl Vm {
             Err(_) => Ok(()),
         }
     }
+}
+
+/// Validates an `installSdk` request against the host file system; returns
+/// the CLI's path relative to `/`.
+fn check_sdk(sdk_subpath: &str, version: &str) -> Result<String, VmError> {
+    let sub = guest_agent::names::host_relative_path(sdk_subpath)
+        .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?;
+    guest_agent::names::session_name(version)
+        .map_err(|_| VmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
+    let rel = format!("{sub}/{version}/claude");
+    let host = Path::new("/").join(&rel);
+    let meta = std::fs::metadata(&host)
+        .map_err(|e| VmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
+    if !meta.is_file() {
+        return Err(VmError::Invalid(format!(
+            "installSdk: {} is not a file",
+            host.display()
+        )));
+    }
+    Ok(rel)
 }
 
 /// Reads the agent's first message, which must be its hello.
