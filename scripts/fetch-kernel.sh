@@ -108,7 +108,9 @@ extract_vmlinux() {
 	894c5a*) decomp=(lzop -dc) ;;
 	*) rm -f "$tmp"; die "$bz: unknown payload compression (magic $magic)" ;;
 	esac
-	need_cmd "${decomp[0]}" "install it to unpack this kernel's ${decomp[0]} payload"
+	local pkg="${decomp[0]}"
+	[[ "$pkg" == xz ]] && pkg=xz-utils
+	need_cmd "${decomp[0]}" "the kernel payload is ${decomp[0]}-compressed: apt-get install $pkg"
 	"${decomp[@]}" <"$tmp" >"$out.tmp" 2>/dev/null || true
 	rm -f "$tmp"
 	if ! readelf -h "$out.tmp" >/dev/null 2>&1; then
