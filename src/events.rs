@@ -47,19 +47,83 @@ pub fn frame(event: &Value) -> Frame {
 /// Encodes a `stdout`/`stderr` event without building a JSON tree: this is
 /// the hot path of process output.
 pub fn output_frame(stream: &str, id: &str, data: &str) -> Frame {
-    let mut out = Vec::with_capacity(data.len() + data.len() / 16 + id.len() + 48);
+    let mut out = Vec::with_capacity(data.len() + data.len() / 8 + id.len() + 48);
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(b"{\"type\":\"");
     out.extend_from_slice(stream.as_bytes());
     out.extend_from_slice(b"\",\"id\":");
-    // Writing a &str into a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut out, id);
+    push_json_str(&mut out, id);
     out.extend_from_slice(b",\"data\":");
-    let _ = serde_json::to_writer(&mut out, data);
+    push_json_str(&mut out, data);
     out.push(b'}');
     let len = (out.len() - 4) as u32;
     out[..4].copy_from_slice(&len.to_be_bytes());
     Arc::new(out)
+}
+
+/// Every byte of a word set to 0x01.
+const ONES: u64 = 0x0101_0101_0101_0101;
+/// Every byte of a word set to 0x80.
+const HIGHS: u64 = 0x8080_8080_8080_8080;
+
+/// Whether any byte of `w` needs escaping in a JSON string: a control
+/// character (< 0x20), `"` or `\`. SWAR: the classic "has a byte less than
+/// n" and "has a zero byte" tests, exact for detecting presence.
+#[inline]
+fn word_needs_escape(w: u64) -> bool {
+    let below_space = w.wrapping_sub(ONES * 0x20) & !w & HIGHS;
+    let q = w ^ (ONES * u64::from(b'"'));
+    let quote = q.wrapping_sub(ONES) & !q & HIGHS;
+    let b = w ^ (ONES * u64::from(b'\\'));
+    let backslash = b.wrapping_sub(ONES) & !b & HIGHS;
+    (below_space | quote | backslash) != 0
+}
+
+/// Appends `s` as a JSON string literal (RFC 8259 escaping), skipping
+/// eight clean bytes at a time: process output is mostly plain text.
+pub fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bytes = s.as_bytes();
+    out.push(b'"');
+    let mut start = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if let Some(chunk) = bytes.get(i..i + 8) {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(chunk);
+            if !word_needs_escape(u64::from_le_bytes(word)) {
+                i += 8;
+                continue;
+            }
+        }
+        let c = bytes[i];
+        let escape: &[u8] = match c {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            0x00..=0x1f => b"",
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        if escape.is_empty() {
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[usize::from(c >> 4)]);
+            out.push(HEX[usize::from(c & 0xf)]);
+        } else {
+            out.extend_from_slice(escape);
+        }
+        i += 1;
+        start = i;
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
 }
 
 #[derive(Default)]
@@ -248,6 +312,32 @@ mod tests {
             u32::from_be_bytes([f[0], f[1], f[2], f[3]]) as usize,
             f.len() - 4
         );
+    }
+
+    #[test]
+    fn json_escaping_matches_serde_json() {
+        let mut samples: Vec<String> = vec![
+            String::new(),
+            "plain ascii text that is longer than eight bytes".into(),
+            "quote\" back\\slash\n\r\t\u{8}\u{c}\u{0}\u{1f}\u{7f} ✓ 𝄞".into(),
+        ];
+        // Every byte value at every offset within a word.
+        for b in 0u8..0x80 {
+            for pad in 0..9 {
+                let mut t = "x".repeat(pad);
+                t.push(char::from(b));
+                t.push_str("tail-of-text");
+                samples.push(t);
+            }
+        }
+        for t in samples {
+            let mut ours = Vec::new();
+            push_json_str(&mut ours, &t);
+            let theirs = serde_json::to_vec(&t).unwrap();
+            let back: String = serde_json::from_slice(&ours).unwrap();
+            assert_eq!(back, t);
+            assert_eq!(ours.len(), theirs.len(), "{t:?}");
+        }
     }
 
     #[tokio::test]

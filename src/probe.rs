@@ -47,6 +47,13 @@ pub async fn probe(url: String) -> Reachability {
 }
 
 fn probe_blocking(url: &str) -> Reachability {
+    let valid = url
+        .parse::<ureq::http::Uri>()
+        .is_ok_and(|u| matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some());
+    if !valid {
+        tracing::warn!("apiProbeURL is not an http(s) URL; reachability unknown");
+        return Reachability::Unknown;
+    }
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(PROBE_TIMEOUT))
         .http_status_as_error(false)

@@ -16,22 +16,28 @@ pub struct Utf8Stream {
 impl Utf8Stream {
     /// Decodes `chunk`, keeping an incomplete trailing sequence for later.
     pub fn push(&mut self, chunk: &[u8]) -> String {
-        let mut buf;
+        self.push_with(chunk, str::to_owned)
+    }
+
+    /// Decodes `chunk` and hands the text to `f` without copying it when
+    /// the chunk is valid UTF-8 and nothing was carried (the common case).
+    pub fn push_with<R>(&mut self, chunk: &[u8], f: impl FnOnce(&str) -> R) -> R {
+        let joined;
         let data: &[u8] = if self.carry.is_empty() {
             chunk
         } else {
-            buf = std::mem::take(&mut self.carry);
+            let mut buf = std::mem::take(&mut self.carry);
             buf.extend_from_slice(chunk);
-            &buf
+            joined = buf;
+            &joined
         };
         let keep = incomplete_tail(data);
         let (body, tail) = data.split_at(data.len() - keep);
-        let text = match std::str::from_utf8(body) {
-            Ok(s) => s.to_owned(),
-            Err(_) => String::from_utf8_lossy(body).into_owned(),
-        };
         self.carry.extend_from_slice(tail);
-        text
+        match std::str::from_utf8(body) {
+            Ok(s) => f(s),
+            Err(_) => f(&String::from_utf8_lossy(body)),
+        }
     }
 
     /// Flushes a carried tail at end of stream (as U+FFFD).

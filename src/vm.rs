@@ -605,21 +605,22 @@ impl Vm {
     }
 
     async fn on_output(&self, stdout: bool, id: String, bytes: &[u8]) {
-        let text = {
+        let stream = if stdout { "stdout" } else { "stderr" };
+        let frame = {
             let mut procs = lock(&self.procs);
             let rec = procs.map.entry(id.clone()).or_default();
-            if stdout {
-                rec.stdout.push(bytes)
+            let decoder = if stdout {
+                &mut rec.stdout
             } else {
-                rec.stderr.push(bytes)
-            }
+                &mut rec.stderr
+            };
+            decoder.push_with(bytes, |text| {
+                (!text.is_empty()).then(|| events::output_frame(stream, &id, text))
+            })
         };
-        if text.is_empty() {
-            return;
+        if let Some(frame) = frame {
+            self.hub.publish_output(frame).await;
         }
-        let stream = if stdout { "stdout" } else { "stderr" };
-        let frame = events::output_frame(stream, &id, &text);
-        self.hub.publish_output(frame).await;
     }
 
     // ---- session methods ------------------------------------------------
