@@ -54,7 +54,11 @@
 //! server). Removing a grant makes its tree unreachable at once (requests on
 //! its inodes fail with `ENOENT`), but a guest may keep seeing the removed
 //! names in its dentry cache for up to [`VIRTUAL_DIR_TTL`] /
-//! [`GRANT_ENTRY_TTL`].
+//! [`GRANT_ENTRY_TTL`]. Directory listings carry no `.` and `..` entries
+//! (as fuse-backend-rs's passthrough and pseudo filesystems list them).
+//! `rw` refuses replacing a pre-existing file, so editors that save by
+//! renaming a new file over the old one need `rwd`. A `SessionFs` is served
+//! by one transport at a time.
 
 pub mod device;
 pub mod fusedev;

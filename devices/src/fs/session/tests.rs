@@ -453,3 +453,23 @@ fn helper_credentials_ignore_guest_ids() {
     fs.id_remap(&mut x).unwrap();
     assert_eq!((x.uid, x.gid), (1234, 5678));
 }
+
+#[test]
+fn negotiated_options_keep_the_server_in_control() {
+    let fs = SessionFs::new(SessionFsOptions::default());
+    let opts = fs.init(FsOptions::all()).unwrap();
+    // Real opens (the policy sees every open's flags), no guest write-back
+    // cache, no NFS export (no lookups of "." / ".." by handle), no DAX.
+    for refused in [
+        FsOptions::ZERO_MESSAGE_OPEN,
+        FsOptions::ZERO_MESSAGE_OPENDIR,
+        FsOptions::WRITEBACK_CACHE,
+        FsOptions::EXPORT_SUPPORT,
+        FsOptions::PERFILE_DAX,
+        FsOptions::HANDLE_KILLPRIV_V2,
+    ] {
+        assert!(!opts.contains(refused), "{refused:?} negotiated");
+    }
+    assert!(opts.contains(FsOptions::DO_READDIRPLUS));
+    assert!(opts.contains(FsOptions::MAX_PAGES));
+}
