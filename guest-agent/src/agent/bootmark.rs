@@ -30,6 +30,10 @@ const ACPI_TABLE: &str = "/sys/firmware/acpi/tables/DSDT";
 /// Offset and length of the OEM ID in an ACPI table header.
 const OEM_ID_RANGE: std::ops::Range<usize> = 10..16;
 
+/// Bytes of one mark: a 4-byte `out` touches ports `BOOT_TIMER_PORT..+4`,
+/// and the I/O permission bitmap must allow every one of them.
+const MARK_BYTES: u16 = 4;
+
 /// Largest guest time a mark carries, in milliseconds (24 bits).
 pub const MAX_STAMP_MS: u32 = 0x00FF_FFFF;
 
@@ -116,7 +120,7 @@ fn acpi_says_our_vmm(table: &Path) -> bool {
 #[cfg(target_arch = "x86_64")]
 fn enable_port() -> Result<(), BootMarkError> {
     // SAFETY: ioperm changes this thread's I/O permission bitmap only.
-    let r = unsafe { libc::ioperm(BOOT_TIMER_PORT.into(), 1, 1) };
+    let r = unsafe { libc::ioperm(BOOT_TIMER_PORT.into(), MARK_BYTES.into(), 1) };
     if r == 0 {
         Ok(())
     } else {
