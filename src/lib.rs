@@ -5,8 +5,9 @@
 //! [`protocol`]), keeps per-profile state ([`daemon`]), runs one sandbox VM
 //! per profile with the guest agent inside ([`vm`]), and fans the agent's
 //! process events out to the client's subscriptions ([`events`]).
-//! Backends: the namespace sandbox ([`sandbox`]); the in-process KVM machine
-//! lives in the `vmm` crate.
+//! Backends ([`backend`]): the namespace sandbox ([`sandbox`]) and QEMU
+//! driving our own virtio devices over vhost-user; the in-process KVM
+//! machine lives in the `vmm` crate.
 
 pub mod backend;
 pub mod bench;
