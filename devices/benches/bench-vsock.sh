@@ -4,11 +4,13 @@
 #   devices/benches/bench-vsock.sh proof            guest <-> in-process listener: ping, 16 MiB
 #                                                   each way with FNV checksums, host-initiated
 #                                                   echo; exits non-zero on any failure
-#   devices/benches/bench-vsock.sh bench [--size B] [--pings N] [--only NAME]
+#   devices/benches/bench-vsock.sh bench [--size B] [--pings N] [--only NAME] [--rounds R]
 #                                                   throughput and connect+ping latency of
 #                                                   ours (in-process listener), ours (--map to
 #                                                   a Unix socket) and vhost-device-vsock, one
-#                                                   VM at a time, same guest, printed as a table
+#                                                   VM at a time, same guest, printed as a table;
+#                                                   with --rounds the backends alternate R times
+#                                                   and the table adds the median of each column
 #
 # Needs qemu-system-x86_64, gcc with static glibc, busybox-static, cpio, the cached Debian
 # kernel (scripts/fetch-kernel.sh) and, for bench, `cargo install vhost-device-vsock`.
@@ -21,11 +23,13 @@ shift || true
 size=$((64 * 1024 * 1024))
 pings=50
 only=""
+rounds=1
 while (($#)); do
 	case "$1" in
 	--size) size="$2"; shift 2 ;;
 	--pings) pings="$2"; shift 2 ;;
 	--only) only="$2"; shift 2 ;;
+	--rounds) rounds="$2"; shift 2 ;;
 	*) echo "unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -147,14 +151,31 @@ fi
 
 names=(ours-inproc ours-map vhost-device-vsock)
 [[ -n "$only" ]] && names=("$only")
-for n in "${names[@]}"; do
-	one "$n" bench
+for r in $(seq 1 "$rounds"); do
+	for n in "${names[@]}"; do
+		one "$n" bench
+		mv "$work/$n.log" "$work/$n.$r.log"
+	done
 done
-printf '\n%-20s %12s %12s %12s %12s %14s\n' backend "g2h MB/s" "h2g MB/s" "g2h #2" "h2g #2" "connect+ping"
+median() { sort -n | awk '{v[NR]=$1} END {if (NR) print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
+row() { # LABEL LOGS...: one table row from the RESULT lines of LOGS (median over them)
+	local label="$1"; shift
+	local g2h h2g ping
+	g2h="$(for l in "$@"; do field "$l" g2h MBps 1; field "$l" g2h MBps 2; done | median)"
+	h2g="$(for l in "$@"; do field "$l" h2g MBps 1; field "$l" h2g MBps 2; done | median)"
+	ping="$(for l in "$@"; do field "$l" ping avg_us; done | median)"
+	printf '%-26s %10s %10s %14s\n' "$label" "$g2h" "$h2g" "$ping"
+}
+printf '\n%-26s %10s %10s %14s\n' backend "g2h MB/s" "h2g MB/s" "connect+ping us"
 for n in "${names[@]}"; do
-	l="$work/$n.log"
-	printf '%-20s %12s %12s %12s %12s %11s us\n' "$n" \
-		"$(field "$l" g2h MBps 1)" "$(field "$l" h2g MBps 1)" \
-		"$(field "$l" g2h MBps 2)" "$(field "$l" h2g MBps 2)" "$(field "$l" ping avg_us)"
+	for r in $(seq 1 "$rounds"); do
+		row "$n (round $r)" "$work/$n.$r.log"
+	done
 done
-printf '(%s bytes per transfer, %s pings; QEMU TCG, -M pc, 1 vCPU, guest-side timing)\n' "$size" "$pings"
+if ((rounds > 1)); then
+	for n in "${names[@]}"; do
+		row "$n (median)" "$work/$n".*.log
+	done
+fi
+printf '(%s bytes per transfer, 2 transfers per direction per round, %s connect+pings per round;\n' "$size" "$pings"
+printf ' QEMU TCG, -M pc, 1 vCPU, guest-side timing)\n'
