@@ -244,6 +244,25 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
     }
 }
 
+/// Unblocks a [`VhostUserVsockServer::run`] that waits for a frontend which
+/// will never come.
+#[derive(Debug, Clone)]
+pub struct ServerCanceller {
+    socket: PathBuf,
+}
+
+impl ServerCanceller {
+    /// Connects to the server's socket and hangs up at once: a server still
+    /// accepting takes that as a frontend that disconnected and returns
+    /// `Ok(())`. Harmless once a real frontend is connected: the extra
+    /// connection then sits unaccepted in the backlog.
+    pub fn cancel(&self) {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(&self.socket) {
+            drop(s);
+        }
+    }
+}
+
 /// A bound vhost-user vsock socket, ready to serve one frontend.
 pub struct VhostUserVsockServer {
     socket: PathBuf,
@@ -262,8 +281,8 @@ impl VhostUserVsockServer {
         let backend = VhostUserVsockBackend::new(config, host, mem.clone())?;
         let host_fd = backend.host_fd();
         let backend = Arc::new(RwLock::new(backend));
-        let daemon = VhostUserDaemon::new("vhost-user-vsock".into(), backend, mem)
-            .map_err(daemon_err)?;
+        let daemon =
+            VhostUserDaemon::new("vhost-user-vsock".into(), backend, mem).map_err(daemon_err)?;
         for h in daemon.get_epoll_handlers() {
             h.register_listener(host_fd, EventSet::IN, u64::from(HOST_EVENT))
                 .map_err(VhostUserVsockError::Setup)?;
@@ -286,11 +305,17 @@ impl VhostUserVsockServer {
         &self.socket
     }
 
+    /// A handle that makes a [`Self::run`] still waiting for its frontend
+    /// return (e.g. QEMU failed to start).
+    pub fn canceller(&self) -> ServerCanceller {
+        ServerCanceller {
+            socket: self.socket.clone(),
+        }
+    }
+
     /// Accepts one frontend and serves it until it disconnects.
     pub fn run(mut self) -> Result<(), VhostUserVsockError> {
-        self.daemon
-            .start(&mut self.listener)
-            .map_err(daemon_err)?;
+        self.daemon.start(&mut self.listener).map_err(daemon_err)?;
         info!(socket = %self.socket.display(), "vhost-user-vsock: frontend connected");
         let res = self.daemon.wait();
         for h in self.daemon.get_epoll_handlers() {
@@ -311,5 +336,56 @@ impl VhostUserVsockServer {
         std::thread::Builder::new()
             .name("vhost-user-vsock".into())
             .spawn(move || self.run())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn socket_path(tag: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("vu-vsock-{tag}-{}.sock", std::process::id()))
+    }
+
+    #[test]
+    fn backend_describes_a_vsock_device() {
+        let host = VsockHost::new().unwrap();
+        let cfg = VhostUserVsockConfig::new(socket_path("desc"), 42);
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let b = VhostUserVsockBackend::new(&cfg, &host, mem).unwrap();
+        assert_eq!(b.num_queues(), 3);
+        assert_eq!(b.get_config(0, 8), 42u64.to_le_bytes().to_vec());
+        assert_eq!(b.get_config(4, 4), vec![0, 0, 0, 0]);
+        assert!(b.get_config(6, 4).is_empty());
+        assert!(b.get_config(u32::MAX, 2).is_empty());
+        assert!(b
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::CONFIG));
+        assert_ne!(b.features() & (1 << VIRTIO_F_VERSION_1), 0);
+        let bad = VhostUserVsockConfig::new(socket_path("bad"), 2);
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        assert!(matches!(
+            VhostUserVsockBackend::new(&bad, &host, mem),
+            Err(VhostUserVsockError::Model(DeviceError::InvalidCid(2)))
+        ));
+    }
+
+    #[test]
+    fn canceller_ends_a_server_waiting_for_its_frontend() {
+        let host = VsockHost::new().unwrap();
+        let path = socket_path("cancel");
+        let server =
+            VhostUserVsockServer::bind(&VhostUserVsockConfig::new(&path, 3), &host).unwrap();
+        assert!(path.exists());
+        let cancel = server.canceller();
+        let t = server.spawn().unwrap();
+        cancel.cancel();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !t.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(t.is_finished(), "server still waiting after cancel");
+        t.join().unwrap().unwrap();
+        let _ = std::fs::remove_file(&path);
     }
 }
