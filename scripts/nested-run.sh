@@ -163,6 +163,27 @@ fi
 [[ -z "$shell_cmd" || ${#argv[@]} -eq 0 ]] || die "give either -c CMD or -- COMMAND, not both"
 cwd="$(cd "$cwd" && pwd)" || die "--cwd '$cwd' is not a directory"
 
+# Children must neither keep the lock (a SIGKILLed run would block the next one until its QEMU
+# times out) nor outlive this script: spawn closes the lock fd for them, and setpriv's parent-
+# death signal ends them when this script dies, even by SIGKILL.
+lock_fd=""
+pdeath=()
+command -v setpriv >/dev/null && pdeath=(setpriv --pdeathsig)
+# Use as 'spawn SIGNAL COMMAND... &': the background subshell execs COMMAND, so $! is its pid
+# and this script its parent.
+spawn() {
+	local sig="$1"
+	shift
+	if ((${#pdeath[@]})); then
+		set -- "${pdeath[@]}" "$sig" "$@"
+	fi
+	if [[ -n "$lock_fd" ]]; then
+		exec "$@" {lock_fd}>&-
+	else
+		exec "$@"
+	fi
+}
+
 mkdir -p "$cache"
 if ((use_lock)); then
 	need_cmd flock "install util-linux or pass --no-lock"
@@ -193,8 +214,16 @@ if [[ -z "$initrd" ]]; then
 fi
 
 # --- job directory -------------------------------------------------------------------------
+# Job directories of runs that were SIGKILLed (no trap ran) are removed by the next run. QEMU
+# and virtiofsd of such a run end by themselves: QEMU at its timeout, virtiofsd with QEMU.
+for stale in "${TMPDIR:-/tmp}"/nested-run.*; do
+	[[ -f "$stale/owner.pid" ]] || continue
+	kill -0 "$(<"$stale/owner.pid")" 2>/dev/null && continue
+	rm -rf "$stale"
+done
 job="$(mktemp -d "${TMPDIR:-/tmp}/nested-run.XXXXXX")"
 job="$(cd "$job" && pwd -P)"
+echo "$$" >"$job/owner.pid"
 [[ "$job" =~ ^[A-Za-z0-9_./-]+$ ]] || die "job directory '$job' has characters the kernel command line cannot carry; set TMPDIR"
 token="$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')"
 sock="$job/virtiofs.sock"
@@ -261,7 +290,7 @@ else
 	vfs_cmd=("$virtiofsd_path" "--socket-path=$sock" -o source=/ -o sandbox=chroot -o cache=auto)
 fi
 t_start="$EPOCHREALTIME"
-"${vfs_cmd[@]}" </dev/null >"$job/virtiofsd.log" 2>&1 &
+spawn TERM "${vfs_cmd[@]}" </dev/null >"$job/virtiofsd.log" 2>&1 &
 vfs_pid=$!
 for _ in $(seq 100); do
 	[[ -S "$sock" ]] && break
@@ -281,7 +310,13 @@ qemu_cmd=(
 	-append "console=ttyS0 quiet panic=-1 $extra_append nested.job=$job nested.token=$token"
 	"${extra_qemu_args[@]}"
 )
-timeout --kill-after=5 "$timeout_s" "${qemu_cmd[@]}" </dev/null >"$fifo" 2>"$job/qemu.log" &
+# timeout passes the TERM it gets at this script's death on to QEMU; QEMU gets KILL should
+# timeout itself die.
+qemu_launch=(timeout --kill-after=5 "$timeout_s")
+if ((${#pdeath[@]})); then
+	qemu_launch+=("${pdeath[@]}" KILL)
+fi
+spawn TERM "${qemu_launch[@]}" "${qemu_cmd[@]}" </dev/null >"$fifo" 2>"$job/qemu.log" &
 qemu_pid=$!
 
 # --- console filter ------------------------------------------------------------------------
