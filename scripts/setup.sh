@@ -23,6 +23,7 @@ packages=(
     util-linux                  # setpriv, used by the tests to act as another user
     qemu-system-x86             # QEMU backend and the nested-KVM test harness
     busybox-static cpio zstd xz-utils  # guest initramfs
+    lz4                         # fetch-kernel.sh: the Debian kernel's payload is LZ4 (vmlinux)
 )
 
 export DEBIAN_FRONTEND=noninteractive
