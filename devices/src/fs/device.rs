@@ -296,7 +296,7 @@ impl VirtioDevice for FsDevice {
 
 /// Why the worker stopped serving.
 #[derive(Debug, thiserror::Error)]
-enum WorkerError {
+pub(crate) enum WorkerError {
     #[error("virtqueue {index}: {source}")]
     Queue {
         index: u16,
@@ -409,7 +409,7 @@ fn take_budget(budget: &AtomicU32) -> bool {
 
 /// Answers the FUSE request in `chain`; returns the used length (bytes
 /// written to the device-writable buffers, 0 for a malformed chain).
-fn serve_chain(
+pub(crate) fn serve_chain(
     server: &Server<Arc<SessionFs>>,
     mem: &GuestMemoryMmap,
     chain: DescriptorChain<&GuestMemoryMmap>,

@@ -65,7 +65,7 @@ pub mod fusedev;
 pub mod policy;
 mod session;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 use std::time::Duration;
 
