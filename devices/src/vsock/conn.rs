@@ -3,7 +3,7 @@
 //!
 //! Flow control follows the spec's credit scheme on both directions:
 //!
-//! * guest → host: we advertise [`Conn::buf_alloc`] and count `rx_cnt`
+//! * guest → host: we advertise `buf_alloc` and count `rx_cnt`
 //!   (payload bytes received) and `fwd_cnt` (bytes actually written to the
 //!   host stream). Bytes the host stream cannot take yet wait in an output
 //!   buffer that the guest's credit bounds to `buf_alloc`; a guest that sends

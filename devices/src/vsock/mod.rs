@@ -13,8 +13,23 @@
 //!
 //! The vhost-user face is [`crate::vhost_user::vsock`].
 //!
+//! Using it (either face):
+//!
+//! ```text
+//! let host = VsockHost::new()?;                       // before the VM starts
+//! let agent = host.listen(guest_agent::proto::AGENT_PORT)?;
+//! // in-process: Box::new(VsockDevice::new(cid, VsockConfig::default(), host.clone())?)
+//! //             handed to vmm::virtio::MmioTransport::new
+//! // QEMU:       VhostUserVsockServer::bind(&VhostUserVsockConfig::new(sock, cid), &host)?.spawn()?
+//! let stream: std::os::unix::net::UnixStream = agent.accept()?;   // guest dialled 2:AGENT_PORT
+//! let out = host.connect(guest_port, DEFAULT_CONNECT_TIMEOUT)?;    // host dials the guest
+//! host.map_unix(port, "/path/to/tool.sock")?;                      // optional forwarding
+//! ```
+//!
 //! Limits: stream sockets only (no SEQPACKET, no DGRAM); the host is CID 2
-//! and the only peer (no sibling VMs).
+//! and the only peer (no sibling VMs); one device model per [`VsockHost`] at
+//! a time; writes to host streams rely on SIGPIPE being ignored (Rust
+//! binaries do so by default).
 
 pub mod backend;
 pub mod conn;

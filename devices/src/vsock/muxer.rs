@@ -172,7 +172,7 @@ impl Muxer {
         self.transport_reset_pending
     }
 
-    /// Whether [`Self::fill_rx`] may have something to send.
+    /// Whether [`Self::next_rx_packet`] may have something to send.
     pub fn has_rx_work(&self) -> bool {
         !self.backlog.is_empty() || !self.rx_ready.is_empty()
     }
@@ -529,9 +529,10 @@ impl Muxer {
         }
     }
 
-    /// Produces the next packet for the guest into `out` (header) and
-    /// `payload`, given `room` payload bytes in the RX buffer. Returns the
-    /// header and the payload length, or `None` when nothing is pending.
+    /// Produces the next packet for the guest, given `room` payload bytes in
+    /// the RX buffer: RSTs for unknown connections first, then connections in
+    /// round-robin order. Returns the header and its payload, or `None` when
+    /// nothing is pending.
     pub fn next_rx_packet(&mut self, room: usize) -> Option<(Header, &[u8])> {
         if let Some(h) = self.backlog.pop_front() {
             return Some((h, &[]));
