@@ -7,6 +7,8 @@
 //! frontend) over a Unix socket. Either way the helper talks to the guest
 //! through a [`vsock::VsockHost`] handle.
 
+pub mod blk;
 pub mod fs;
+pub mod rng;
 pub mod vhost_user;
 pub mod vsock;

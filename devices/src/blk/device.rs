@@ -1,0 +1,620 @@
+//! The virtio-blk device model ([`BlkModel`]) and its in-process face
+//! ([`BlkDevice`], a [`VirtioDevice`] for the vmm's virtio-mmio transport).
+//!
+//! [`BlkModel`] knows one request queue and the guest memory it lives in,
+//! nothing of KVM or vhost-user: a face calls [`BlkModel::process_queue`]
+//! when the queue is kicked, and every available chain is served
+//! ([`super::request::serve`]) and returned to the used ring. A malformed
+//! chain is completed (with an error status when it has a status byte, with
+//! a used length of 0 otherwise) and counted; the device keeps serving. Only
+//! a broken available ring stops the worker, which then asks the driver for
+//! a reset.
+//!
+//! Config space (virtio 1.2 §5.2.4, little-endian, laid out as Linux's
+//! `struct virtio_blk_config`): `capacity` in 512-byte sectors, `seg_max`,
+//! `blk_size` (512), and for writable disks the DISCARD / WRITE_ZEROES
+//! limits. Read-only; writes are ignored.
+//!
+//! Limits: one request queue; the worker serves one request at a time.
+
+use std::io;
+use std::mem::offset_of;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{debug, error, info, warn};
+use virtio_bindings::virtio_blk::{
+    virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
+    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::GuestMemory;
+use vmm::virtio::{
+    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    VirtioInterrupt,
+};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::image::BlockBackend;
+use super::request::{self, Completion, DiskParams};
+use super::{ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE};
+
+/// Virtio device ID of a block device (virtio 1.2 §5.2).
+pub const VIRTIO_ID_BLOCK: u32 = 2;
+/// Index of the only request queue.
+pub const REQUEST_QUEUE: u16 = 0;
+/// Number of queues.
+pub const NUM_QUEUES: usize = 1;
+/// Default maximum queue size.
+pub const QUEUE_SIZE: u16 = 256;
+/// Size of the config space (Linux's `struct virtio_blk_config`, zoned
+/// fields included and left zero).
+pub const CONFIG_SIZE: usize = std::mem::size_of::<virtio_blk_config>();
+/// Most segments in one DISCARD / WRITE_ZEROES request.
+pub const MAX_DISCARD_SEGMENTS: u32 = 32;
+/// Most sectors in one DISCARD / WRITE_ZEROES segment (2 GiB).
+pub const MAX_SEGMENT_SECTORS: u32 = 1 << 22;
+/// Discard granularity reported to the driver, in sectors (4 KiB, the host
+/// filesystem's usual block size: smaller holes cannot be punched).
+pub const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
+/// How many per-request warnings (malformed chains, I/O errors) a model
+/// logs at warning level before going quiet (debug level), so a hostile
+/// driver cannot flood the host log.
+pub const WARN_LOG_BUDGET: u32 = 32;
+
+/// epoll token of the stop eventfd.
+const TOKEN_STOP: u64 = 0;
+/// epoll token of the request queue's notify eventfd.
+const TOKEN_QUEUE: u64 = 1;
+
+/// Errors of the device model.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The serial does not fit GET_ID's 20 bytes.
+    #[error("disk serial {serial:?} is {len} bytes; at most {ID_BYTES} fit a GET_ID answer")]
+    SerialTooLong {
+        /// The refused serial.
+        serial: String,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The queue size is not a power of two in 2..=32768.
+    #[error("queue size {0} is invalid; use a power of two in 2..=32768")]
+    QueueSize(u16),
+    /// The available ring could not be read: the queue is broken and the
+    /// device needs a reset.
+    #[error("virtqueue {index} is unusable: {source}; the guest driver must reset the device")]
+    Queue {
+        /// Queue index.
+        index: u16,
+        /// virtio-queue error.
+        source: virtio_queue::Error,
+    },
+}
+
+/// Settings of a disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlkConfig {
+    /// Serial answered to GET_ID (`/sys/block/vdX/serial` in the guest), at
+    /// most [`ID_BYTES`] bytes.
+    pub serial: String,
+    /// Largest queue size offered.
+    pub queue_size: u16,
+}
+
+impl BlkConfig {
+    /// A disk with `serial` and the default queue size.
+    pub fn new(serial: impl Into<String>) -> Self {
+        Self {
+            serial: serial.into(),
+            queue_size: QUEUE_SIZE,
+        }
+    }
+}
+
+/// Counters of a model (since it was built).
+#[derive(Debug, Default)]
+pub struct BlkStats {
+    /// Chains completed.
+    pub requests: AtomicU64,
+    /// Bytes read from the disk into guest memory.
+    pub bytes_read: AtomicU64,
+    /// Bytes written from guest memory to the disk.
+    pub bytes_written: AtomicU64,
+    /// FLUSH requests completed successfully.
+    pub flushes: AtomicU64,
+    /// Requests completed with a status other than OK.
+    pub errors: AtomicU64,
+    /// Chains that were malformed (subset of `errors`, plus chains without a
+    /// status byte).
+    pub malformed: AtomicU64,
+}
+
+/// The virtio-blk device model over one request queue.
+pub struct BlkModel {
+    backend: Box<dyn BlockBackend>,
+    params: DiskParams,
+    config: [u8; CONFIG_SIZE],
+    queue_size: u16,
+    scratch: Vec<u8>,
+    stats: Arc<BlkStats>,
+    log_budget: AtomicU32,
+}
+
+impl BlkModel {
+    /// A model serving `backend` with `config`.
+    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, DeviceError> {
+        if config.serial.len() > ID_BYTES {
+            return Err(DeviceError::SerialTooLong {
+                serial: config.serial.clone(),
+                len: config.serial.len(),
+            });
+        }
+        if config.queue_size < 2 || !config.queue_size.is_power_of_two() {
+            return Err(DeviceError::QueueSize(config.queue_size));
+        }
+        let mut id = [0u8; ID_BYTES];
+        id[..config.serial.len()].copy_from_slice(config.serial.as_bytes());
+        let writable = !backend.read_only();
+        let params = DiskParams {
+            id,
+            discard: writable,
+            write_zeroes: writable,
+            max_segments: MAX_DISCARD_SEGMENTS,
+            max_segment_sectors: MAX_SEGMENT_SECTORS,
+        };
+        let config_bytes = build_config(backend.size(), config.queue_size, &params);
+        Ok(Self {
+            backend,
+            params,
+            config: config_bytes,
+            queue_size: config.queue_size,
+            scratch: Vec::new(),
+            stats: Arc::default(),
+            log_budget: AtomicU32::new(WARN_LOG_BUDGET),
+        })
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn capacity(&self) -> u64 {
+        self.backend.size() >> SECTOR_SHIFT
+    }
+
+    /// Whether the disk is read-only.
+    pub fn read_only(&self) -> bool {
+        self.backend.read_only()
+    }
+
+    /// Largest queue size offered.
+    pub fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    /// Device feature bits (virtio-blk ones plus the ring features the
+    /// model handles: event index, indirect descriptors, VERSION_1).
+    pub fn features(&self) -> u64 {
+        let mut f = (1u64 << VIRTIO_BLK_F_SEG_MAX)
+            | (1u64 << VIRTIO_BLK_F_BLK_SIZE)
+            | (1u64 << VIRTIO_BLK_F_FLUSH)
+            | features::VERSION_1
+            | features::RING_EVENT_IDX
+            | features::RING_INDIRECT_DESC;
+        if self.read_only() {
+            f |= 1u64 << VIRTIO_BLK_F_RO;
+        }
+        if self.params.discard {
+            f |= 1u64 << VIRTIO_BLK_F_DISCARD;
+        }
+        if self.params.write_zeroes {
+            f |= 1u64 << VIRTIO_BLK_F_WRITE_ZEROES;
+        }
+        f
+    }
+
+    /// The config space bytes.
+    pub fn config(&self) -> &[u8] {
+        &self.config
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Arc<BlkStats> {
+        self.stats.clone()
+    }
+
+    /// Makes every completed write durable (also done on drop by backends
+    /// that keep metadata).
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.backend.flush()
+    }
+
+    /// Serves every available chain of the request queue. Returns whether
+    /// the driver needs a used-buffer notification.
+    pub fn process_queue<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, DeviceError> {
+        let qerr = |source| DeviceError::Queue {
+            index: REQUEST_QUEUE,
+            source,
+        };
+        let mut used = false;
+        loop {
+            q.disable_notification(mem).map_err(qerr)?;
+            loop {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(source) => return Err(qerr(source)),
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let c = request::serve(
+                    mem,
+                    chain,
+                    self.backend.as_mut(),
+                    &self.params,
+                    &mut self.scratch,
+                );
+                self.account(head, &c);
+                if let Err(e) = q.add_used(mem, head, c.used_len) {
+                    self.warn(format_args!("blk: cannot return chain {head}: {e}"));
+                    continue;
+                }
+                used = true;
+            }
+            if !q.enable_notification(mem).map_err(qerr)? {
+                break;
+            }
+        }
+        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+    }
+
+    fn account(&self, head: u16, c: &Completion) {
+        let s = &self.stats;
+        s.requests.fetch_add(1, Ordering::Relaxed);
+        let ok = c.error.is_none();
+        if ok {
+            let data = u64::from(c.used_len.saturating_sub(1));
+            match c.kind {
+                Some(VIRTIO_BLK_T_IN) => {
+                    s.bytes_read.fetch_add(data, Ordering::Relaxed);
+                }
+                Some(VIRTIO_BLK_T_OUT) => {
+                    s.bytes_written
+                        .fetch_add(c.bytes_from_guest, Ordering::Relaxed);
+                }
+                Some(VIRTIO_BLK_T_FLUSH) => {
+                    s.flushes.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+            debug!(head, kind = ?c.kind, used = c.used_len, "blk: request done");
+            return;
+        }
+        s.errors.fetch_add(1, Ordering::Relaxed);
+        let Some(e) = &c.error else { return };
+        if e.is_malformed() || c.status.is_none() {
+            s.malformed.fetch_add(1, Ordering::Relaxed);
+        }
+        match e {
+            request::RequestError::Unsupported(kind) => {
+                debug!(head, kind, "blk: unsupported request type answered UNSUPP")
+            }
+            _ => self.warn(format_args!(
+                "blk: request {head} (type {:?}) failed, status {:?}: {e}",
+                c.kind, c.status
+            )),
+        }
+    }
+
+    fn warn(&self, msg: std::fmt::Arguments<'_>) {
+        let budget = self
+            .log_budget
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if budget {
+            warn!("{msg}");
+        } else {
+            debug!("{msg}");
+        }
+    }
+}
+
+/// The config space image for a disk of `size` bytes.
+fn build_config(size: u64, queue_size: u16, params: &DiskParams) -> [u8; CONFIG_SIZE] {
+    let mut c = [0u8; CONFIG_SIZE];
+    let mut put = |off: usize, bytes: &[u8]| c[off..off + bytes.len()].copy_from_slice(bytes);
+    put(
+        offset_of!(virtio_blk_config, capacity),
+        &(size >> SECTOR_SHIFT).to_le_bytes(),
+    );
+    // Two descriptors of every chain carry the header and the status.
+    put(
+        offset_of!(virtio_blk_config, seg_max),
+        &u32::from(queue_size.saturating_sub(2)).to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, blk_size),
+        &(SECTOR_SIZE as u32).to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, num_queues),
+        &1u16.to_le_bytes(),
+    );
+    if params.discard {
+        put(
+            offset_of!(virtio_blk_config, max_discard_sectors),
+            &params.max_segment_sectors.to_le_bytes(),
+        );
+        put(
+            offset_of!(virtio_blk_config, max_discard_seg),
+            &params.max_segments.to_le_bytes(),
+        );
+        put(
+            offset_of!(virtio_blk_config, discard_sector_alignment),
+            &DISCARD_ALIGNMENT_SECTORS.to_le_bytes(),
+        );
+    }
+    if params.write_zeroes {
+        put(
+            offset_of!(virtio_blk_config, max_write_zeroes_sectors),
+            &params.max_segment_sectors.to_le_bytes(),
+        );
+        put(
+            offset_of!(virtio_blk_config, max_write_zeroes_seg),
+            &params.max_segments.to_le_bytes(),
+        );
+        put(offset_of!(virtio_blk_config, write_zeroes_may_unmap), &[1]);
+    }
+    c
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<BlkModel>,
+}
+
+/// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
+/// transport, running a [`BlkModel`] on its own thread while active.
+pub struct BlkDevice {
+    /// The model while inactive; the worker owns it while active and hands
+    /// it back when stopped.
+    model: Option<BlkModel>,
+    features: u64,
+    config: [u8; CONFIG_SIZE],
+    max_sizes: [u16; NUM_QUEUES],
+    stats: Arc<BlkStats>,
+    acked: u64,
+    worker: Option<Worker>,
+}
+
+impl BlkDevice {
+    /// A device serving `backend` with `config`.
+    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, DeviceError> {
+        let model = BlkModel::new(backend, config)?;
+        Ok(Self {
+            features: model.features(),
+            config: model.config,
+            max_sizes: [model.queue_size],
+            stats: model.stats(),
+            model: Some(model),
+            acked: 0,
+            worker: None,
+        })
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Arc<BlkStats> {
+        self.stats.clone()
+    }
+
+    /// Features the driver accepted at the last FEATURES_OK.
+    pub fn acked_features(&self) -> u64 {
+        self.acked
+    }
+
+    /// Whether the worker runs.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    /// Stops the worker (taking the model back from it).
+    fn stop_worker(&mut self) -> bool {
+        let Some(w) = self.worker.take() else {
+            return true;
+        };
+        if let Err(e) = w.stop.write(1) {
+            warn!("blk: cannot stop the worker: {e}");
+            self.worker = Some(w);
+            return false;
+        }
+        match w.thread.join() {
+            Ok(model) => {
+                self.model = Some(model);
+                true
+            }
+            Err(_) => {
+                error!("blk: the worker panicked; the disk is gone until the VM restarts");
+                false
+            }
+        }
+    }
+}
+
+impl Drop for BlkDevice {
+    fn drop(&mut self) {
+        self.stop_worker();
+        if let Some(m) = self.model.as_mut() {
+            if let Err(e) = m.flush() {
+                warn!("blk: flush on close failed: {e}");
+            }
+        }
+    }
+}
+
+impl VirtioDevice for BlkDevice {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        self.features
+    }
+
+    fn ack_features(&mut self, features: u64) -> bool {
+        self.acked = features;
+        true
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        debug!(
+            offset,
+            len = data.len(),
+            "blk: config space is read-only; write ignored"
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let queue = queues
+            .into_iter()
+            .find(|q| q.index == REQUEST_QUEUE)
+            .ok_or(ActivateError::MissingQueue {
+                index: REQUEST_QUEUE,
+            })?;
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        let add = |fd: RawFd, token: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(ActivateError::Worker)
+        };
+        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
+        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let model = self
+            .model
+            .take()
+            .ok_or_else(|| ActivateError::Device("the disk model was lost".into()))?;
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            queue,
+            model,
+            epoll,
+            stop: worker_stop,
+        };
+        let thread = match std::thread::Builder::new()
+            .name("virtio-blk".into())
+            .spawn(move || ctx.run())
+        {
+            Ok(t) => t,
+            Err(e) => {
+                // The closure (and the model in it) is gone with the failed
+                // spawn; nothing to recover.
+                error!("blk: cannot start the worker: {e}");
+                return Err(ActivateError::Worker(e));
+            }
+        };
+        self.worker = Some(Worker { stop, thread });
+        info!(capacity = self.config_capacity(), "blk: device activated");
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        let stopped = self.stop_worker();
+        if stopped {
+            info!("blk: device reset");
+        }
+        stopped
+    }
+}
+
+impl BlkDevice {
+    fn config_capacity(&self) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&self.config[..8]);
+        u64::from_le_bytes(b)
+    }
+}
+
+struct WorkerCtx {
+    mem: GuestMemoryMmap,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    queue: ActiveQueue,
+    model: BlkModel,
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+/// Why the worker stopped serving.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("epoll_wait failed: {0}")]
+    Epoll(io::Error),
+}
+
+impl WorkerCtx {
+    fn run(mut self) -> BlkModel {
+        if let Err(e) = self.event_loop() {
+            error!("blk: {e}; the device needs a reset");
+            if let Err(e) = self.interrupt.signal_needs_reset() {
+                warn!("blk: cannot signal needs-reset: {e}");
+            }
+            // Park until the transport resets (or drops) the device.
+            let _ = self.stop.read();
+        }
+        self.model
+    }
+
+    fn event_loop(&mut self) -> Result<(), WorkerError> {
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WorkerError::Epoll(e)),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => return Ok(()),
+                    TOKEN_QUEUE => {
+                        // Reset the counter; EAGAIN only means a spurious wakeup.
+                        let _ = self.queue.notify.read();
+                        if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
+                            if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
+                                warn!("blk: cannot signal the request queue: {e}");
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! virtio-rng (virtio 1.2 §5.4): the guest's `/dev/hwrng` fed from the
+//! host's `getrandom(2)`.
+//!
+//! [`RngModel`] knows one request queue and the guest memory it lives in:
+//! for every available chain it fills the device-writable buffers with
+//! random bytes, at most [`MAX_BYTES_PER_REQUEST`] per chain, and returns the
+//! chain with the number of bytes written. Device-readable buffers (the spec
+//! has none) are skipped; a buffer outside guest memory ends the fill at
+//! that point, so the chain returns with what was written before it (0 for
+//! a chain with nothing usable). [`RngDevice`] is the in-process face for
+//! the vmm's virtio-mmio transport; the vhost-user face is
+//! [`crate::vhost_user::rng`].
+//!
+//! Limits: no rate limiting beyond the per-request bound (a guest that keeps
+//! asking costs the host one worker thread's CPU, as with any device); one
+//! queue, no config space.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{debug, error, info, warn};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestMemory};
+use vmm::virtio::{
+    features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
+};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+#[cfg(test)]
+mod tests;
+
+/// Virtio device ID of an entropy device.
+pub const VIRTIO_ID_RNG: u32 = 4;
+/// Index of the only queue (`requestq`).
+pub const REQUEST_QUEUE: u16 = 0;
+/// Number of queues.
+pub const NUM_QUEUES: usize = 1;
+/// Maximum queue size offered (Linux keeps one buffer in flight).
+pub const QUEUE_SIZE: u16 = 64;
+/// Most random bytes written into one chain, however large its buffers
+/// (Linux asks for at most a page at a time).
+pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
+
+/// epoll token of the stop eventfd.
+const TOKEN_STOP: u64 = 0;
+/// epoll token of the queue's notify eventfd.
+const TOKEN_QUEUE: u64 = 1;
+
+/// Errors of the rng device.
+#[derive(Debug, thiserror::Error)]
+pub enum RngError {
+    /// The available ring could not be read: the queue is broken and the
+    /// device needs a reset.
+    #[error("virtqueue {index} is unusable: {source}; the guest driver must reset the device")]
+    Queue {
+        /// Queue index.
+        index: u16,
+        /// virtio-queue error.
+        source: virtio_queue::Error,
+    },
+    /// `getrandom(2)` failed.
+    #[error("getrandom failed: {0}; the host kernel cannot supply random bytes")]
+    GetRandom(#[source] io::Error),
+}
+
+/// Counters of a model.
+#[derive(Debug, Default)]
+pub struct RngStats {
+    /// Chains completed.
+    pub requests: AtomicU64,
+    /// Random bytes written to the guest.
+    pub bytes: AtomicU64,
+    /// Chains with a buffer outside guest memory, or no writable buffer.
+    pub malformed: AtomicU64,
+}
+
+/// Fills `buf` from `getrandom(2)` (blocking only until the host's pool is
+/// initialised, which it is long before a VM starts).
+pub fn fill_random(buf: &mut [u8]) -> Result<(), RngError> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: getrandom writes at most rest.len() bytes into rest.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(RngError::GetRandom(e));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// The virtio-rng device model over one request queue.
+#[derive(Debug)]
+pub struct RngModel {
+    buf: Vec<u8>,
+    stats: Arc<RngStats>,
+}
+
+impl Default for RngModel {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RngModel {
+    /// A new model.
+    pub fn new() -> Self {
+        Self {
+            buf: Vec::new(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Device feature bits.
+    pub fn features(&self) -> u64 {
+        features::VERSION_1 | features::RING_EVENT_IDX | features::RING_INDIRECT_DESC
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Arc<RngStats> {
+        self.stats.clone()
+    }
+
+    /// Fills every available chain. Returns whether the driver needs a
+    /// used-buffer notification.
+    pub fn process_queue<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, RngError> {
+        let qerr = |source| RngError::Queue {
+            index: REQUEST_QUEUE,
+            source,
+        };
+        let mut used = false;
+        loop {
+            q.disable_notification(mem).map_err(qerr)?;
+            loop {
+                let chain = match q.iter(mem) {
+                    Ok(mut it) => it.next(),
+                    Err(source) => return Err(qerr(source)),
+                };
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let written = self.fill_chain(mem, chain)?;
+                self.stats.requests.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .bytes
+                    .fetch_add(u64::from(written), Ordering::Relaxed);
+                if let Err(e) = q.add_used(mem, head, written) {
+                    warn!("rng: cannot return chain {head}: {e}");
+                    continue;
+                }
+                used = true;
+            }
+            if !q.enable_notification(mem).map_err(qerr)? {
+                break;
+            }
+        }
+        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+    }
+
+    /// Writes random bytes into the chain's writable buffers; returns how
+    /// many.
+    fn fill_chain<M, D>(&mut self, mem: &M, chain: DescriptorChain<D>) -> Result<u32, RngError>
+    where
+        M: GuestMemory,
+        D: std::ops::Deref,
+        D::Target: GuestMemory,
+    {
+        let mut written = 0usize;
+        let mut bad = false;
+        for desc in chain.writable() {
+            let room = MAX_BYTES_PER_REQUEST - written;
+            if room == 0 {
+                break;
+            }
+            let n = (desc.len() as usize).min(room);
+            if n == 0 {
+                continue;
+            }
+            if !mem.check_range(desc.addr(), n) {
+                bad = true;
+                break;
+            }
+            self.buf.resize(n, 0);
+            fill_random(&mut self.buf[..n])?;
+            if mem.write_slice(&self.buf[..n], desc.addr()).is_err() {
+                bad = true;
+                break;
+            }
+            written += n;
+        }
+        if bad || written == 0 {
+            self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+            debug!(written, "rng: chain without usable writable buffers");
+        }
+        // Bounded by MAX_BYTES_PER_REQUEST.
+        Ok(written as u32)
+    }
+}
+
+struct Worker {
+    stop: EventFd,
+    thread: JoinHandle<()>,
+}
+
+/// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
+/// transport, running an [`RngModel`] on its own thread while active.
+pub struct RngDevice {
+    stats: Arc<RngStats>,
+    features: u64,
+    max_sizes: [u16; NUM_QUEUES],
+    acked: u64,
+    worker: Option<Worker>,
+}
+
+impl Default for RngDevice {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RngDevice {
+    /// A new device.
+    pub fn new() -> Self {
+        let model = RngModel::new();
+        Self {
+            stats: model.stats(),
+            features: model.features(),
+            max_sizes: [QUEUE_SIZE],
+            acked: 0,
+            worker: None,
+        }
+    }
+
+    /// Counters (they survive resets).
+    pub fn stats(&self) -> Arc<RngStats> {
+        self.stats.clone()
+    }
+
+    /// Whether the worker runs.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> bool {
+        let Some(w) = self.worker.take() else {
+            return true;
+        };
+        if let Err(e) = w.stop.write(1) {
+            warn!("rng: cannot stop the worker: {e}");
+            self.worker = Some(w);
+            return false;
+        }
+        w.thread.join().is_ok()
+    }
+}
+
+impl Drop for RngDevice {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+impl VirtioDevice for RngDevice {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_RNG
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.max_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        self.features
+    }
+
+    fn ack_features(&mut self, features: u64) -> bool {
+        self.acked = features;
+        true
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        debug!(
+            offset,
+            len = data.len(),
+            "rng: no config space; read ignored"
+        );
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        debug!(
+            offset,
+            len = data.len(),
+            "rng: no config space; write ignored"
+        );
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_some() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let queue = queues
+            .into_iter()
+            .find(|q| q.index == REQUEST_QUEUE)
+            .ok_or(ActivateError::MissingQueue {
+                index: REQUEST_QUEUE,
+            })?;
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        let add = |fd: RawFd, token: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(ActivateError::Worker)
+        };
+        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
+        let mut model = RngModel::new();
+        model.stats = self.stats.clone();
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            queue,
+            model,
+            epoll,
+            stop: stop.try_clone().map_err(ActivateError::Worker)?,
+        };
+        let thread = std::thread::Builder::new()
+            .name("virtio-rng".into())
+            .spawn(move || ctx.run())
+            .map_err(ActivateError::Worker)?;
+        self.worker = Some(Worker { stop, thread });
+        info!("rng: device activated");
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        let stopped = self.stop_worker();
+        if stopped {
+            info!("rng: device reset");
+        }
+        stopped
+    }
+}
+
+struct WorkerCtx {
+    mem: GuestMemoryMmap,
+    interrupt: Arc<dyn VirtioInterrupt>,
+    queue: ActiveQueue,
+    model: RngModel,
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+/// Why the worker stopped serving.
+#[derive(Debug, thiserror::Error)]
+enum WorkerError {
+    #[error(transparent)]
+    Rng(#[from] RngError),
+    #[error("epoll_wait failed: {0}")]
+    Epoll(io::Error),
+}
+
+impl WorkerCtx {
+    fn run(mut self) {
+        if let Err(e) = self.event_loop() {
+            error!("rng: {e}; the device needs a reset");
+            if let Err(e) = self.interrupt.signal_needs_reset() {
+                warn!("rng: cannot signal needs-reset: {e}");
+            }
+            // Park until the transport resets (or drops) the device.
+            let _ = self.stop.read();
+        }
+    }
+
+    fn event_loop(&mut self) -> Result<(), WorkerError> {
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(WorkerError::Epoll(e)),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => return Ok(()),
+                    TOKEN_QUEUE => {
+                        let _ = self.queue.notify.read();
+                        if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
+                            if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
+                                warn!("rng: cannot signal the request queue: {e}");
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
