@@ -34,6 +34,17 @@ pub const HOST_CID: u32 = 2;
 /// vsock port the agent dials on the host (the official agent's port).
 pub const AGENT_PORT: u32 = 51234;
 
+/// virtio-fs tag of the host's session share in a VM (ours, not the official
+/// helper's `claudeshared`). Its root holds `/<session>/<mount name>` for each
+/// mount the host granted; the host enforces each mount's mode.
+pub const SESSIONS_FS_TAG: &str = "cowork-sessions";
+
+/// Where the agent, as a VM's init, mounts [`SESSIONS_FS_TAG`]. Private to the
+/// agent: session processes do not see it (they see only the binds at
+/// `/sessions/<name>/mnt/<mount name>`). Mount sources the host sends in a VM
+/// with the share are below it.
+pub const SESSIONS_FS_MOUNT: &str = "/run/cowork/fs";
+
 /// Largest frame on the agent link.
 pub const MAX_MESSAGE: usize = crate::framing::MAX_CLIENT_FRAME;
 

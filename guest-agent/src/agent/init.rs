@@ -11,19 +11,30 @@
 //! [`run_machine_init`] (`--init`, or PID 1 started by the kernel without
 //! arguments) does everything a VM's init must before the agent dials the
 //! host: the mounts, the kernel modules ([`super::modules`]), the clock
-//! ([`super::clock`]) and the loopback interface. Powering off at the end is
-//! [`super::power`].
+//! ([`super::clock`]), the loopback interface and the host's session share.
+//! Powering off at the end is [`super::power`].
+//!
+//! The session share ([`mount_sessions_share`]): when the machine has a
+//! virtio-fs device, the tag [`proto::SESSIONS_FS_TAG`] is mounted at
+//! [`proto::SESSIONS_FS_MOUNT`] (in a 0700 directory, `nosuid,nodev`). The
+//! host grants each session mount there and sends its path as the mount's
+//! source; the agent hides the share itself from session processes (it
+//! becomes a private path, see [`super::child`]).
 //!
 //! Limits: no network beyond `lo` (the host link is vsock); no hostname,
-//! users or `/etc` setup.
+//! users or `/etc` setup. Hiding the share is a convenience, not a
+//! boundary: a guest process with `CAP_SYS_ADMIN` can mount the tag again;
+//! what it may read and write there is enforced by the host.
 
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use super::sys;
 use super::{clock, modules};
+use crate::proto;
 
 /// `statfs` magic of devtmpfs (it reports tmpfs's).
 const DEVTMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;
@@ -37,6 +48,12 @@ const TMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;
 /// The loopback interface brought up by [`run_machine_init`].
 pub const LOOPBACK: &CStr = c"lo";
 
+/// sysfs directory listing the virtio devices bound to the virtio-fs driver.
+pub const VIRTIOFS_DRIVER_DIR: &str = "/sys/bus/virtio/drivers/virtiofs";
+
+/// Mode of the directories holding the session share's mount point.
+const SHARE_DIR_MODE: u32 = 0o700;
+
 /// Errors of early init.
 #[derive(Debug, thiserror::Error)]
 pub enum InitError {
@@ -48,6 +65,12 @@ pub enum InitError {
     },
     #[error("cannot bring up the loopback interface: {0}")]
     Loopback(io::Error),
+    #[error("cannot mount the host's session share (virtio-fs tag {tag:?}) on {target}: {source}; session mounts will fail")]
+    Share {
+        tag: &'static str,
+        target: PathBuf,
+        source: io::Error,
+    },
 }
 
 /// One kernel filesystem the agent provides.
@@ -202,15 +225,111 @@ pub fn loopback_up() -> Result<(), InitError> {
     Ok(())
 }
 
+/// Whether a virtio device is bound to the virtio-fs driver (a share may be
+/// there; which tags is only known by trying).
+pub fn virtiofs_device_present(driver_dir: &Path) -> bool {
+    std::fs::read_dir(driver_dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with("virtio"))
+        })
+    })
+}
+
+/// Mounts virtio-fs `tag` on `target` (`nosuid,nodev`), creating `target`
+/// and its missing parents with mode 0700. Already mounted there: nothing
+/// to do.
+pub fn mount_sessions_share(tag: &'static str, target: &Path) -> Result<(), InitError> {
+    let fail = |source| InitError::Share {
+        tag,
+        target: target.to_path_buf(),
+        source,
+    };
+    if sys::is_mount_point(target).unwrap_or(false) {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(SHARE_DIR_MODE)
+        .create(target)
+        .map_err(fail)?;
+    let c_target = sys::cstring(target).map_err(fail)?;
+    let c_tag = sys::cstring(tag).map_err(fail)?;
+    sys::mount(
+        Some(&c_tag),
+        &c_target,
+        Some(c"virtiofs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        None,
+    )
+    .map_err(fail)
+}
+
 /// Everything a VM's init does before the agent dials the host: mounts,
-/// kernel modules, clock, loopback. Each step logs its own outcome; none
-/// stops the others.
-pub fn run_machine_init() {
+/// kernel modules, clock, loopback, the session share. Each step logs its
+/// own outcome; none stops the others. Returns where the session share is
+/// mounted, if it is.
+pub fn run_machine_init() -> Option<PathBuf> {
     run_early_init();
     modules::load_all();
     clock::set_clock();
     match loopback_up() {
         Ok(()) => tracing::debug!("loopback up"),
         Err(e) => tracing::warn!(error = %e, "loopback not up"),
+    }
+    if !virtiofs_device_present(Path::new(VIRTIOFS_DRIVER_DIR)) {
+        tracing::info!("no virtio-fs device; host folders cannot be mounted in this VM");
+        return None;
+    }
+    let target = Path::new(proto::SESSIONS_FS_MOUNT);
+    match mount_sessions_share(proto::SESSIONS_FS_TAG, target) {
+        Ok(()) => {
+            tracing::info!(
+                tag = proto::SESSIONS_FS_TAG,
+                target_dir = %target.display(),
+                "session share mounted"
+            );
+            Some(target.to_path_buf())
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "session share not mounted");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_virtiofs_device_is_a_virtio_entry_of_the_driver() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(!virtiofs_device_present(&d.path().join("missing")));
+        for name in ["bind", "unbind", "uevent", "module"] {
+            std::fs::write(d.path().join(name), b"").unwrap();
+        }
+        assert!(!virtiofs_device_present(d.path()));
+        std::os::unix::fs::symlink("/nonexistent/virtio2", d.path().join("virtio2")).unwrap();
+        assert!(virtiofs_device_present(d.path()));
+    }
+
+    #[test]
+    fn a_missing_share_is_a_clear_error_and_the_directory_is_private() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("run/cowork/fs");
+        // No virtio-fs device with this tag exists outside a VM.
+        let err = mount_sessions_share("cowork-no-such-tag", &target).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("cowork-no-such-tag") && text.contains("run/cowork/fs"),
+            "{text}"
+        );
+        use std::os::unix::fs::PermissionsExt;
+        for dir in [target.as_path(), target.parent().unwrap()] {
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, SHARE_DIR_MODE, "{}", dir.display());
+        }
     }
 }

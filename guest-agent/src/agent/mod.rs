@@ -193,7 +193,10 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
         kernel = %sys::kernel_release(),
         "agent starting as the VM's init"
     );
-    init::run_machine_init();
+    if let Some(share) = init::run_machine_init() {
+        // Session processes see their binds, never the whole share.
+        config.private_paths.push(share);
+    }
     let marks = BootMarks::detect();
     marks.mark(Milestone::AgentStart, clock_start);
     let code = std::panic::catch_unwind(move || run_agent(config, clock_start, marks));
