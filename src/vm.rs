@@ -659,7 +659,7 @@ impl Vm {
             session: session.to_string(),
             name: name.to_string(),
             source: host_paths
-                .agent_path(&real_rel)
+                .grant(session, name, &real_rel, mode)
                 .map_err(|e| format!("mount {name:?}: {e}"))?,
             mode,
         })
@@ -847,7 +847,7 @@ impl Vm {
         let real_rel = real.to_string_lossy().trim_start_matches('/').to_string();
         let op = Op::InstallSdk {
             source: host_paths
-                .agent_path(&real_rel)
+                .grant_sdk(&real_rel)
                 .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?,
             version: version.to_string(),
         };
@@ -865,8 +865,29 @@ impl Vm {
     }
 
     /// Runs a janitor operation in the guest, or on the host's session
-    /// directory when no guest is connected.
+    /// directory when no guest is connected. Deleted session directories
+    /// also lose what the backend granted their mounts.
     pub async fn janitor(&self, op: Op) -> Result<Value, VmError> {
+        let deleting = matches!(op, Op::DeleteSessionDirs { .. });
+        let result = self.run_janitor(op).await?;
+        if deleting {
+            if let Some(host_paths) = self
+                .lifecycle
+                .lock()
+                .await
+                .as_ref()
+                .map(|m| m.host_paths.clone())
+            {
+                let deleted = result["deleted"].as_array().into_iter().flatten();
+                for session in deleted.filter_map(Value::as_str) {
+                    host_paths.release_session(session);
+                }
+            }
+        }
+        Ok(result)
+    }
+
+    async fn run_janitor(&self, op: Op) -> Result<Value, VmError> {
         if let Ok(link) = self.connected_link() {
             return link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v);
         }

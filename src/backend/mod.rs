@@ -6,12 +6,14 @@
 //! agent's view (for session mounts and the SDK). Everything after the
 //! agent's hello is backend-independent (see `crate::vm`).
 
+pub mod fsgrants;
 pub mod qemu;
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 
+use guest_agent::proto::MountMode;
 use tokio::net::UnixStream;
 
 use crate::sandbox::{Sandbox, SandboxConfig};
@@ -43,16 +45,46 @@ pub type AgentStream = Pin<Box<dyn Future<Output = Result<UnixStream, String>> +
 pub enum HostPaths {
     /// Under this prefix (the sandbox binds the host root there for the agent only).
     Prefix(String),
-    /// Not reachable: the backend has no way to share host folders; the text says why.
-    Unavailable(&'static str),
+    /// Granted one mount at a time through the VM's virtio-fs share, which
+    /// enforces each mount's mode on the host (QEMU backend).
+    Shared(fsgrants::SharedFolders),
 }
 
 impl HostPaths {
-    /// The agent's path for `host_rel` (relative to the host's `/`).
-    pub fn agent_path(&self, host_rel: &str) -> Result<String, String> {
+    /// Makes `host_rel` (relative to the host's `/`, already canonical)
+    /// reachable for `session`'s mount `mount_name` in `mode`; returns the
+    /// agent's path of it (the mount's source).
+    pub fn grant(
+        &self,
+        session: &str,
+        mount_name: &str,
+        host_rel: &str,
+        mode: MountMode,
+    ) -> Result<String, String> {
         match self {
             Self::Prefix(p) => Ok(format!("{}/{}", p.trim_end_matches('/'), host_rel)),
-            Self::Unavailable(why) => Err((*why).to_string()),
+            Self::Shared(s) => s
+                .grant(session, mount_name, host_rel, mode)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Makes the SDK binary `host_rel` reachable read-only; returns the
+    /// agent's path of the binary.
+    pub fn grant_sdk(&self, host_rel: &str) -> Result<String, String> {
+        match self {
+            Self::Prefix(p) => Ok(format!("{}/{}", p.trim_end_matches('/'), host_rel)),
+            Self::Shared(s) => s.grant_sdk(host_rel).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Drops what was granted for `session` (its directory was deleted).
+    pub fn release_session(&self, session: &str) {
+        match self {
+            Self::Prefix(_) => {}
+            Self::Shared(s) => {
+                s.release_session(session);
+            }
         }
     }
 }

@@ -12,9 +12,17 @@
 //! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
 //! overrides), on an i440fx `pc` machine with memfd-shared guest memory
 //! (vhost-user needs it), `-nodefaults -nographic`, the serial console on
-//! QEMU's stdout, `vhost-user-vsock-pci` on a socket in a private 0700
-//! directory, and `virtio-rng-pci`. The agent dials CID 2 port 51234; the
-//! device hands the helper a socketpair end, which becomes the agent link.
+//! QEMU's stdout, `vhost-user-vsock-pci` and `vhost-user-fs-pci` on sockets
+//! in a private 0700 directory, and `virtio-rng-pci`. The agent dials CID 2
+//! port 51234; the device hands the helper a socketpair end, which becomes
+//! the agent link.
+//!
+//! Host folders: each VM has one [`SessionFs`] served in-process by
+//! `devices::vhost_user::fs` as the virtio-fs tag
+//! [`guest_agent::proto::SESSIONS_FS_TAG`], which the agent mounts at boot.
+//! It starts empty; the controller grants each session mount (and the SDK)
+//! through [`HostPaths::Shared`] while the VM runs, and the host enforces
+//! each mount's mode (see `devices::fs`).
 //!
 //! Console: every line QEMU prints (guest serial console and QEMU's own
 //! stderr) is logged at debug, one event per line, control characters
@@ -29,10 +37,9 @@
 //! the agent to shut down (the agent powers the guest off); [`QemuMachine::kill`]
 //! then gives QEMU [`POWEROFF_DEADLINE`] to exit before killing it.
 //!
-//! Limits: x86_64 guests only; no host folder sharing yet
-//! ([`HostPaths::Unavailable`]: spawn mounts are reported as failed and
-//! `installSdk` fails) and no session disk (sessions live in the guest's
-//! RAM); no network besides vsock.
+//! Limits: x86_64 guests only; no session disk (sessions live in the
+//! guest's RAM); no network besides vsock. Files in shared folders are
+//! created with the helper's uid (`devices::fs::Credentials::Helper`).
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
@@ -43,12 +50,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use devices::fs::{SessionFs, SessionFsOptions};
+use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsError, VhostUserFsServer};
 use devices::vhost_user::vsock::{VhostUserVsockConfig, VhostUserVsockError, VhostUserVsockServer};
 use devices::vsock::{HostError, Listener, VsockHost};
 use guest_agent::proto::AGENT_PORT;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, Command};
 
+use super::fsgrants::SharedFolders;
 use super::{AgentStream, BootOptions, Booted, HostPaths, Machine};
 use crate::vm::HELLO_TIMEOUT;
 
@@ -100,6 +110,9 @@ const ACCEPT_POLL: Duration = Duration::from_millis(20);
 const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
 /// How long the vhost-user thread gets to end after QEMU is gone.
 const VHOST_JOIN: Duration = Duration::from_secs(5);
+/// Queue size of the virtio-fs device (QEMU's largest; deep queues let
+/// the guest keep readahead and writeback requests in flight).
+pub const FS_QUEUE_SIZE: u16 = 1024;
 /// Longest Unix socket path (`sun_path` minus the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -121,6 +134,8 @@ pub enum QemuError {
     Vsock(#[from] HostError),
     #[error("cannot serve the vsock device over vhost-user: {0}")]
     VhostUser(#[from] VhostUserVsockError),
+    #[error("cannot serve the virtio-fs device over vhost-user: {0}")]
+    VhostUserFs(#[from] VhostUserFsError),
     #[error("cannot start the vhost-user thread: {0}")]
     Thread(std::io::Error),
     #[error("cannot start {qemu}: {source}")]
@@ -280,6 +295,8 @@ pub struct QemuPlan {
     pub memory_mib: u64,
     pub cpus: u32,
     pub vsock_socket: PathBuf,
+    /// The vhost-user socket of the session share (virtio-fs).
+    pub fs_socket: PathBuf,
     /// Extra kernel command-line words (`COWORK_LOG=...`).
     pub extra_cmdline: Vec<String>,
 }
@@ -334,6 +351,20 @@ impl QemuPlan {
             ),
         );
         push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
+        push(
+            "-chardev",
+            format!(
+                "socket,id=fs0,path={}",
+                qemu_opt_escape(&self.fs_socket.to_string_lossy())
+            ),
+        );
+        push(
+            "-device",
+            format!(
+                "vhost-user-fs-pci,chardev=fs0,tag={},queue-size={FS_QUEUE_SIZE}",
+                guest_agent::proto::SESSIONS_FS_TAG
+            ),
+        );
         push("-device", "virtio-rng-pci".into());
         a.push("-kernel".into());
         a.push(self.image.vmlinuz.clone().into());
@@ -569,6 +600,9 @@ pub struct QemuMachine {
     connected: Arc<AtomicBool>,
     vhost: Option<std::thread::JoinHandle<Result<(), VhostUserVsockError>>>,
     vhost_socket: PathBuf,
+    /// The virtio-fs server thread; ends when QEMU disconnects.
+    vhost_fs: Option<std::thread::JoinHandle<Result<(), VhostUserFsError>>>,
+    fs_canceller: devices::vhost_user::fs::FsServerCanceller,
     /// Keeps the device's host side alive as long as the machine.
     _host: VsockHost,
     ended: Option<String>,
@@ -644,34 +678,48 @@ impl QemuMachine {
         }
     }
 
-    /// Joins the vhost-user thread. It ends when QEMU disconnects; if QEMU
-    /// never connected, a throwaway connection unblocks its accept.
+    /// Joins the vhost-user threads. They end when QEMU disconnects; if QEMU
+    /// never connected, a throwaway connection unblocks their accept.
     async fn finish_vhost(&mut self) {
-        let Some(handle) = self.vhost.take() else {
-            return;
-        };
-        if !handle.is_finished() {
-            let _ = std::os::unix::net::UnixStream::connect(&self.vhost_socket);
-        }
-        let joined = tokio::task::spawn_blocking(move || {
-            let deadline = Instant::now() + VHOST_JOIN;
-            while !handle.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(ACCEPT_POLL);
+        if let Some(handle) = self.vhost.take() {
+            if !handle.is_finished() {
+                let _ = std::os::unix::net::UnixStream::connect(&self.vhost_socket);
             }
-            if handle.is_finished() {
-                Some(handle.join())
-            } else {
-                None
-            }
-        })
-        .await;
-        match joined {
-            Ok(Some(Ok(Ok(())))) => tracing::debug!("vhost-user vsock thread ended"),
-            Ok(Some(Ok(Err(e)))) => tracing::debug!(error = %e, "vhost-user vsock thread ended"),
-            Ok(Some(Err(_))) => tracing::warn!("vhost-user vsock thread panicked"),
-            Ok(None) => tracing::warn!("vhost-user vsock thread did not end; left behind"),
-            Err(e) => tracing::warn!(error = %e, "cannot join the vhost-user vsock thread"),
+            join_vhost_thread(handle, "vsock").await;
         }
+        if let Some(handle) = self.vhost_fs.take() {
+            if !handle.is_finished() {
+                self.fs_canceller.cancel();
+            }
+            join_vhost_thread(handle, "virtio-fs").await;
+        }
+    }
+}
+
+/// Waits (bounded by [`VHOST_JOIN`]) for a vhost-user server thread to end
+/// and logs how it ended.
+async fn join_vhost_thread<E>(handle: std::thread::JoinHandle<Result<(), E>>, device: &'static str)
+where
+    E: std::fmt::Display + Send + 'static,
+{
+    let joined = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + VHOST_JOIN;
+        while !handle.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(ACCEPT_POLL);
+        }
+        if handle.is_finished() {
+            Some(handle.join())
+        } else {
+            None
+        }
+    })
+    .await;
+    match joined {
+        Ok(Some(Ok(Ok(())))) => tracing::debug!(device, "vhost-user thread ended"),
+        Ok(Some(Ok(Err(e)))) => tracing::debug!(device, error = %e, "vhost-user thread ended"),
+        Ok(Some(Err(_))) => tracing::warn!(device, "vhost-user thread panicked"),
+        Ok(None) => tracing::warn!(device, "vhost-user thread did not end; left behind"),
+        Err(e) => tracing::warn!(device, error = %e, "cannot join the vhost-user thread"),
     }
 }
 
@@ -706,6 +754,7 @@ pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
         memory_mib: memory_mib(opts.memory_gb),
         cpus: cpu_count(opts.cpu_count, host_cpus),
         vsock_socket: run_dir.0.join("vsock.sock"),
+        fs_socket: run_dir.0.join("fs.sock"),
         extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
             .into_iter()
             .collect(),
@@ -722,7 +771,19 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
         &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
         &host,
     )?;
+    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let mut fs_config = VhostUserFsConfig::new(&plan.fs_socket);
+    fs_config.queue_size = FS_QUEUE_SIZE;
+    let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?;
     let vhost = server.spawn().map_err(QemuError::Thread)?;
+    let fs_canceller = fs_server.canceller();
+    let vhost_fs = match fs_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_unconnected(&plan.vsock_socket, Some(vhost));
+            return Err(QemuError::Thread(e));
+        }
+    };
 
     let mut cmd = Command::new(&plan.qemu);
     cmd.args(plan.args())
@@ -750,9 +811,10 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
     let mut child = match spawned {
         Ok(c) => c,
         Err(source) => {
-            // Unblock and end the vhost-user thread: no frontend will come.
-            let _ = std::os::unix::net::UnixStream::connect(&plan.vsock_socket);
-            let _ = vhost.join();
+            // Unblock and end the vhost-user threads: no frontend will come.
+            end_unconnected(&plan.vsock_socket, Some(vhost));
+            fs_canceller.cancel();
+            let _ = vhost_fs.join();
             return Err(QemuError::Spawn {
                 qemu: plan.qemu.clone(),
                 source,
@@ -788,6 +850,8 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
         connected,
         vhost: Some(vhost),
         vhost_socket: plan.vsock_socket.clone(),
+        vhost_fs: Some(vhost_fs),
+        fs_canceller,
         _host: host,
         ended: None,
         _run_dir: run_dir,
@@ -795,10 +859,17 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
     Ok(Booted {
         machine: Machine::Qemu(machine),
         agent,
-        host_paths: HostPaths::Unavailable(
-            "this backend cannot share host folders until virtio-fs lands",
-        ),
+        host_paths: HostPaths::Shared(SharedFolders::new(fs)),
     })
+}
+
+/// Ends a vhost-user server thread whose frontend never connected: a
+/// throwaway connection unblocks its accept.
+fn end_unconnected<T>(socket: &Path, thread: Option<std::thread::JoinHandle<T>>) {
+    let _ = std::os::unix::net::UnixStream::connect(socket);
+    if let Some(t) = thread {
+        let _ = t.join();
+    }
 }
 
 /// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
@@ -885,6 +956,7 @@ mod tests {
             memory_mib: 1024,
             cpus: 2,
             vsock_socket: socket.into(),
+            fs_socket: Path::new(socket).with_file_name("fs.sock"),
             extra_cmdline: vec!["COWORK_LOG=debug".into()],
         }
     }
@@ -916,11 +988,18 @@ mod tests {
         // A comma in the socket path must not split QEMU's option.
         assert_eq!(
             values(&a, "-chardev"),
-            ["socket,id=vsock,path=/run/x,,y/vsock.sock"]
+            [
+                "socket,id=vsock,path=/run/x,,y/vsock.sock",
+                "socket,id=fs0,path=/run/x,,y/fs.sock"
+            ]
         );
         assert_eq!(
             values(&a, "-device"),
-            ["vhost-user-vsock-pci,chardev=vsock", "virtio-rng-pci"]
+            [
+                "vhost-user-vsock-pci,chardev=vsock",
+                "vhost-user-fs-pci,chardev=fs0,tag=cowork-sessions,queue-size=1024",
+                "virtio-rng-pci"
+            ]
         );
         assert_eq!(values(&a, "-kernel"), ["/img/vmlinuz"]);
         assert_eq!(values(&a, "-initrd"), ["/img/initramfs"]);
@@ -1006,6 +1085,7 @@ mod tests {
         QemuPlan {
             qemu,
             vsock_socket: run_dir.0.join("vsock.sock"),
+            fs_socket: run_dir.0.join("fs.sock"),
             ..plan(Accel::Tcg, "")
         }
     }
@@ -1033,15 +1113,28 @@ mod tests {
         assert!(how.contains("exit status: 1"), "{how}");
         assert!(how.contains("Kernel panic - not syncing: VFS"), "{how}");
         assert!(how.contains("qemu: bad option"), "{how}");
-        // The vhost-user thread, whose frontend never came, was ended.
-        assert!(m.vhost.is_none());
+        // The vhost-user threads, whose frontend never came, were ended.
+        assert!(m.vhost.is_none() && m.vhost_fs.is_none());
         m.kill().await;
         drop(m);
         assert!(!dir.exists(), "runtime directory left behind");
-        assert!(matches!(
-            booted.host_paths.agent_path("home/u"),
-            Err(why) if why.contains("virtio-fs")
-        ));
+        // Host folders are granted through the VM's share.
+        let HostPaths::Shared(shared) = &booted.host_paths else {
+            panic!("the QEMU backend shares host folders through virtio-fs")
+        };
+        let host = tempfile::tempdir().unwrap();
+        let rel = host.path().to_str().unwrap().trim_start_matches('/');
+        let src = booted
+            .host_paths
+            .grant("s1", "proj", rel, guest_agent::proto::MountMode::Ro)
+            .unwrap();
+        assert_eq!(
+            src,
+            format!("{}/s1/proj", guest_agent::proto::SESSIONS_FS_MOUNT)
+        );
+        assert_eq!(shared.fs().grants().len(), 1);
+        booted.host_paths.release_session("s1");
+        assert!(shared.fs().grants().is_empty());
     }
 
     #[tokio::test]
