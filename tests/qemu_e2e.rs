@@ -3,9 +3,12 @@
 //! PID 1 of a real Linux guest, connects over our vhost-user vsock device.
 //! One VM is started and reused by every case to keep the run short: spawn
 //! `/bin/sh` with stdout/stderr/exit events, stdin to `cat`, kill, readFile,
-//! 20,000 `seq` lines whole and in order, a mount that this backend cannot
-//! make reported in `failedMounts`, and stopVM delivering exit events and
-//! leaving no QEMU behind.
+//! 20,000 `seq` lines whole and in order, host folders through our
+//! vhost-user virtio-fs share (an `ro` and an `rw` mount read and written
+//! by a guest process and checked on the host, host-enforced refusals, a
+//! `mountPath` into a running session, a guest `ln -s / x` that stays in
+//! the guest, `installSdk`, release of a deleted session's grants), and
+//! stopVM delivering exit events and leaving no QEMU behind.
 //!
 //! Gate: runs when the guest image exists (`scripts/mkguestimage.sh`, found
 //! the way the helper finds it: `$COWORK_GUEST_IMAGE_DIR`, else
@@ -374,18 +377,8 @@ async fn qemu_backend_end_to_end() {
         expected.len()
     );
 
-    // 5. Host folders cannot be shared yet: the mount is reported, the process runs.
-    let r = pipe
-        .call(
-            "spawn",
-            json!({"id": "m-1", "name": "s3", "command": "/bin/sh", "args": ["-c", "exit 0"],
-                   "isResume": false, "additionalMounts": {"proj": {"path": "tmp", "mode": "ro"}}}),
-        )
-        .await
-        .expect("spawn with a mount");
-    assert_eq!(r["failedMounts"], json!(["proj"]), "{r}");
-    let out = sub.collect_process("m-1", T).await.expect("m-1 exit");
-    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    // 5. Host folders through the VM's virtio-fs share.
+    shared_folders(&pipe, &mut sub, &helper).await;
 
     // 6. stopVM: the running process gets its exit event, QEMU powers off.
     pipe.call(
@@ -427,6 +420,213 @@ async fn qemu_backend_end_to_end() {
         eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
     }
     assert!(st.success(), "helper exit: {st}");
+}
+
+/// A host path as the client sends it (relative to `/`).
+fn rel(p: &Path) -> String {
+    p.to_str()
+        .expect("UTF-8 temp path")
+        .trim_start_matches('/')
+        .to_string()
+}
+
+/// Host folders in the guest: `ro` and `rw` mounts at spawn, what the host
+/// sees and refuses, `mountPath` into a running session, a guest symlink to
+/// `/`, `installSdk`, and deleting the session releasing its grants.
+async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &Helper) {
+    let host = tempfile::Builder::new()
+        .prefix("cowork-qemu-e2e-fs-")
+        .tempdir()
+        .expect("tempdir");
+    let (ro, rw, late, sdk) = (
+        host.path().join("ro"),
+        host.path().join("rw"),
+        host.path().join("late"),
+        host.path().join("sdk"),
+    );
+    for d in [&ro, &rw, &late, &sdk.join("2.0.1")] {
+        std::fs::create_dir_all(d).expect("host dir");
+    }
+    std::fs::write(ro.join("readme.txt"), "host ro content\n").unwrap();
+    std::fs::write(rw.join("pre.txt"), "pre-existing\n").unwrap();
+    std::fs::write(late.join("late.txt"), "added at runtime\n").unwrap();
+    let claude = sdk.join("2.0.1/claude");
+    std::fs::write(&claude, "#!/bin/sh\necho claude-sdk-ok \"$@\"\n").unwrap();
+    std::fs::set_permissions(&claude, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+
+    let m = "/sessions/fs1/mnt";
+    let script = format!(
+        "cat {m}/ro/readme.txt
+         echo from-guest > {m}/rw/new.txt && echo write-rw=ok
+         (echo x > {m}/ro/evil.txt) 2>/dev/null && echo create-ro=ok || echo create-ro=refused
+         (echo x >> {m}/ro/readme.txt) 2>/dev/null && echo append-ro=ok || echo append-ro=refused
+         rm -f {m}/rw/pre.txt 2>/dev/null && echo rm-pre=ok || echo rm-pre=refused
+         echo mine > {m}/rw/mine.txt && rm {m}/rw/mine.txt && echo rm-mine=ok || echo rm-mine=refused
+         test -e /run/cowork/fs/fs1 && echo share=visible || echo share=hidden
+         grep -c virtiofs /proc/self/mounts"
+    );
+    let r = pipe
+        .call(
+            "spawn",
+            json!({"id": "fs-1", "name": "fs1", "command": "/bin/sh", "args": ["-c", script],
+                   "isResume": false, "additionalMounts": {
+                       "ro": {"path": rel(&ro), "mode": "ro"},
+                       "rw": {"path": rel(&rw), "mode": "rw"}}}),
+        )
+        .await
+        .expect("spawn with mounts");
+    assert_eq!(r["failedMounts"], json!([]), "{r}");
+    let out = sub.collect_process("fs-1", T).await.expect("fs-1 exit");
+    let text = out.stdout_str();
+    eprintln!(
+        "qemu_e2e: shared folders: {text:?} stderr {:?}",
+        out.stderr_str()
+    );
+    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    for want in [
+        "host ro content\n",
+        "write-rw=ok\n",
+        "create-ro=refused\n",
+        "append-ro=refused\n",
+        "rm-pre=refused\n",
+        "rm-mine=ok\n",
+        "share=hidden\n",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from {text:?}");
+    }
+    // The host sees the guest's write; the refused changes did not happen.
+    assert_eq!(
+        std::fs::read_to_string(rw.join("new.txt")).unwrap(),
+        "from-guest\n"
+    );
+    assert!(
+        rw.join("pre.txt").exists(),
+        "a pre-existing file was deleted"
+    );
+    assert!(!rw.join("mine.txt").exists());
+    assert!(!ro.join("evil.txt").exists());
+    assert_eq!(
+        std::fs::read_to_string(ro.join("readme.txt")).unwrap(),
+        "host ro content\n"
+    );
+
+    // A symlink to / planted by the guest resolves in the guest, never on the host.
+    let out = run(
+        pipe,
+        sub,
+        sh(
+            "fs-ln",
+            "fs1",
+            &format!(
+                "cd {m}/rw && ln -s / x && echo ls:; ls x/; echo hostname:; cat x/etc/hostname 2>&1; \
+                 echo link=$(readlink x); test -e x/work && echo host-root=reached || echo host-root=not-reached"
+            ),
+        ),
+    )
+    .await;
+    let text = out.stdout_str();
+    eprintln!("qemu_e2e: symlink escape attempt: {text:?}");
+    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    assert!(text.contains("link=/\n"), "{text}");
+    // The guest's root (the agent is /init there), not the host's.
+    let listing = text
+        .split("ls:\n")
+        .nth(1)
+        .and_then(|t| t.split("hostname:").next())
+        .unwrap_or_default();
+    assert!(listing.lines().any(|l| l == "init"), "{text}");
+    assert!(listing.lines().any(|l| l == "sessions"), "{text}");
+    assert!(text.contains("host-root=not-reached"), "{text}");
+    if let Ok(host_name) = std::fs::read_to_string("/etc/hostname") {
+        let host_name = host_name.trim();
+        if !host_name.is_empty() {
+            assert!(
+                !text.lines().any(|l| l.trim() == host_name),
+                "the host's /etc/hostname leaked: {text}"
+            );
+        }
+    }
+    let link = std::fs::symlink_metadata(rw.join("x")).expect("the guest's symlink on the host");
+    assert!(link.file_type().is_symlink());
+
+    // mountPath into a running session: the waiting process sees the new mount.
+    pipe.call(
+        "spawn",
+        json!({"id": "fs-wait", "name": "fs1", "command": "/bin/sh",
+               "args": ["-c", format!("read go; cat {m}/late/late.txt")], "isResume": false}),
+    )
+    .await
+    .expect("spawn waiting process");
+    pipe.call(
+        "mountPath",
+        json!({"processId": "fs-wait", "subpath": rel(&late), "mountName": "late", "mode": "ro"}),
+    )
+    .await
+    .expect("mountPath");
+    pipe.call("writeStdin", json!({"id": "fs-wait", "data": "go\n"}))
+        .await
+        .expect("writeStdin");
+    let out = sub
+        .collect_process("fs-wait", T)
+        .await
+        .expect("fs-wait exit");
+    assert_eq!(
+        out.exit_code(),
+        Some(0),
+        "{} {}",
+        out.exit,
+        out.stderr_str()
+    );
+    assert_eq!(out.stdout_str(), "added at runtime\n");
+
+    // installSdk: the CLI is bound from the share and runs.
+    let r = pipe
+        .call(
+            "installSdk",
+            json!({"sdkSubpath": rel(&sdk), "version": "2.0.1"}),
+        )
+        .await
+        .expect("installSdk");
+    eprintln!("qemu_e2e: installSdk: {r}");
+    let out = run(
+        pipe,
+        sub,
+        json!({"id": "sdk-1", "name": "s1", "command": "/usr/local/bin/claude",
+               "args": ["--version"], "isResume": false}),
+    )
+    .await;
+    assert_eq!(
+        out.exit_code(),
+        Some(0),
+        "{} {}",
+        out.exit,
+        out.stderr_str()
+    );
+    assert_eq!(out.stdout_str(), "claude-sdk-ok --version\n");
+    // Again (it is re-sent on every startVM): idempotent.
+    pipe.call(
+        "installSdk",
+        json!({"sdkSubpath": rel(&sdk), "version": "2.0.1"}),
+    )
+    .await
+    .expect("installSdk again");
+
+    // Deleting the session releases its grants on the host.
+    let r = pipe
+        .call("deleteSessionDirs", json!({"names": ["fs1"]}))
+        .await
+        .expect("deleteSessionDirs");
+    assert_eq!(r["deleted"], json!(["fs1"]), "{r}");
+    let log = helper.log_text();
+    assert!(
+        log.lines().any(|l| l.contains("virtio-fs session removed")
+            && l.contains("session=\"fs1\"")
+            && l.contains("grants=3")),
+        "the session's three grants were not released: {log}"
+    );
+    // Host files survive the session's deletion.
+    assert!(rw.join("pre.txt").exists() && rw.join("new.txt").exists());
+    assert!(late.join("late.txt").exists() && ro.join("readme.txt").exists());
 }
 
 /// A helper killed with SIGKILL (no chance to clean up) takes its QEMU with it.
