@@ -27,8 +27,8 @@ use std::thread::JoinHandle;
 use tracing::{debug, error, info, warn};
 use virtio_bindings::virtio_blk::{
     virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
-    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_T_DISCARD,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
 };
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemory;
@@ -127,6 +127,8 @@ pub struct BlkStats {
     pub bytes_written: AtomicU64,
     /// FLUSH requests completed successfully.
     pub flushes: AtomicU64,
+    /// DISCARD and WRITE_ZEROES requests completed successfully.
+    pub discards: AtomicU64,
     /// Requests completed with a status other than OK.
     pub errors: AtomicU64,
     /// Chains that were malformed (subset of `errors`, plus chains without a
@@ -289,6 +291,9 @@ impl BlkModel {
                 }
                 Some(VIRTIO_BLK_T_FLUSH) => {
                     s.flushes.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES) => {
+                    s.discards.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {}
             }

@@ -62,7 +62,7 @@ pub enum ImageError {
 /// Host storage of one disk, addressed in bytes.
 ///
 /// Callers guarantee `offset + len <= size()` for every access.
-pub trait BlockBackend: Send {
+pub trait BlockBackend: Send + Sync {
     /// Size of the disk in bytes (the guest sees `size / 512` sectors).
     fn size(&self) -> u64;
     /// Whether writes are refused (the device then offers `VIRTIO_BLK_F_RO`).

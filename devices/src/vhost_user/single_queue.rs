@@ -1,0 +1,253 @@
+//! Shared plumbing of the vhost-user faces of single-queue device models
+//! (virtio-blk, virtio-rng): a [`VhostUserBackendMut`] around a
+//! [`QueueModel`] and a server that binds the socket and serves one
+//! frontend.
+//!
+//! Guest memory comes from the frontend's shared (memfd) regions, mapped by
+//! the vhost-user-backend crate; the config space is served through
+//! `VHOST_USER_PROTOCOL_F_CONFIG`.
+//!
+//! Limits: one frontend connection per server (bind a new one for the next
+//! VM); one worker thread; no dirty-page logging (no live migration).
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tracing::{info, warn};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
+use virtio_bindings::virtio_config::VIRTIO_F_NOTIFY_ON_EMPTY;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+/// Guest memory as the vhost-user-backend crate maps it.
+pub(crate) type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// A device model with one queue, as the vhost-user face drives it.
+pub(crate) trait QueueModel: Send + Sync + 'static {
+    /// Name used for the daemon, its thread and log lines.
+    const NAME: &'static str;
+    /// Device feature bits (virtio and device specific).
+    fn features(&self) -> u64;
+    /// Config space bytes (empty if the device has none).
+    fn config(&self) -> &[u8];
+    /// Largest queue size offered.
+    fn max_queue_size(&self) -> u16;
+    /// Serves every available chain; returns whether the driver needs a
+    /// notification. An error means the ring is unusable.
+    fn process(&mut self, mem: &GuestMemoryMmap<()>, q: &mut Queue) -> Result<bool, String>;
+    /// The frontend reset the device.
+    fn reset(&mut self) {}
+}
+
+/// Errors of binding and serving a vhost-user socket.
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserServeError {
+    /// Binding the vhost-user socket failed.
+    #[error("cannot listen on vhost-user socket {path}: {source}; check the directory exists and is writable")]
+    Bind {
+        /// Socket path.
+        path: PathBuf,
+        /// vhost error.
+        source: vhost::vhost_user::Error,
+    },
+    /// The vhost-user daemon failed to start or serve.
+    #[error("vhost-user {name} daemon failed: {reason}")]
+    Daemon {
+        /// Device name.
+        name: &'static str,
+        /// The daemon's error text.
+        reason: String,
+    },
+    /// Creating the exit event failed.
+    #[error("cannot set up the vhost-user worker: {0}; check the process fd limit")]
+    Setup(#[source] io::Error),
+}
+
+/// The [`VhostUserBackendMut`] around a [`QueueModel`].
+pub(crate) struct SingleQueueBackend<T> {
+    model: T,
+    mem: Mem,
+    exit_consumer: EventConsumer,
+    exit_notifier: EventNotifier,
+}
+
+impl<T: QueueModel> SingleQueueBackend<T> {
+    fn new(model: T, mem: Mem) -> Result<Self, VhostUserServeError> {
+        let (exit_consumer, exit_notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)
+            .map_err(VhostUserServeError::Setup)?;
+        Ok(Self {
+            model,
+            mem,
+            exit_consumer,
+            exit_notifier,
+        })
+    }
+}
+
+impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
+    type Bitmap = ();
+    type Vring = VringRwLock<Mem>;
+
+    fn num_queues(&self) -> usize {
+        1
+    }
+
+    fn max_queue_size(&self) -> usize {
+        usize::from(self.model.max_queue_size())
+    }
+
+    fn features(&self) -> u64 {
+        self.model.features()
+            | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG
+    }
+
+    fn set_event_idx(&mut self, _enabled: bool) {
+        // The handler applies it to the vring's queue; the model reads it
+        // from there.
+    }
+
+    fn reset_device(&mut self) {
+        info!("vhost-user-{}: device reset", T::NAME);
+        self.model.reset();
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let cfg = self.model.config();
+        let start = offset as usize;
+        match start.checked_add(size as usize) {
+            Some(end) if end <= cfg.len() => cfg[start..end].to_vec(),
+            // An empty answer tells the frontend the read failed.
+            _ => Vec::new(),
+        }
+    }
+
+    fn update_memory(&mut self, mem: Mem) -> io::Result<()> {
+        self.mem = mem;
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        Some((
+            self.exit_consumer.try_clone().ok()?,
+            self.exit_notifier.try_clone().ok()?,
+        ))
+    }
+
+    fn handle_event(
+        &mut self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[Self::Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        let Some(vring) = vrings.get(usize::from(device_event)) else {
+            warn!(
+                device_event,
+                "vhost-user-{}: unknown event ignored",
+                T::NAME
+            );
+            return Ok(());
+        };
+        let ready = {
+            let g = vring.get_ref();
+            g.is_enabled() && g.get_queue().ready()
+        };
+        if !ready {
+            return Ok(());
+        }
+        let mem = self.mem.memory();
+        let res = {
+            let mut g = vring.get_mut();
+            self.model.process(&mem, g.get_queue_mut())
+        };
+        match res {
+            Ok(true) => {
+                if let Err(e) = vring.signal_used_queue() {
+                    warn!("vhost-user-{}: cannot signal the guest: {e}", T::NAME);
+                }
+            }
+            Ok(false) => {}
+            // A broken ring is the guest's fault; the next kick tries again.
+            Err(e) => warn!("vhost-user-{}: {e}", T::NAME),
+        }
+        Ok(())
+    }
+}
+
+/// A bound vhost-user socket serving one [`QueueModel`] to one frontend.
+pub(crate) struct SingleQueueServer<T: QueueModel> {
+    socket: PathBuf,
+    listener: Listener,
+    daemon: VhostUserDaemon<Arc<Mutex<SingleQueueBackend<T>>>>,
+}
+
+impl<T: QueueModel> SingleQueueServer<T> {
+    /// Creates the socket at `socket` (replacing a stale one); the frontend
+    /// may connect from now on.
+    pub(crate) fn bind(socket: &Path, model: T) -> Result<Self, VhostUserServeError> {
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let backend = Arc::new(Mutex::new(SingleQueueBackend::new(model, mem.clone())?));
+        let daemon = VhostUserDaemon::new(format!("vhost-user-{}", T::NAME), backend, mem)
+            .map_err(|e| VhostUserServeError::Daemon {
+                name: T::NAME,
+                reason: e.to_string(),
+            })?;
+        let listener = Listener::new(socket, true).map_err(|source| VhostUserServeError::Bind {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+        info!(socket = %socket.display(), "vhost-user-{}: listening", T::NAME);
+        Ok(Self {
+            socket: socket.to_path_buf(),
+            listener,
+            daemon,
+        })
+    }
+
+    /// The socket path.
+    pub(crate) fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Accepts one frontend and serves it until it disconnects.
+    pub(crate) fn run(mut self) -> Result<(), VhostUserServeError> {
+        let daemon_err = |e: vhost_user_backend::Error| VhostUserServeError::Daemon {
+            name: T::NAME,
+            reason: e.to_string(),
+        };
+        self.daemon.start(&mut self.listener).map_err(daemon_err)?;
+        info!(socket = %self.socket.display(), "vhost-user-{}: frontend connected", T::NAME);
+        let res = self.daemon.wait();
+        for h in self.daemon.get_epoll_handlers() {
+            h.send_exit_event();
+        }
+        info!(socket = %self.socket.display(), "vhost-user-{}: frontend disconnected", T::NAME);
+        match res {
+            Ok(()) => Ok(()),
+            Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => Ok(()),
+            Err(e) => Err(daemon_err(e)),
+        }
+    }
+
+    /// [`Self::run`] on a new thread named `vhost-user-<name>`.
+    pub(crate) fn spawn(self) -> io::Result<JoinHandle<Result<(), VhostUserServeError>>> {
+        std::thread::Builder::new()
+            .name(format!("vhost-user-{}", T::NAME))
+            .spawn(move || self.run())
+    }
+}
