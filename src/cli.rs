@@ -23,6 +23,8 @@ pub enum BackendChoice {
     Sandbox,
     /// A Linux guest under QEMU (KVM where it can run Linux, else TCG).
     Qemu,
+    /// A Linux guest under the in-process VMM (needs a KVM that runs Linux).
+    Kvm,
 }
 
 #[derive(Debug, Parser)]
@@ -129,8 +131,9 @@ fn default_data_dir() -> PathBuf {
 
 /// Resolves `auto` to a concrete backend, with the reason.
 ///
-/// `auto` follows the rule of issue 4: QEMU when QEMU and a guest image are
-/// present and `/dev/kvm` cannot run Linux, else the sandbox. Mind that on
+/// `auto` prefers the in-process VM (`kvm`) when `/dev/kvm` can run Linux
+/// and a guest image is present; else QEMU when QEMU and a guest image are
+/// present (and `/dev/kvm` cannot run Linux); else the sandbox. Mind that on
 /// a host like the CI machine (PVM KVM) building the guest image switches
 /// `auto` to QEMU under TCG, which starts in seconds where the sandbox takes
 /// milliseconds; the test suites and `bench` pass `--backend` explicitly.
@@ -138,6 +141,7 @@ pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
     match choice {
         BackendChoice::Sandbox => (BackendKind::Sandbox, "requested with --backend sandbox"),
         BackendChoice::Qemu => (BackendKind::Qemu, "requested with --backend qemu"),
+        BackendChoice::Kvm => (BackendKind::Kvm, "requested with --backend kvm"),
         BackendChoice::Auto => {
             use crate::backend::qemu;
             auto_backend(
@@ -156,13 +160,17 @@ pub fn auto_backend(
     kvm_runs_linux: bool,
 ) -> (BackendKind, &'static str) {
     match (qemu_found, image_found, kvm_runs_linux) {
+        (_, true, true) => (
+            BackendKind::Kvm,
+            "auto: /dev/kvm can run Linux and a guest image is present, so the guest runs under the in-process VMM",
+        ),
         (true, true, false) => (
             BackendKind::Qemu,
             "auto: QEMU and a guest image are present and /dev/kvm cannot run Linux, so the guest runs under QEMU (TCG)",
         ),
-        (_, _, true) => (
+        (_, false, true) => (
             BackendKind::Sandbox,
-            "auto: /dev/kvm can run Linux, so QEMU is not preferred; no in-process VM backend in this build, so the namespace sandbox",
+            "auto: /dev/kvm can run Linux but no guest image was found (scripts/mkguestimage.sh), so the namespace sandbox",
         ),
         (false, _, false) => (
             BackendKind::Sandbox,
@@ -224,12 +232,29 @@ fn doctor(cli: &Cli) -> i32 {
         }
         Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
     }
-    match vmm::kvm_check::check_capabilities() {
-        Ok(_) => match vmm::kvm_check::linux_capable() {
-            Ok(()) => println!("kvm: /dev/kvm can run Linux guests (in-process VM: `vm run`)"),
-            Err(e) => println!("kvm: /dev/kvm works for small guests but NOT for Linux: {e}"),
-        },
-        Err(e) => println!("kvm: UNAVAILABLE: {e}"),
+    let kvm = crate::backend::kvm::Probe::run();
+    match (&kvm.kvm, &kvm.image) {
+        (Ok(()), Ok(img)) => println!(
+            "kvm: available (in-process VM, guest image {}, kernel {})",
+            img.dir.display(),
+            crate::backend::kvm::kernel_of(img).display()
+        ),
+        _ => {
+            let kvm_why = match vmm::kvm_check::check_capabilities() {
+                Err(e) => Some(format!("/dev/kvm unusable: {e}")),
+                Ok(_) => kvm.kvm.as_ref().err().map(|e| {
+                    format!("/dev/kvm works for small guests (`vm run`) but NOT for Linux: {e}")
+                }),
+            };
+            let missing: Vec<&str> = [
+                kvm_why.as_deref(),
+                kvm.image.as_ref().err().map(String::as_str),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            println!("kvm: UNAVAILABLE: {}", missing.join("; "));
+        }
     }
     let probe = crate::backend::qemu::Probe::run();
     match (&probe.qemu, &probe.image, &probe.accel) {
@@ -342,13 +367,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_prefers_qemu_only_with_qemu_an_image_and_no_linux_kvm() {
+    fn auto_prefers_kvm_then_qemu_then_the_sandbox() {
+        assert_eq!(auto_backend(true, true, true).0, BackendKind::Kvm);
+        assert_eq!(auto_backend(false, true, true).0, BackendKind::Kvm);
         assert_eq!(auto_backend(true, true, false).0, BackendKind::Qemu);
         for (q, i, k) in [
-            (true, true, true),
             (false, true, false),
             (true, false, false),
             (false, false, true),
+            (true, false, true),
         ] {
             let (kind, why) = auto_backend(q, i, k);
             assert_eq!(kind, BackendKind::Sandbox, "{q} {i} {k}");
@@ -358,9 +385,14 @@ mod tests {
         assert!(auto_backend(true, false, false)
             .1
             .contains("mkguestimage.sh"));
+        assert!(auto_backend(true, false, true).1.contains("no guest image"));
         assert_eq!(
             resolve_backend(BackendChoice::Qemu),
             (BackendKind::Qemu, "requested with --backend qemu")
+        );
+        assert_eq!(
+            resolve_backend(BackendChoice::Kvm),
+            (BackendKind::Kvm, "requested with --backend kvm")
         );
     }
 

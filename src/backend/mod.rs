@@ -7,6 +7,7 @@
 //! agent's hello is backend-independent (see `crate::vm`).
 
 pub mod fsgrants;
+pub mod kvm;
 pub mod qemu;
 
 use std::future::Future;
@@ -26,6 +27,9 @@ pub enum BackendKind {
     Sandbox,
     /// A Linux guest under QEMU, reached over our vhost-user vsock device.
     Qemu,
+    /// A Linux guest under our in-process VMM, reached over our in-process
+    /// vsock device.
+    Kvm,
 }
 
 impl BackendKind {
@@ -33,6 +37,7 @@ impl BackendKind {
         match self {
             Self::Sandbox => "sandbox",
             Self::Qemu => "qemu",
+            Self::Kvm => "kvm",
         }
     }
 }
@@ -93,6 +98,7 @@ impl HostPaths {
 pub enum Machine {
     Sandbox(Sandbox),
     Qemu(qemu::QemuMachine),
+    Kvm(kvm::KvmMachine),
 }
 
 impl Machine {
@@ -101,6 +107,7 @@ impl Machine {
         match self {
             Self::Sandbox(s) => s.wait().await.to_string(),
             Self::Qemu(q) => q.wait().await,
+            Self::Kvm(k) => k.wait().await,
         }
     }
 
@@ -109,6 +116,7 @@ impl Machine {
         match self {
             Self::Sandbox(s) => s.kill().await,
             Self::Qemu(q) => q.kill().await,
+            Self::Kvm(k) => k.kill().await,
         }
     }
 }
@@ -153,5 +161,6 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
             })
         }
         BackendKind::Qemu => qemu::boot(opts).await,
+        BackendKind::Kvm => kvm::boot(opts).await,
     }
 }

@@ -1,0 +1,670 @@
+//! The in-process KVM backend (`--backend kvm`): the guest agent runs as
+//! PID 1 of a real Linux guest booted by our own VMM (crate `vmm`) inside
+//! the helper process, and reaches the helper over our virtio-vsock device
+//! on virtio-mmio (crate `devices`), with no socket file and no extra
+//! process in between.
+//!
+//! Boot: the guest image is found exactly like the QEMU backend finds it
+//! ([`GuestImage::locate`]: `startVM.bundlePath`, `$COWORK_GUEST_IMAGE_DIR`,
+//! `guest-image/` next to or above the executable). When the image
+//! directory also holds an uncompressed ELF [`VMLINUX`] it is booted
+//! (PVH entry, no decompression), else the image's bzImage `vmlinuz`. The
+//! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
+//! `startVM.cpuCount` vCPUs (default [`DEFAULT_CPUS`], at most the host's
+//! CPUs), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
+//! `$COWORK_GUEST_LOG`), and three virtio-mmio devices, which the guest
+//! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
+//! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
+//! dials CID 2 port [`AGENT_PORT`] and the device hands the helper a
+//! socketpair end, which becomes the agent link), virtio-fs (the session
+//! share, tag [`guest_agent::proto::SESSIONS_FS_TAG`], granted through
+//! [`HostPaths::Shared`] as with QEMU) and virtio-rng. The host must be
+//! able to run Linux under KVM ([`vmm::kvm_check::linux_capable`]); on a
+//! host that cannot (no VT-x/AMD-V, or PVM) `startVM` fails at once with
+//! the reason instead of booting a kernel that would die half way.
+//!
+//! Threads: [`vmm::Vm::build`] and [`vmm::Vm::run`] run on one dedicated
+//! thread named [`VM_THREAD_NAME`]; `run` adds one thread per vCPU and one
+//! worker per device, and joins all of them, closing every fd the VM held,
+//! before it returns. The thread reports the build, then how the run ended.
+//!
+//! Console: every line the guest prints on COM1 is logged at debug, one
+//! event per line (control characters removed, long lines cut); the last
+//! [`CONSOLE_TAIL`] lines are kept and quoted when the boot fails or the
+//! machine ends unexpectedly. The agent's boot marks on the VMM's
+//! boot-timing port are logged with the run's end.
+//!
+//! Stop: the controller first asks the agent to shut down (the agent powers
+//! the guest off through ACPI S5, which ends the run); [`KvmMachine::kill`]
+//! gives the guest [`POWEROFF_DEADLINE`] for that, then stops the VM from
+//! the host ([`vmm::StopHandle`]) and joins the thread.
+//!
+//! Limits: x86_64 hosts with hardware virtualisation only; no session disk
+//! (sessions live in the guest's RAM); no network besides vsock; guest
+//! memory is anonymous and never pre-touched, so the helper's RSS grows by
+//! what the guest touches. Files in shared folders are created with the
+//! helper's uid, as with QEMU.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use devices::fs::device::{FsDevice, FsDeviceError};
+use devices::fs::{SessionFs, SessionFsOptions};
+use devices::rng::RngDevice;
+use devices::vsock::{DeviceError, HostError, Listener, VsockConfig, VsockDevice, VsockHost};
+use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
+use tokio::sync::oneshot;
+
+use super::fsgrants::SharedFolders;
+use super::qemu::{self, GuestImage, QemuError};
+use super::{AgentStream, BootOptions, Booted, HostPaths, Machine};
+use crate::vm::HELLO_TIMEOUT;
+
+/// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
+pub const VMLINUX: &str = "vmlinux";
+/// The guest's CID (each VM has its own device, so all can use the same).
+pub const GUEST_CID: u64 = qemu::GUEST_CID;
+/// Guest memory when `startVM` does not say.
+pub const DEFAULT_MEMORY_MIB: u64 = 1024;
+/// vCPUs when `startVM` does not say (capped at the host's CPU count).
+pub const DEFAULT_CPUS: u32 = 2;
+/// Most vCPUs the VMM supports.
+pub const MAX_CPUS: u32 = 254;
+/// Kernel command line: serial console, reset through the i8042 on reboot,
+/// a panic resets at once (which ends the run), no PCI bus to probe. The
+/// VMM appends one `virtio_mmio.device=` per device.
+pub const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet";
+/// Request queues of the virtio-fs device.
+pub const FS_REQUEST_QUEUES: u16 = 1;
+/// Name of the thread that builds and runs the VM.
+pub const VM_THREAD_NAME: &str = "cowork-kvm-vm";
+/// How long the guest gets to power off after the agent was told to shut down.
+pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the VM gets to finish after the host stopped it (vCPUs and
+/// device workers joined, the VM closed; milliseconds in practice).
+pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the agent has to dial in; a little less than the controller's
+/// hello timeout so the error quoting the console wins the race.
+pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::from_secs(5));
+/// Console lines kept for error messages.
+pub const CONSOLE_TAIL: usize = 40;
+/// Console lines quoted in an error.
+const QUOTED_LINES: usize = 15;
+/// Longest console line kept; the rest of a longer one starts a new line.
+const MAX_CONSOLE_LINE: usize = 1024;
+/// How often the agent listener is polled.
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
+
+/// Errors of starting the in-process machine, worded for the client's log.
+#[derive(Debug, thiserror::Error)]
+pub enum KvmError {
+    #[error(
+        "this host's KVM cannot run Linux guests: {0}; use --backend qemu or --backend sandbox"
+    )]
+    Unsuitable(String),
+    #[error(transparent)]
+    Image(#[from] QemuError),
+    #[error("cannot set up the vsock host side: {0}")]
+    VsockHost(#[from] HostError),
+    #[error("cannot create the vsock device: {0}")]
+    VsockDevice(#[from] DeviceError),
+    #[error("cannot create the virtio-fs device: {0}")]
+    FsDevice(#[from] FsDeviceError),
+    #[error("cannot start the VM thread: {0}")]
+    Thread(std::io::Error),
+    #[error("cannot build the VM from {kernel}: {source}")]
+    Build {
+        kernel: PathBuf,
+        source: vmm::VmError,
+    },
+    #[error("the VM thread ended before it built the VM")]
+    ThreadGone,
+}
+
+/// Whether this host's `/dev/kvm` can boot Linux (why not otherwise).
+pub fn kvm_for_linux() -> Result<(), String> {
+    qemu::kvm_for_linux()
+}
+
+/// The kernel to boot from `image`: its [`VMLINUX`] when present, else its bzImage.
+pub fn kernel_of(image: &GuestImage) -> PathBuf {
+    let elf = image.dir.join(VMLINUX);
+    if elf.is_file() {
+        elf
+    } else {
+        image.vmlinuz.clone()
+    }
+}
+
+/// Guest memory for a `startVM.memoryGB` value.
+pub fn memory_mib(memory_gb: Option<f64>) -> u64 {
+    match memory_gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => {
+            ((gb * 1024.0).round() as u64).clamp(qemu::MIN_MEMORY_MIB, qemu::MAX_MEMORY_MIB)
+        }
+        _ => DEFAULT_MEMORY_MIB,
+    }
+}
+
+/// vCPUs for a `startVM.cpuCount` value, at most the host's CPU count.
+pub fn cpu_count(requested: Option<u32>, host_cpus: u32) -> u8 {
+    let n = requested
+        .filter(|&n| n > 0)
+        .unwrap_or(DEFAULT_CPUS)
+        .min(host_cpus.max(1))
+        .min(MAX_CPUS);
+    u8::try_from(n).unwrap_or(u8::MAX)
+}
+
+/// The guest's kernel command line (before the VMM's virtio entries).
+pub fn cmdline(guest_log: Option<&str>) -> String {
+    let mut c = KERNEL_CMDLINE.to_string();
+    if let Some(w) = qemu::guest_log_word(guest_log) {
+        c.push(' ');
+        c.push_str(&w);
+    }
+    c
+}
+
+/// What the daemon needs to know about this backend here (for `auto` and `doctor`).
+#[derive(Debug)]
+pub struct Probe {
+    pub kvm: Result<(), String>,
+    pub image: Result<GuestImage, String>,
+}
+
+impl Probe {
+    /// Checks KVM and looks for the guest image.
+    pub fn run() -> Probe {
+        Probe {
+            kvm: kvm_for_linux(),
+            image: GuestImage::locate(None).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Whether the backend can start here.
+    pub fn usable(&self) -> bool {
+        self.kvm.is_ok() && self.image.is_ok()
+    }
+}
+
+/// The last console lines, shared by the serial sink and the error paths.
+#[derive(Clone, Default)]
+struct Console {
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl Console {
+    fn push(&self, line: String) {
+        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        if t.len() == CONSOLE_TAIL {
+            t.pop_front();
+        }
+        t.push_back(line);
+    }
+
+    /// The last `n` lines, indented, for an error message.
+    fn quote(&self, n: usize) -> String {
+        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        if t.is_empty() {
+            return " (the console printed nothing)".into();
+        }
+        let skip = t.len().saturating_sub(n);
+        let mut s = String::from("; last console lines:");
+        for l in t.iter().skip(skip) {
+            s.push_str("\n  ");
+            s.push_str(l);
+        }
+        s
+    }
+}
+
+/// COM1's output: split into lines, each logged and kept in the [`Console`].
+/// Runs on the vCPU thread that writes the UART, so it only buffers,
+/// logs and pushes.
+struct ConsoleSink {
+    console: Console,
+    line: Vec<u8>,
+}
+
+impl ConsoleSink {
+    fn emit(&mut self) {
+        let text = qemu::clean_console_line(&self.line);
+        self.line.clear();
+        if !text.is_empty() {
+            tracing::debug!(source = "serial", line = %text, "guest console");
+            self.console.push(text);
+        }
+    }
+}
+
+impl Write for ConsoleSink {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        for &b in data {
+            if b == b'\n' {
+                self.emit();
+            } else {
+                self.line.push(b);
+                if self.line.len() >= MAX_CONSOLE_LINE {
+                    self.emit();
+                }
+            }
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for ConsoleSink {
+    fn drop(&mut self) {
+        self.emit();
+    }
+}
+
+/// How one run ended, in words (the controller reports it as text).
+fn describe(result: &Result<vmm::ExitReason, vmm::VmError>) -> String {
+    match result {
+        Ok(vmm::ExitReason::Reset) => "the guest reset the VM".into(),
+        Ok(vmm::ExitReason::Shutdown) => "the guest powered the VM off".into(),
+        Ok(vmm::ExitReason::GuestError(e)) => format!("the guest failed: {e}"),
+        Ok(vmm::ExitReason::Stopped) => "the host stopped the VM".into(),
+        Err(e) => format!("the VM failed: {e}"),
+    }
+}
+
+/// The agent's boot marks as `code@host_ms/guest_ms` words.
+fn boot_marks(marks: &[vmm::devices::boot_timer::BootMark]) -> String {
+    marks
+        .iter()
+        .map(|m| {
+            format!(
+                "{:#04x}@{}ms/guest{}ms",
+                m.value >> 24,
+                m.at.as_millis(),
+                m.value & guest_agent::agent::bootmark::MAX_STAMP_MS
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Builds and runs the VM on this thread; reports the build on `built`
+/// and how the run ended on `done`.
+fn vm_thread(
+    config: vmm::Config,
+    built: oneshot::Sender<Result<vmm::StopHandle, KvmError>>,
+    done: oneshot::Sender<String>,
+) {
+    let kernel = config.kernel.clone();
+    let mut vm = match vmm::Vm::build(config) {
+        Ok(vm) => vm,
+        Err(source) => {
+            let _ = built.send(Err(KvmError::Build { kernel, source }));
+            return;
+        }
+    };
+    tracing::debug!(cmdline = vm.cmdline(), "kvm vm built");
+    if built.send(Ok(vm.stop_handle())).is_err() {
+        // Nobody waits for this machine any more.
+        return;
+    }
+    let started = Instant::now();
+    let result = vm.run();
+    let how = describe(&result);
+    let t = vm.timeline();
+    tracing::info!(
+        how = %how,
+        run_ms = started.elapsed().as_millis() as u64,
+        build_ms = t.build.as_secs_f64() * 1e3,
+        first_run_ms = t.first_run.map(|d| d.as_secs_f64() * 1e3),
+        teardown_ms = t.teardown.map(|d| d.as_secs_f64() * 1e3),
+        boot_marks = %boot_marks(&t.boot_marks),
+        "kvm vm ended"
+    );
+    drop(vm);
+    let _ = done.send(how);
+}
+
+/// Boots the guest in-process: checks KVM, finds the image, creates the
+/// devices, builds the VM on its thread and returns the machine with the
+/// future of the agent's stream.
+pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
+    start(opts).await.map_err(|e| e.to_string())
+}
+
+async fn start(opts: &BootOptions) -> Result<Booted, KvmError> {
+    kvm_for_linux().map_err(KvmError::Unsuitable)?;
+    let image = GuestImage::locate(opts.bundle_path.as_deref())?;
+    let kernel = kernel_of(&image);
+    let host_cpus = std::thread::available_parallelism()
+        .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+        .unwrap_or(1);
+
+    let host = VsockHost::new()?;
+    let listener = host.listen(AGENT_PORT)?;
+    let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
+    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
+    let console = Console::default();
+
+    let mut config = vmm::Config::new(&kernel);
+    config.initrd = Some(image.initramfs.clone());
+    config.cmdline = cmdline(std::env::var(qemu::GUEST_LOG_ENV).ok().as_deref());
+    config.mem_mib = memory_mib(opts.memory_gb);
+    config.vcpus = cpu_count(opts.cpu_count, host_cpus);
+    config.serial = Some(Box::new(ConsoleSink {
+        console: console.clone(),
+        line: Vec::new(),
+    }));
+    config.virtio_devices = vec![
+        Box::new(vsock),
+        Box::new(fs_device),
+        Box::new(RngDevice::new()),
+    ];
+    let (mem_mib, vcpus) = (config.mem_mib, config.vcpus);
+
+    let began = Instant::now();
+    let (built_tx, built_rx) = oneshot::channel();
+    let (done_tx, done_rx) = oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name(VM_THREAD_NAME.into())
+        .spawn(move || vm_thread(config, built_tx, done_tx))
+        .map_err(KvmError::Thread)?;
+    let stop = match built_rx.await {
+        Ok(Ok(stop)) => stop,
+        Ok(Err(e)) => {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+            return Err(e);
+        }
+        Err(_) => {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+            return Err(KvmError::ThreadGone);
+        }
+    };
+    tracing::info!(
+        image = %image.dir.display(),
+        kernel = %kernel.display(),
+        memory_mib = mem_mib,
+        cpus = vcpus,
+        build_ms = began.elapsed().as_secs_f64() * 1e3,
+        "kvm vm started"
+    );
+    let connected = Arc::new(AtomicBool::new(false));
+    let agent = agent_stream(listener, console.clone(), connected.clone());
+    let machine = KvmMachine {
+        thread: Some(thread),
+        stop,
+        outcome: done_rx,
+        console,
+        connected,
+        ended: None,
+        _host: host,
+    };
+    Ok(Booted {
+        machine: Machine::Kvm(machine),
+        agent,
+        host_paths: HostPaths::Shared(SharedFolders::new(fs)),
+    })
+}
+
+/// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
+fn agent_stream(listener: Listener, console: Console, connected: Arc<AtomicBool>) -> AgentStream {
+    Box::pin(async move {
+        let began = Instant::now();
+        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
+        loop {
+            match listener.try_accept() {
+                Ok(Some(stream)) => {
+                    connected.store(true, Ordering::Release);
+                    tracing::info!(
+                        ms = began.elapsed().as_millis() as u64,
+                        "guest agent dialled vsock port {AGENT_PORT}"
+                    );
+                    let wrap =
+                        |e: std::io::Error| format!("cannot use the agent's vsock stream: {e}");
+                    stream.set_nonblocking(true).map_err(wrap)?;
+                    return tokio::net::UnixStream::from_std(stream).map_err(wrap);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(format!(
+                        "the vsock device stopped before the guest agent dialled in: {e}{}",
+                        console.quote(QUOTED_LINES)
+                    ))
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "the guest agent did not dial vsock port {AGENT_PORT} within {}s{}",
+                    AGENT_DIAL_TIMEOUT.as_secs(),
+                    console.quote(QUOTED_LINES)
+                ));
+            }
+            tokio::time::sleep(ACCEPT_POLL).await;
+        }
+    })
+}
+
+/// A guest running in this process.
+pub struct KvmMachine {
+    /// The thread running the VM; joined once it reported its end.
+    thread: Option<JoinHandle<()>>,
+    stop: vmm::StopHandle,
+    /// How the run ended (sent by the VM thread).
+    outcome: oneshot::Receiver<String>,
+    console: Console,
+    /// The agent dialled in (so a stop is expected to power the guest off).
+    connected: Arc<AtomicBool>,
+    ended: Option<String>,
+    /// Keeps the device's host side alive as long as the machine.
+    _host: VsockHost,
+}
+
+impl KvmMachine {
+    /// Waits until the guest ends the run by itself; describes how, quoting
+    /// the console.
+    pub async fn wait(&mut self) -> String {
+        if let Some(how) = &self.ended {
+            return how.clone();
+        }
+        let how = match (&mut self.outcome).await {
+            Ok(how) => how,
+            Err(_) => "the VM thread ended without reporting (it panicked)".into(),
+        };
+        let how = format!("{how}{}", self.console.quote(QUOTED_LINES));
+        tracing::info!(how = %how, "kvm vm ended by itself");
+        self.ended = Some(how.clone());
+        self.join_thread().await;
+        how
+    }
+
+    /// Ends the VM: when the agent had connected, the guest is expected to
+    /// power off (the controller asked the agent to shut down) and gets
+    /// [`POWEROFF_DEADLINE`]; then the host stops it. Idempotent.
+    pub async fn kill(&mut self) {
+        if self.ended.is_none() {
+            let started = Instant::now();
+            let mut how = None;
+            if self.connected.load(Ordering::Acquire) {
+                match tokio::time::timeout(POWEROFF_DEADLINE, &mut self.outcome).await {
+                    Ok(outcome) => how = Some(outcome),
+                    Err(_) => tracing::warn!(
+                        deadline_s = POWEROFF_DEADLINE.as_secs(),
+                        "guest did not power off in time; stopping the VM"
+                    ),
+                }
+            }
+            let how = match how {
+                Some(h) => h,
+                None => {
+                    self.stop.stop();
+                    match tokio::time::timeout(STOP_DEADLINE, &mut self.outcome).await {
+                        Ok(h) => h,
+                        Err(_) => Ok(format!(
+                            "the VM did not finish within {}s of the stop; its thread is left behind",
+                            STOP_DEADLINE.as_secs()
+                        )),
+                    }
+                }
+            };
+            let how = how
+                .unwrap_or_else(|_| "the VM thread ended without reporting (it panicked)".into());
+            tracing::info!(
+                how = %how,
+                ms = started.elapsed().as_millis() as u64,
+                "kvm vm stopped"
+            );
+            self.ended = Some(how);
+        }
+        self.join_thread().await;
+    }
+
+    /// Joins the VM thread when it has finished (it has once it reported).
+    async fn join_thread(&mut self) {
+        let Some(handle) = self.thread.take() else {
+            return;
+        };
+        if !handle.is_finished() && self.stop.stop() {
+            // Still running: `kill` timed out on it; do not block on it.
+            tracing::warn!("the VM thread is still running; not joining it");
+            self.thread = Some(handle);
+            return;
+        }
+        match tokio::task::spawn_blocking(move || handle.join()).await {
+            Ok(Ok(())) => tracing::debug!("VM thread joined"),
+            Ok(Err(_)) => tracing::warn!("the VM thread panicked"),
+            Err(e) => tracing::warn!(error = %e, "cannot join the VM thread"),
+        }
+    }
+}
+
+impl Drop for KvmMachine {
+    /// A machine dropped without `kill` (the runtime shutting down) still
+    /// stops its VM; the thread is joined only when it already finished,
+    /// so dropping never blocks.
+    fn drop(&mut self) {
+        self.stop.stop();
+        if let Some(h) = self.thread.take() {
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image_dir(with_vmlinux: bool) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("vmlinuz"), b"kernel").unwrap();
+        std::fs::write(d.path().join("initramfs"), b"initramfs").unwrap();
+        std::fs::write(
+            d.path().join("image-info"),
+            format!(
+                "{}\nKERNEL_VERSION=6.1.0-x-cloud-amd64\n",
+                qemu::IMAGE_FORMAT
+            ),
+        )
+        .unwrap();
+        if with_vmlinux {
+            std::fs::write(d.path().join(VMLINUX), b"\x7fELF").unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn prefers_the_elf_kernel_when_the_image_has_one() {
+        let plain = image_dir(false);
+        let img = GuestImage::at(plain.path()).unwrap();
+        assert_eq!(kernel_of(&img), plain.path().join("vmlinuz"));
+        let elf = image_dir(true);
+        let img = GuestImage::at(elf.path()).unwrap();
+        assert_eq!(kernel_of(&img), elf.path().join(VMLINUX));
+    }
+
+    #[test]
+    fn sizes_and_command_line() {
+        assert_eq!(memory_mib(None), DEFAULT_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(2.0)), 2048);
+        assert_eq!(memory_mib(Some(0.01)), qemu::MIN_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(1e12)), qemu::MAX_MEMORY_MIB);
+        for bad in [f64::NAN, f64::NEG_INFINITY, -1.0, 0.0] {
+            assert_eq!(memory_mib(Some(bad)), DEFAULT_MEMORY_MIB, "{bad}");
+        }
+        assert_eq!(cpu_count(None, 8), DEFAULT_CPUS as u8);
+        assert_eq!(cpu_count(Some(4), 2), 2);
+        assert_eq!(cpu_count(Some(0), 8), DEFAULT_CPUS as u8);
+        assert_eq!(cpu_count(Some(3), 0), 1);
+        assert_eq!(cpu_count(Some(u32::MAX), u32::MAX), MAX_CPUS as u8);
+        assert_eq!(cmdline(None), KERNEL_CMDLINE);
+        assert_eq!(
+            cmdline(Some("debug")),
+            format!("{KERNEL_CMDLINE} COWORK_LOG=debug")
+        );
+        assert_eq!(cmdline(Some("a b")), KERNEL_CMDLINE);
+    }
+
+    #[test]
+    fn console_sink_splits_cleans_and_bounds_lines() {
+        let console = Console::default();
+        let mut sink = ConsoleSink {
+            console: console.clone(),
+            line: Vec::new(),
+        };
+        for i in 0..60 {
+            write!(sink, "line {i}\r\n").unwrap();
+        }
+        sink.write_all(b"\x1b[0mhalf ").unwrap();
+        sink.write_all(b"a line\n").unwrap();
+        sink.write_all(&vec![b'x'; MAX_CONSOLE_LINE + 3]).unwrap();
+        sink.write_all(b"no newline").unwrap();
+        drop(sink);
+        let tail: Vec<String> = console.tail.lock().unwrap().iter().cloned().collect();
+        assert_eq!(tail.len(), CONSOLE_TAIL);
+        assert_eq!(tail[tail.len() - 1], "xxxno newline");
+        assert_eq!(tail[tail.len() - 2], "x".repeat(MAX_CONSOLE_LINE));
+        assert_eq!(tail[tail.len() - 3], "half a line");
+        assert_eq!(tail[tail.len() - 4], "line 59");
+        assert!(console.quote(1).ends_with("\n  xxxno newline"));
+        assert!(Console::default().quote(3).contains("printed nothing"));
+    }
+
+    #[test]
+    fn exit_reasons_and_marks_in_words() {
+        assert_eq!(
+            describe(&Ok(vmm::ExitReason::Shutdown)),
+            "the guest powered the VM off"
+        );
+        assert!(
+            describe(&Ok(vmm::ExitReason::GuestError("triple fault".into())))
+                .contains("triple fault")
+        );
+        let marks = [vmm::devices::boot_timer::BootMark {
+            at: Duration::from_millis(1500),
+            value: 0xA1 << 24 | 1234,
+        }];
+        assert_eq!(boot_marks(&marks), "0xa1@1500ms/guest1234ms");
+    }
+
+    #[tokio::test]
+    async fn refuses_hosts_whose_kvm_cannot_run_linux() {
+        let Err(why) = kvm_for_linux() else {
+            // Hardware KVM: the nested/direct integration test covers booting.
+            return;
+        };
+        let e = boot(&BootOptions::default()).await.err().unwrap();
+        assert!(e.contains("cannot run Linux guests"), "{e}");
+        assert!(e.contains(&why), "{e}");
+        assert!(e.contains("--backend qemu"), "{e}");
+    }
+}
