@@ -26,7 +26,9 @@ Builds, into the output directory:
                ($AGENT_BIN), busybox-static with applet links, and mkinitramfs.sh's 'guest'
                module set (virtio mmio/pci, vsock, virtiofs, virtio-blk, virtio-rng, ext4)
                with their dependencies, decompressed, plus a modules.dep the agent loads
-               them from in dependency order
+               them from in dependency order; e2fsprogs' mke2fs as /sbin/mkfs.ext4
+               with its shared libraries and loader (the agent formats a blank session
+               disk with it; busybox's mke2fs only makes ext2)
   image-info   $IMAGE_FORMAT, kernel version and the agent's SHA-256
 
 On success prints shell-style assignments on stdout:
@@ -96,11 +98,23 @@ if readelf -l "$agent" 2>/dev/null | grep -q 'Requesting program interpreter'; t
 	die "$agent is dynamically linked; it must be static to run as /init"
 fi
 
+# --- mkfs.ext4 for the session disk -----------------------------------------------------------
+# The host's mke2fs under its ext4 name, with the libraries and loader ldd lists at their own
+# paths (busybox's applet links do not cover mkfs.ext4).
+need_cmd ldd "install libc-bin"
+mke2fs_bin="$(PATH="$PATH:/usr/sbin:/sbin" command -v mke2fs || true)"
+[[ -n "$mke2fs_bin" && -x "$mke2fs_bin" ]] || die "mke2fs not found (apt-get install e2fsprogs)"
+mkfs_adds=(--add "$mke2fs_bin:/sbin/mkfs.ext4")
+while read -r lib; do
+	mkfs_adds+=(--add "$(readlink -f "$lib"):$lib")
+done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\(\/[^ ]*\) (0x.*/\1/p')
+[[ -f /etc/mke2fs.conf ]] && mkfs_adds+=(--add /etc/mke2fs.conf:/etc/mke2fs.conf)
+
 # --- image ---------------------------------------------------------------------------------
 mkdir -p "$output"
 note "building the initramfs ($KERNEL_VERSION)"
 "$SCRIPTS_DIR/mkinitramfs.sh" --output "$output/initramfs" --init "$agent" \
-	--module-set guest --modules-dir "$MODULES_DIR" ||
+	--module-set guest --modules-dir "$MODULES_DIR" "${mkfs_adds[@]}" ||
 	die "building the initramfs failed (see above)"
 cp -f "$VMLINUZ" "$output/vmlinuz.tmp"
 mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"

@@ -45,6 +45,12 @@ pub const SESSIONS_FS_TAG: &str = "cowork-sessions";
 /// with the share are below it.
 pub const SESSIONS_FS_MOUNT: &str = "/run/cowork/fs";
 
+/// Serial (virtio-blk GET_ID, `/sys/block/<disk>/serial`) of the session disk
+/// in a VM. The agent formats it as ext4 when blank and mounts it at
+/// `/sessions` (see `agent::sessiondisk`); the host's device model serves it
+/// (`devices::blk::SESSION_DISK_SERIAL` names the same string).
+pub const SESSION_DISK_SERIAL: &str = "cowork-sessions";
+
 /// Largest frame on the agent link.
 pub const MAX_MESSAGE: usize = crate::framing::MAX_CLIENT_FRAME;
 
@@ -219,8 +225,11 @@ pub struct SpawnSpec {
 
 /// Environment variables that carry credentials: their values are never logged,
 /// and their presence stops the agent from injecting the OAuth token.
-pub const CREDENTIAL_VARS: [&str; 3] =
-    ["CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY"];
+pub const CREDENTIAL_VARS: [&str; 3] = [
+    "CLAUDE_CODE_OAUTH_TOKEN",
+    "ANTHROPIC_AUTH_TOKEN",
+    "ANTHROPIC_API_KEY",
+];
 
 impl fmt::Debug for SpawnSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -232,7 +241,10 @@ impl fmt::Debug for SpawnSpec {
             .field("args", &self.args.len())
             .field("cwd", &self.cwd)
             .field("env_keys", &self.env.keys().collect::<Vec<_>>())
-            .field("oauth_token", &self.oauth_token.as_ref().map(|_| "<redacted>"))
+            .field(
+                "oauth_token",
+                &self.oauth_token.as_ref().map(|_| "<redacted>"),
+            )
             .field("mounts", &self.mounts)
             .field("is_resume", &self.is_resume)
             .field("one_shot", &self.one_shot)
@@ -287,7 +299,11 @@ pub enum HostMessage {
     Request { id: u64, op: Op },
     /// The client's answer to a guest-originated request.
     #[serde(rename_all = "camelCase")]
-    GuestResponse { id: String, result_json: Option<String>, error: Option<String> },
+    GuestResponse {
+        id: String,
+        result_json: Option<String>,
+        error: Option<String>,
+    },
 }
 
 /// Messages from agent to host.
@@ -304,9 +320,13 @@ pub enum AgentMessage {
         result: serde_json::Value,
     },
     /// Payload: a chunk of the process's stdout.
-    Stdout { id: String },
+    Stdout {
+        id: String,
+    },
     /// Payload: a chunk of the process's stderr.
-    Stderr { id: String },
+    Stderr {
+        id: String,
+    },
     /// The process ended; sent after its stdout and stderr reached EOF.
     #[serde(rename_all = "camelCase")]
     Exit {
@@ -319,9 +339,17 @@ pub enum AgentMessage {
         oom_kill_count: Option<u64>,
     },
     /// A process-scoped error (`fatal` means the process is gone).
-    Error { id: String, message: String, fatal: bool },
+    Error {
+        id: String,
+        message: String,
+        fatal: bool,
+    },
     /// A guest-originated request for the client.
-    Request { id: String, method: String, params: serde_json::Value },
+    Request {
+        id: String,
+        method: String,
+        params: serde_json::Value,
+    },
 }
 
 #[cfg(test)]
@@ -340,17 +368,33 @@ mod tests {
     #[test]
     fn frame_into_prefixes_length() {
         let mut out = Vec::new();
-        encode_frame_into(&mut out, &HostMessage::Request { id: 7, op: Op::Ping }, b"xy");
+        encode_frame_into(
+            &mut out,
+            &HostMessage::Request {
+                id: 7,
+                op: Op::Ping,
+            },
+            b"xy",
+        );
         let len = u32::from_be_bytes([out[0], out[1], out[2], out[3]]) as usize;
         assert_eq!(len, out.len() - 4);
         let env: Envelope<HostMessage> = decode(out[4..].to_vec()).unwrap();
-        assert_eq!(env.header, HostMessage::Request { id: 7, op: Op::Ping });
+        assert_eq!(
+            env.header,
+            HostMessage::Request {
+                id: 7,
+                op: Op::Ping
+            }
+        );
         assert_eq!(env.payload, b"xy");
     }
 
     #[test]
     fn malformed_messages_are_errors_not_panics() {
-        assert!(matches!(decode::<AgentMessage>(vec![0, 0]), Err(ProtoError::Short)));
+        assert!(matches!(
+            decode::<AgentMessage>(vec![0, 0]),
+            Err(ProtoError::Short)
+        ));
         assert!(matches!(
             decode::<AgentMessage>(vec![0, 0, 0, 9, b'{']),
             Err(ProtoError::HeaderLength(9))
@@ -366,7 +410,10 @@ mod tests {
     #[test]
     fn secrets_never_show_in_debug() {
         let mut env = BTreeMap::new();
-        env.insert("ANTHROPIC_API_KEY".to_string(), "sk-secret-value".to_string());
+        env.insert(
+            "ANTHROPIC_API_KEY".to_string(),
+            "sk-secret-value".to_string(),
+        );
         let spec = SpawnSpec {
             id: "a".into(),
             name: "s".into(),

@@ -33,7 +33,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use super::sys;
-use super::{clock, modules};
+use super::{clock, modules, sessiondisk};
 use crate::proto;
 
 /// `statfs` magic of devtmpfs (it reports tmpfs's).
@@ -267,9 +267,9 @@ pub fn mount_sessions_share(tag: &'static str, target: &Path) -> Result<(), Init
 }
 
 /// Everything a VM's init does before the agent dials the host: mounts,
-/// kernel modules, clock, loopback, the session share. Each step logs its
-/// own outcome; none stops the others. Returns where the session share is
-/// mounted, if it is.
+/// kernel modules, clock, loopback, the session disk ([`sessiondisk`]), the
+/// session share. Each step logs its own outcome; none stops the others.
+/// Returns where the session share is mounted, if it is.
 pub fn run_machine_init() -> Option<PathBuf> {
     run_early_init();
     modules::load_all();
@@ -278,6 +278,7 @@ pub fn run_machine_init() -> Option<PathBuf> {
         Ok(()) => tracing::debug!("loopback up"),
         Err(e) => tracing::warn!(error = %e, "loopback not up"),
     }
+    sessiondisk::mount_session_disk();
     if !virtiofs_device_present(Path::new(VIRTIOFS_DRIVER_DIR)) {
         tracing::info!("no virtio-fs device; host folders cannot be mounted in this VM");
         return None;

@@ -46,6 +46,7 @@ pub mod outbox;
 pub mod power;
 pub mod process;
 pub mod reaper;
+pub mod sessiondisk;
 pub(crate) mod sys;
 
 #[cfg(test)]

@@ -1,0 +1,461 @@
+//! The session disk: a virtio-blk disk with serial
+//! [`proto::SESSION_DISK_SERIAL`], formatted as ext4 on first use and
+//! mounted at `/sessions`, where session directories live and the disk
+//! janitor measures and prunes.
+//!
+//! As the VM's init, after the kernel modules are loaded,
+//! [`mount_session_disk`]:
+//!
+//! 1. finds the disk by its serial in `/sys/block/*/serial`
+//!    ([`find_disk_by_serial`]); no such disk is not an error (the VM then
+//!    keeps sessions on its root filesystem);
+//! 2. reads its first [`PROBE_LEN`] bytes ([`classify`]): an ext2/3/4
+//!    superblock magic ([`EXT_MAGIC`] at byte [`EXT_MAGIC_OFFSET`]) means it
+//!    is formatted; all zeroes means blank; anything else is left alone;
+//! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
+//!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
+//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev`.
+//!
+//! Limits: only a disk that reads as zeroes in its first 64 KiB is ever
+//! formatted, so a disk holding another filesystem or a partition table is
+//! never overwritten (and not mounted either: the failure is logged); a
+//! format interrupted after its first writes leaves such a disk, which then
+//! needs a fresh image from the host. The mount point is the default
+//! sessions root (`/sessions`), not a `--sessions-root` override. The
+//! filesystem is not grown when the host grows the image.
+
+use std::ffi::CStr;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::cli::DEFAULT_SESSIONS_ROOT;
+use super::sys;
+use crate::proto;
+
+/// Where block devices are listed in sysfs.
+pub const SYS_BLOCK: &str = "/sys/block";
+/// Where their device nodes are (devtmpfs).
+pub const DEV_DIR: &str = "/dev";
+/// Bytes read from the start of the disk to decide whether it is blank.
+pub const PROBE_LEN: usize = 64 * 1024;
+/// Offset of `s_magic` in an ext2/3/4 filesystem: the superblock starts at
+/// 1024 and the magic is its field at 56.
+pub const EXT_MAGIC_OFFSET: usize = 1024 + 56;
+/// The ext2/3/4 superblock magic (little-endian on disk).
+pub const EXT_MAGIC: u16 = 0xEF53;
+/// Programs tried, in order, to format the disk (e2fsprogs' mke2fs under
+/// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
+pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
+/// Filesystem label given to the session disk.
+pub const FS_LABEL: &str = "cowork-sessions";
+/// Longest a format may take before it is killed.
+pub const MKFS_TIMEOUT: Duration = Duration::from_secs(120);
+/// Mode of the mount point when the agent creates it.
+const MOUNT_DIR_MODE: u32 = 0o755;
+/// Filesystem type the disk is mounted as.
+const FSTYPE: &CStr = c"ext4";
+
+/// What the start of a disk holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskContents {
+    /// An ext2/3/4 filesystem.
+    Ext,
+    /// Zeroes only: never formatted.
+    Blank,
+    /// Something else (another filesystem, a partition table, a torn
+    /// format): left alone.
+    Unknown,
+}
+
+/// Errors preparing the session disk.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionDiskError {
+    #[error("cannot read the start of session disk {dev}: {source}")]
+    Probe { dev: PathBuf, source: io::Error },
+    #[error("session disk {0} holds data that is not an ext filesystem; it is left untouched (give the VM a fresh disk image to start over)")]
+    Foreign(PathBuf),
+    #[error("no mkfs.ext4 in the guest image (looked for {}); rebuild it with scripts/mkguestimage.sh", MKFS_CANDIDATES.join(", "))]
+    NoMkfs,
+    #[error("cannot run {mkfs}: {source}")]
+    MkfsSpawn { mkfs: PathBuf, source: io::Error },
+    #[error("{mkfs} failed on {dev} ({status}): {output}")]
+    MkfsFailed {
+        mkfs: PathBuf,
+        dev: PathBuf,
+        status: String,
+        output: String,
+    },
+    #[error("{mkfs} did not finish formatting {dev} within {}s; killed", MKFS_TIMEOUT.as_secs())]
+    MkfsTimeout { mkfs: PathBuf, dev: PathBuf },
+    #[error("cannot mount session disk {dev} on {target}: {source}")]
+    Mount {
+        dev: PathBuf,
+        target: PathBuf,
+        source: io::Error,
+    },
+}
+
+/// The block device (name under `sys_block`, e.g. `vdb`) whose `serial`
+/// attribute is `serial` (surrounding whitespace and NULs ignored).
+pub fn find_disk_by_serial(sys_block: &Path, serial: &str) -> Option<String> {
+    let mut names: Vec<String> = std::fs::read_dir(sys_block)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    // Deterministic when (wrongly) two disks carry the serial.
+    names.sort();
+    names.into_iter().find(|name| {
+        std::fs::read(sys_block.join(name).join("serial")).is_ok_and(|raw| {
+            String::from_utf8_lossy(&raw).trim_matches(|c: char| c.is_whitespace() || c == '\0')
+                == serial
+        })
+    })
+}
+
+/// Classifies the first bytes of a disk (up to [`PROBE_LEN`]).
+pub fn classify(head: &[u8]) -> DiskContents {
+    let magic = head
+        .get(EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]));
+    if magic == Some(EXT_MAGIC) {
+        DiskContents::Ext
+    } else if head.iter().all(|&b| b == 0) {
+        DiskContents::Blank
+    } else {
+        DiskContents::Unknown
+    }
+}
+
+/// Reads the first [`PROBE_LEN`] bytes of `dev` (fewer if it is smaller) and
+/// classifies them.
+pub fn probe(dev: &Path) -> Result<DiskContents, SessionDiskError> {
+    let err = |source| SessionDiskError::Probe {
+        dev: dev.to_path_buf(),
+        source,
+    };
+    let mut head = Vec::with_capacity(PROBE_LEN);
+    File::open(dev)
+        .map_err(err)?
+        .take(PROBE_LEN as u64)
+        .read_to_end(&mut head)
+        .map_err(err)?;
+    Ok(classify(&head))
+}
+
+/// The first existing program of `candidates`.
+pub fn find_mkfs(candidates: &[&str]) -> Option<PathBuf> {
+    candidates.iter().map(PathBuf::from).find(|p| p.is_file())
+}
+
+/// Formats `dev` as ext4 with `mkfs` (mke2fs), labelled [`FS_LABEL`].
+pub fn format(mkfs: &Path, dev: &Path) -> Result<(), SessionDiskError> {
+    let mut child = Command::new(mkfs)
+        .args(["-t", "ext4", "-F", "-q", "-L", FS_LABEL])
+        .arg(dev)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| SessionDiskError::MkfsSpawn {
+            mkfs: mkfs.to_path_buf(),
+            source,
+        })?;
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if start.elapsed() < MKFS_TIMEOUT => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Ok(None) | Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(SessionDiskError::MkfsTimeout {
+                    mkfs: mkfs.to_path_buf(),
+                    dev: dev.to_path_buf(),
+                });
+            }
+        }
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let mut output = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut output);
+    }
+    Err(SessionDiskError::MkfsFailed {
+        mkfs: mkfs.to_path_buf(),
+        dev: dev.to_path_buf(),
+        status: status.to_string(),
+        output: output.trim().to_string(),
+    })
+}
+
+/// Mounts `dev` (ext4) on `target`, creating `target` if needed. Already a
+/// mount point: nothing to do.
+pub fn mount(dev: &Path, target: &Path) -> Result<(), SessionDiskError> {
+    let fail = |source| SessionDiskError::Mount {
+        dev: dev.to_path_buf(),
+        target: target.to_path_buf(),
+        source,
+    };
+    if sys::is_mount_point(target).unwrap_or(false) {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(MOUNT_DIR_MODE)
+        .create(target)
+        .map_err(fail)?;
+    let c_dev = sys::cstring(dev).map_err(fail)?;
+    let c_target = sys::cstring(target).map_err(fail)?;
+    sys::mount(
+        Some(&c_dev),
+        &c_target,
+        Some(FSTYPE),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        None,
+    )
+    .map_err(fail)
+}
+
+/// What [`prepare`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prepared {
+    /// No disk with the serial.
+    NoDisk,
+    /// The disk was formatted, then mounted.
+    Formatted(PathBuf),
+    /// The disk already had a filesystem and was mounted.
+    Mounted(PathBuf),
+}
+
+/// Finds, formats if blank, and mounts the session disk: the steps of the
+/// module docs with every location passed in (tests use a fake sysfs and
+/// image files).
+pub fn prepare(
+    sys_block: &Path,
+    dev_dir: &Path,
+    mkfs_candidates: &[&str],
+    target: &Path,
+) -> Result<Prepared, SessionDiskError> {
+    let Some(name) = find_disk_by_serial(sys_block, proto::SESSION_DISK_SERIAL) else {
+        return Ok(Prepared::NoDisk);
+    };
+    let dev = dev_dir.join(&name);
+    let formatted = match probe(&dev)? {
+        DiskContents::Ext => false,
+        DiskContents::Unknown => return Err(SessionDiskError::Foreign(dev)),
+        DiskContents::Blank => {
+            let mkfs = find_mkfs(mkfs_candidates).ok_or(SessionDiskError::NoMkfs)?;
+            tracing::info!(dev = %dev.display(), mkfs = %mkfs.display(), "formatting the blank session disk as ext4");
+            format(&mkfs, &dev)?;
+            true
+        }
+    };
+    mount(&dev, target)?;
+    Ok(if formatted {
+        Prepared::Formatted(dev)
+    } else {
+        Prepared::Mounted(dev)
+    })
+}
+
+/// [`prepare`] for the running VM, logging the outcome; failures leave
+/// `/sessions` on the root filesystem.
+pub fn mount_session_disk() {
+    let target = Path::new(DEFAULT_SESSIONS_ROOT);
+    match prepare(
+        Path::new(SYS_BLOCK),
+        Path::new(DEV_DIR),
+        &MKFS_CANDIDATES,
+        target,
+    ) {
+        Ok(Prepared::NoDisk) => tracing::info!(
+            serial = proto::SESSION_DISK_SERIAL,
+            "no session disk; sessions live on the root filesystem"
+        ),
+        Ok(Prepared::Formatted(dev)) => tracing::info!(
+            dev = %dev.display(),
+            target_dir = %target.display(),
+            "session disk formatted and mounted"
+        ),
+        Ok(Prepared::Mounted(dev)) => tracing::info!(
+            dev = %dev.display(),
+            target_dir = %target.display(),
+            "session disk mounted"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "session disk not mounted; sessions live on the root filesystem")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    /// A fake `/sys/block` with `(name, serial)` entries (`None`: no serial
+    /// attribute, as for loop devices).
+    fn sysfs(dir: &Path, disks: &[(&str, Option<&str>)]) -> PathBuf {
+        let root = dir.join("sys-block");
+        for (name, serial) in disks {
+            let d = root.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            if let Some(s) = serial {
+                std::fs::write(d.join("serial"), s).unwrap();
+            }
+        }
+        root
+    }
+
+    fn image(dir: &Path, name: &str, len: u64) -> PathBuf {
+        let p = dir.join(name);
+        File::create(&p).unwrap().set_len(len).unwrap();
+        p
+    }
+
+    #[test]
+    fn finds_the_disk_by_serial() {
+        let t = tempfile::tempdir().unwrap();
+        let sys = sysfs(
+            t.path(),
+            &[
+                ("loop0", None),
+                ("vda", Some("cowork-rootfs\n")),
+                ("vdb", Some("cowork-sessions\n")),
+                ("vdc", Some("cowork-sessions-old")),
+            ],
+        );
+        assert_eq!(
+            find_disk_by_serial(&sys, proto::SESSION_DISK_SERIAL).as_deref(),
+            Some("vdb")
+        );
+        // GET_ID answers are NUL-padded to 20 bytes.
+        let sys2 = sysfs(
+            &t.path().join("2"),
+            &[("vdz", Some("cowork-sessions\0\0\0\0\0"))],
+        );
+        assert_eq!(
+            find_disk_by_serial(&sys2, proto::SESSION_DISK_SERIAL).as_deref(),
+            Some("vdz")
+        );
+        assert_eq!(find_disk_by_serial(&sys, "nope"), None);
+        assert_eq!(find_disk_by_serial(&t.path().join("missing"), "x"), None);
+    }
+
+    #[test]
+    fn classifies_blank_ext_and_foreign_disks() {
+        let mut head = vec![0u8; PROBE_LEN];
+        assert_eq!(classify(&head), DiskContents::Blank);
+        head[EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
+        assert_eq!(classify(&head), DiskContents::Ext);
+        // Any other byte makes it foreign: a GPT header, another fs...
+        let mut gpt = vec![0u8; PROBE_LEN];
+        gpt[512..520].copy_from_slice(b"EFI PART");
+        assert_eq!(classify(&gpt), DiskContents::Unknown);
+        let mut late = vec![0u8; PROBE_LEN];
+        late[PROBE_LEN - 1] = 1;
+        assert_eq!(classify(&late), DiskContents::Unknown);
+        // The magic alone in a short read; a disk shorter than the probe.
+        assert_eq!(classify(&head[..EXT_MAGIC_OFFSET + 2]), DiskContents::Ext);
+        assert_eq!(classify(&[0u8; 512]), DiskContents::Blank);
+        assert_eq!(classify(&[]), DiskContents::Blank);
+    }
+
+    #[test]
+    fn probe_reads_image_files() {
+        let t = tempfile::tempdir().unwrap();
+        let blank = image(t.path(), "blank", 16 << 20);
+        assert_eq!(probe(&blank).unwrap(), DiskContents::Blank);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&blank)
+            .unwrap();
+        f.write_all_at(&EXT_MAGIC.to_le_bytes(), EXT_MAGIC_OFFSET as u64)
+            .unwrap();
+        assert_eq!(probe(&blank).unwrap(), DiskContents::Ext);
+        let foreign = image(t.path(), "foreign", 1 << 20);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&foreign)
+            .unwrap();
+        f.write_all_at(b"\x55\xaa", 510).unwrap();
+        assert_eq!(probe(&foreign).unwrap(), DiskContents::Unknown);
+        assert!(matches!(
+            probe(&t.path().join("none")),
+            Err(SessionDiskError::Probe { .. })
+        ));
+    }
+
+    #[test]
+    fn prepare_refuses_foreign_disks_and_reports_missing_mkfs() {
+        let t = tempfile::tempdir().unwrap();
+        let sys = sysfs(t.path(), &[("vdb", Some(proto::SESSION_DISK_SERIAL))]);
+        let dev = t.path().join("dev");
+        std::fs::create_dir(&dev).unwrap();
+        let target = t.path().join("sessions");
+        // No disk with the serial.
+        let other = sysfs(&t.path().join("o"), &[("vda", Some("x"))]);
+        assert_eq!(
+            prepare(&other, &dev, &[], &target).unwrap(),
+            Prepared::NoDisk
+        );
+        // A foreign disk is never formatted.
+        let img = image(&dev, "vdb", 1 << 20);
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(b"not a filesystem", 0).unwrap();
+        assert!(matches!(
+            prepare(&sys, &dev, &["/bin/false"], &target),
+            Err(SessionDiskError::Foreign(_))
+        ));
+        assert_eq!(
+            std::fs::read(&img).unwrap()[..16],
+            *b"not a filesystem",
+            "untouched"
+        );
+        // A blank disk without mkfs in the image.
+        f.write_all_at(&[0u8; 16], 0).unwrap();
+        assert!(matches!(
+            prepare(&sys, &dev, &["/nonexistent/mkfs.ext4"], &target),
+            Err(SessionDiskError::NoMkfs)
+        ));
+        // A failing mkfs is reported with its status.
+        assert!(matches!(
+            format(Path::new("/bin/false"), &img),
+            Err(SessionDiskError::MkfsFailed { .. })
+        ));
+    }
+
+    #[test]
+    fn formats_a_blank_image_with_the_hosts_mke2fs() {
+        let Some(mkfs) = find_mkfs(&["/sbin/mke2fs", "/usr/sbin/mke2fs"]) else {
+            eprintln!("skipping: no mke2fs on this host");
+            return;
+        };
+        let t = tempfile::tempdir().unwrap();
+        let img = image(t.path(), "sessiondata.img", 64 << 20);
+        assert_eq!(probe(&img).unwrap(), DiskContents::Blank);
+        format(&mkfs, &img).unwrap();
+        assert_eq!(probe(&img).unwrap(), DiskContents::Ext);
+        // Label and type as the agent asked.
+        let head = {
+            let mut b = vec![0u8; 2048];
+            File::open(&img).unwrap().read_exact_at(&mut b, 0).unwrap();
+            b
+        };
+        // s_volume_name at superblock offset 120, 16 bytes.
+        let label = &head[1024 + 120..1024 + 136];
+        assert_eq!(&label[..FS_LABEL.len()], FS_LABEL.as_bytes());
+        // s_feature_incompat bit 0x40 (extents): ext4, not ext2.
+        let incompat = u32::from_le_bytes(head[1024 + 96..1024 + 100].try_into().unwrap());
+        assert_ne!(incompat & 0x40, 0, "extents enabled");
+    }
+}
