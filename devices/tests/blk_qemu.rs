@@ -367,3 +367,137 @@ fn guest_formats_writes_and_reads_back_disks_over_vhost_user() {
     let overlay_bytes = fs::metadata(&f.overlay).unwrap().len();
     assert!(overlay_bytes > 64 << 20, "overlay spans the disk (sparse)");
 }
+
+/// The guest image (`scripts/mkguestimage.sh`): `COWORK_GUEST_IMAGE_DIR`,
+/// else `<repo>/target/guest-image`, if it is built and new enough to carry
+/// `/sbin/mkfs.ext4`.
+fn guest_image() -> Result<(PathBuf, PathBuf), String> {
+    let dir = std::env::var_os("COWORK_GUEST_IMAGE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target/guest-image"));
+    let (vmlinuz, initramfs) = (dir.join("vmlinuz"), dir.join("initramfs"));
+    if !vmlinuz.is_file() || !initramfs.is_file() {
+        return Err(format!(
+            "no guest image in {} (scripts/mkguestimage.sh)",
+            dir.display()
+        ));
+    }
+    let listing = Command::new("sh")
+        .arg("-c")
+        .arg("gzip -dc \"$1\" | cpio -t --quiet")
+        .arg("sh")
+        .arg(&initramfs)
+        .output()
+        .map_err(|e| format!("cannot list {}: {e}", initramfs.display()))?;
+    if !String::from_utf8_lossy(&listing.stdout)
+        .lines()
+        .any(|l| l == "sbin/mkfs.ext4")
+    {
+        return Err(format!(
+            "the guest image in {} has no sbin/mkfs.ext4; rebuild it with scripts/mkguestimage.sh",
+            dir.display()
+        ));
+    }
+    Ok((vmlinuz, initramfs))
+}
+
+/// Boots the guest image (the agent as /init) with only the session disk
+/// until the console shows `want`, then stops QEMU; returns the console.
+fn boot_agent(
+    qemu: &Path,
+    image: &(PathBuf, PathBuf),
+    disk: &Path,
+    dir: &Path,
+    want: &str,
+) -> String {
+    let sock = dir.join("agent-session.sock");
+    let server = VhostUserBlkServer::bind(
+        &sock,
+        Box::new(RawImage::open(disk).unwrap()),
+        &BlkConfig::new(SESSION_DISK_SERIAL),
+    )
+    .unwrap()
+    .spawn()
+    .unwrap();
+    let log = dir.join("agent.log");
+    let mut child = Command::new(qemu)
+        .args(["-accel", "tcg", "-M", "pc", "-smp", "1", "-m", "512M"])
+        .args([
+            "-nodefaults",
+            "-nographic",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+        ])
+        .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+        .args(["-numa", "node,memdev=mem"])
+        .arg("-chardev")
+        .arg(format!("socket,id=blk0,path={}", sock.display()))
+        .args(["-device", "vhost-user-blk-pci,chardev=blk0,num-queues=1"])
+        .arg("-kernel")
+        .arg(&image.0)
+        .arg("-initrd")
+        .arg(&image.1)
+        .args(["-append", "console=ttyS0 panic=-1 quiet"])
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(&log).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let out = loop {
+        let out = fs::read_to_string(&log).unwrap_or_default();
+        let exited = child.try_wait().unwrap().is_some();
+        if out.contains(want) || exited || start.elapsed() > BOOT_TIMEOUT {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    server.join().unwrap().unwrap();
+    eprintln!("agent boot: {:.1} s", start.elapsed().as_secs_f64());
+    for l in out.lines().filter(|l| l.contains("session disk")) {
+        eprintln!("  {l}");
+    }
+    assert!(out.contains(want), "no {want:?} on the console:\n{out}");
+    out
+}
+
+#[test]
+fn agent_formats_the_blank_session_disk_and_mounts_it() {
+    let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
+    let found = prereqs().and_then(|p| guest_image().map(|i| (p, i)));
+    let (p, image) = match found {
+        Ok(x) => x,
+        Err(e) if required => panic!("{REQUIRE_ENV}=1 but {e}"),
+        Err(e) => {
+            eprintln!("skipping the agent session-disk proof: {e}");
+            return;
+        }
+    };
+    let t = tempfile::tempdir().unwrap();
+    let disk = t.path().join("sessiondata.img");
+    create_sparse_image(&disk, SESSION_SIZE).unwrap();
+    boot_agent(
+        &p.qemu,
+        &image,
+        &disk,
+        t.path(),
+        "session disk formatted and mounted",
+    );
+    // The agent's mkfs left an ext4 filesystem labelled for the sessions.
+    let mut sb = vec![0u8; 2048];
+    fs::File::open(&disk).unwrap().read_exact(&mut sb).unwrap();
+    assert_eq!(
+        u16::from_le_bytes([sb[1080], sb[1081]]),
+        0xEF53,
+        "ext magic"
+    );
+    assert_eq!(&sb[1024 + 120..1024 + 135], b"cowork-sessions");
+    let incompat = u32::from_le_bytes(sb[1024 + 96..1024 + 100].try_into().unwrap());
+    assert_ne!(incompat & 0x40, 0, "ext4 extents");
+    // The second boot mounts it without formatting again.
+    let out = boot_agent(&p.qemu, &image, &disk, t.path(), "session disk mounted");
+    assert!(!out.contains("formatting the blank session disk"), "{out}");
+}
