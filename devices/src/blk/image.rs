@@ -7,6 +7,9 @@
 //! (`pread`/`pwrite`), synchronous and retried on `EINTR` and short
 //! transfers.
 //!
+//! Images are locked while open (`flock`: shared for read-only use,
+//! exclusive for writing), so two VMs cannot write one image at once.
+//!
 //! Limits: an image's size is read once when it is opened; a host process
 //! that truncates the file underneath makes later reads past the new end
 //! fail with an I/O error (reported to the guest as `VIRTIO_BLK_S_IOERR`)
@@ -46,6 +49,12 @@ pub enum ImageError {
         /// Its size in bytes.
         size: u64,
     },
+    /// Another disk (this process or another helper) has the image open in
+    /// a conflicting mode.
+    #[error(
+        "disk image {0} is in use by another VM (it is locked); stop that VM or use another image"
+    )]
+    Locked(PathBuf),
     /// The requested size of a new image is unusable.
     #[error("disk size {0} bytes is invalid; it must be a positive multiple of 512")]
     InvalidSize(u64),
@@ -119,7 +128,9 @@ impl RawImage {
     }
 }
 
-/// Opens an image file for a disk, refusing non-regular files.
+/// Opens an image file for a disk, refusing non-regular files, and locks
+/// it: shared for a read-only disk, exclusive for a writable one (`flock`,
+/// advisory: two VMs writing one image would corrupt it).
 pub(crate) fn open_image_file(path: &Path, read_only: bool) -> Result<File, ImageError> {
     let file = OpenOptions::new()
         .read(true)
@@ -137,7 +148,35 @@ pub(crate) fn open_image_file(path: &Path, read_only: bool) -> Result<File, Imag
     if !meta.is_file() {
         return Err(ImageError::NotAFile(path.to_path_buf()));
     }
+    lock_file(&file, !read_only, path)?;
     Ok(file)
+}
+
+/// `flock(LOCK_NB)` on an image: exclusive or shared. Released when the
+/// file is closed.
+pub(crate) fn lock_file(file: &File, exclusive: bool, path: &Path) -> Result<(), ImageError> {
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    } | libc::LOCK_NB;
+    loop {
+        // SAFETY: flock on an owned descriptor.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) => return Err(ImageError::Locked(path.to_path_buf())),
+            _ => {
+                return Err(ImageError::Open {
+                    path: path.to_path_buf(),
+                    source: e,
+                })
+            }
+        }
+    }
 }
 
 /// The usable size of an image file: its length rounded down to whole

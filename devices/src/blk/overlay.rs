@@ -49,6 +49,9 @@
 //! it touches and zeroes the range in the overlay (holes where the host
 //! filesystem can punch them).
 //!
+//! The base is locked shared and the overlay exclusive while open, so two
+//! VMs cannot share an overlay (each needs its own).
+//!
 //! Limits: the overlay never shrinks (chunks the guest discards stay
 //! allocated, as holes); the disk has the base's size; a base modified in
 //! place while a disk uses it, without changing its mtime, goes unnoticed.
@@ -62,7 +65,8 @@ use std::path::{Path, PathBuf};
 use tracing::{info, warn};
 
 use super::image::{
-    image_size, open_image_file, punch_hole, sync_parent_dir, zero_range, BlockBackend, ImageError,
+    image_size, lock_file, open_image_file, punch_hole, sync_parent_dir, zero_range, BlockBackend,
+    ImageError,
 };
 
 /// Magic at the start of an overlay file.
@@ -280,6 +284,20 @@ impl CowImage {
         };
         let id = BaseId::of(&base_file).map_err(io_err)?;
         let header = Header::new(disk_size, chunk_shift, id);
+        // Refuse to replace an overlay a running VM holds (it would keep
+        // writing to the unlinked file); the lock is held until the rename.
+        let _old = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(overlay)
+        {
+            Ok(f) => {
+                lock_file(&f, true, overlay)?;
+                Some(f)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(source) => return Err(io_err(source)),
+        };
         let mut tmp_name = overlay.as_os_str().to_owned();
         tmp_name.push(".tmp");
         let tmp = PathBuf::from(tmp_name);
@@ -302,6 +320,7 @@ impl CowImage {
             let _ = std::fs::remove_file(&tmp);
             return Err(io_err(source));
         }
+        drop(_old);
         info!(
             base = %base.display(),
             overlay = %overlay.display(),
@@ -332,6 +351,7 @@ impl CowImage {
         if !meta.is_file() {
             return Err(corrupt("not a regular file".into()));
         }
+        lock_file(&ov, true, overlay)?;
         let mut hb = vec![0u8; HEADER_SIZE as usize];
         if meta.len() < HEADER_SIZE {
             return Err(corrupt(format!(

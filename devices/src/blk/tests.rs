@@ -528,6 +528,23 @@ fn discard_and_write_zeroes_on_a_raw_image() {
 }
 
 #[test]
+fn images_are_locked_while_open() {
+    let t = tempfile::tempdir().unwrap();
+    let p = raw_file(t.path(), "l.img", DISK, 0);
+    let rw = RawImage::open(&p).unwrap();
+    assert!(matches!(RawImage::open(&p), Err(ImageError::Locked(_))));
+    assert!(matches!(
+        RawImage::open_read_only(&p),
+        Err(ImageError::Locked(_))
+    ));
+    drop(rw);
+    let ro1 = RawImage::open_read_only(&p).unwrap();
+    let _ro2 = RawImage::open_read_only(&p).unwrap();
+    assert!(matches!(RawImage::open(&p), Err(ImageError::Locked(_))));
+    drop(ro1);
+}
+
+#[test]
 fn config_space_describes_the_disk() {
     let t = tempfile::tempdir().unwrap();
     let (rig, _p) = raw_rig(t.path());
@@ -652,23 +669,22 @@ fn overlay_flush_persists_and_reopen_preserves_data() {
     let mut rig = Rig::new(Box::new(CowImage::open(&base, &ov).unwrap()));
     let data = pattern(7, 8192);
     assert_eq!(rig.write(300, &data), OK);
-    // Before the flush a second opener of the overlay sees no chunk yet.
-    {
-        let mut other = CowImage::open(&base, &ov).unwrap();
-        assert_eq!(other.allocated_chunks(), 0);
-        let mut b = vec![0u8; 8192];
-        other.read_at(&mut b, 300 * 512).unwrap();
-        assert_eq!(b, vec![0x11; 8192]);
-        drop(other);
-    }
+    // Sector 300 is in chunk 2 (64 KiB chunks); a 4 MiB disk has an 8-byte
+    // bitmap at 4096 and its data area at 64 KiB.
+    let bitmap_byte = |p: &Path| file_bytes(p, 4096, 1)[0];
+    assert_eq!(bitmap_byte(&ov), 0, "bitmap not persisted before FLUSH");
     assert_eq!(rig.simple(VIRTIO_BLK_T_FLUSH), OK);
-    // After it, the bitmap and data are on disk.
-    let mut other = CowImage::open(&base, &ov).unwrap();
-    assert_eq!(other.allocated_chunks(), 1);
-    let mut b = vec![0u8; 8192];
-    other.read_at(&mut b, 300 * 512).unwrap();
-    assert_eq!(b, data);
-    drop(other);
+    assert_eq!(bitmap_byte(&ov), 1 << 2, "bitmap persisted by FLUSH");
+    assert_eq!(file_bytes(&ov, 65536 + 300 * 512, 8192), data);
+    // While the disk is open, nobody else may open the overlay.
+    assert!(matches!(
+        CowImage::open(&base, &ov),
+        Err(OverlayError::Base(ImageError::Locked(_)))
+    ));
+    assert!(matches!(
+        CowImage::create(&base, &ov, DEFAULT_CHUNK_SHIFT),
+        Err(OverlayError::Base(ImageError::Locked(_)))
+    ));
     drop(rig);
     // Reopened from scratch: same view, base still pristine.
     let mut rig = Rig::new(Box::new(CowImage::open(&base, &ov).unwrap()));

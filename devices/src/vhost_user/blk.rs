@@ -11,8 +11,9 @@
 //!
 //! QEMU reads capacity, limits and the like through the config space
 //! (`VHOST_USER_PROTOCOL_F_CONFIG`) and passes every request, GET_ID
-//! included, to this backend. The backend flushes the disk when the
-//! frontend disconnects (the model's backend also flushes when dropped).
+//! included, to this backend. The disk is flushed (fdatasync, and the
+//! overlay's bitmap for a copy-on-write image) when the frontend resets the
+//! device or disconnects.
 //!
 //! Limits: those of [`super::single_queue`] (one frontend per server, one
 //! worker thread) and of [`crate::blk`] (one request queue: start QEMU with
@@ -61,9 +62,9 @@ impl QueueModel for BlkModel {
         self.process_queue(mem, q).map_err(|e| e.to_string())
     }
 
-    fn reset(&mut self) {
+    fn quiesce(&mut self) {
         if let Err(e) = self.flush() {
-            warn!("vhost-user-blk: flush at reset failed: {e}");
+            warn!("vhost-user-blk: flush at reset or disconnect failed: {e}");
         }
     }
 }

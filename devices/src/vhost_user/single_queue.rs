@@ -43,8 +43,9 @@ pub(crate) trait QueueModel: Send + Sync + 'static {
     /// Serves every available chain; returns whether the driver needs a
     /// notification. An error means the ring is unusable.
     fn process(&mut self, mem: &GuestMemoryMmap<()>, q: &mut Queue) -> Result<bool, String>;
-    /// The frontend reset the device.
-    fn reset(&mut self) {}
+    /// The frontend reset the device or disconnected: make completed work
+    /// durable.
+    fn quiesce(&mut self) {}
 }
 
 /// Errors of binding and serving a vhost-user socket.
@@ -121,7 +122,7 @@ impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
 
     fn reset_device(&mut self) {
         info!("vhost-user-{}: device reset", T::NAME);
-        self.model.reset();
+        self.model.quiesce();
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
@@ -191,6 +192,7 @@ impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
 pub(crate) struct SingleQueueServer<T: QueueModel> {
     socket: PathBuf,
     listener: Listener,
+    backend: Arc<Mutex<SingleQueueBackend<T>>>,
     daemon: VhostUserDaemon<Arc<Mutex<SingleQueueBackend<T>>>>,
 }
 
@@ -200,7 +202,7 @@ impl<T: QueueModel> SingleQueueServer<T> {
     pub(crate) fn bind(socket: &Path, model: T) -> Result<Self, VhostUserServeError> {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let backend = Arc::new(Mutex::new(SingleQueueBackend::new(model, mem.clone())?));
-        let daemon = VhostUserDaemon::new(format!("vhost-user-{}", T::NAME), backend, mem)
+        let daemon = VhostUserDaemon::new(format!("vhost-user-{}", T::NAME), backend.clone(), mem)
             .map_err(|e| VhostUserServeError::Daemon {
                 name: T::NAME,
                 reason: e.to_string(),
@@ -213,6 +215,7 @@ impl<T: QueueModel> SingleQueueServer<T> {
         Ok(Self {
             socket: socket.to_path_buf(),
             listener,
+            backend,
             daemon,
         })
     }
@@ -235,6 +238,10 @@ impl<T: QueueModel> SingleQueueServer<T> {
             h.send_exit_event();
         }
         info!(socket = %self.socket.display(), "vhost-user-{}: frontend disconnected", T::NAME);
+        match self.backend.lock() {
+            Ok(mut b) => b.model.quiesce(),
+            Err(p) => p.into_inner().model.quiesce(),
+        }
         match res {
             Ok(()) => Ok(()),
             Err(vhost_user_backend::Error::HandleRequest(
