@@ -440,7 +440,9 @@ fn credit_update_sent_when_host_consumes_guest_data() {
     for c in data.chunks(50 * 1024) {
         rig.tx.tx(&rw(5000, 1234, c.len()), c);
     }
-    let reader = std::thread::spawn(move || read_exact(&mut s, 200 * 1024));
+    // The reader hands the stream back so that it stays open: closing it
+    // would make the device send SHUTDOWN, which this test does not expect.
+    let reader = std::thread::spawn(move || (read_exact(&mut s, 200 * 1024), s));
     let mut fwd = 0;
     let deadline = Instant::now() + Duration::from_secs(5);
     while fwd < 200 * 1024 && Instant::now() < deadline {
@@ -450,7 +452,8 @@ fn credit_update_sent_when_host_consumes_guest_data() {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert_eq!(reader.join().unwrap(), data);
+    let (got, _stream) = reader.join().unwrap();
+    assert_eq!(got, data);
     assert_eq!(fwd, 200 * 1024, "the guest learns every byte was forwarded");
 }
 
