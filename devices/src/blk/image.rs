@@ -209,6 +209,7 @@ impl BlockBackend for RawImage {
     }
 
     fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        check_bounds(self.size, offset, buf.len() as u64)?;
         self.file.read_exact_at(buf, offset)
     }
 
@@ -216,6 +217,7 @@ impl BlockBackend for RawImage {
         if self.read_only {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
+        check_bounds(self.size, offset, buf.len() as u64)?;
         self.file.write_all_at(buf, offset)
     }
 
@@ -230,6 +232,7 @@ impl BlockBackend for RawImage {
         if self.read_only {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
+        check_bounds(self.size, offset, len)?;
         match punch_hole(&self.file, offset, len) {
             Ok(()) => Ok(()),
             // Discard is a hint: a filesystem without hole punching keeps
@@ -246,7 +249,21 @@ impl BlockBackend for RawImage {
         if self.read_only {
             return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
+        check_bounds(self.size, offset, len)?;
         zero_range(&self.file, offset, len)
+    }
+}
+
+/// Fails with `InvalidInput` unless `[offset, offset + len)` lies inside a
+/// disk of `size` bytes (the request layer checks first; this keeps direct
+/// callers of [`BlockBackend`] from growing or misreading an image).
+pub(crate) fn check_bounds(size: u64, offset: u64, len: u64) -> io::Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("range {offset}+{len} outside the {size}-byte disk"),
+        )),
     }
 }
 

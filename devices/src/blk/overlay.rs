@@ -65,8 +65,8 @@ use std::path::{Path, PathBuf};
 use tracing::{info, warn};
 
 use super::image::{
-    image_size, lock_file, open_image_file, punch_hole, sync_parent_dir, zero_range, BlockBackend,
-    ImageError,
+    check_bounds, image_size, lock_file, open_image_file, punch_hole, sync_parent_dir, zero_range,
+    BlockBackend, ImageError,
 };
 
 /// Magic at the start of an overlay file.
@@ -365,7 +365,8 @@ impl CowImage {
             path: base.to_path_buf(),
             source,
         })?;
-        if id != header.base {
+        let base_size = image_size(&base_file, base)?;
+        if id != header.base || base_size != header.disk_size {
             return Err(OverlayError::BaseChanged {
                 base: base.to_path_buf(),
                 overlay: overlay.to_path_buf(),
@@ -513,6 +514,7 @@ impl BlockBackend for CowImage {
     }
 
     fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        check_bounds(self.header.disk_size, offset, buf.len() as u64)?;
         let mut done = 0usize;
         for (off, len, alloc) in self.runs(offset, buf.len() as u64) {
             let part = &mut buf[done..done + len as usize];
@@ -528,6 +530,7 @@ impl BlockBackend for CowImage {
     }
 
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        check_bounds(self.header.disk_size, offset, buf.len() as u64)?;
         let mut done = 0usize;
         for (off, len, alloc) in self.runs(offset, buf.len() as u64) {
             let part = &buf[done..done + len as usize];
@@ -567,6 +570,7 @@ impl BlockBackend for CowImage {
     }
 
     fn discard(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        check_bounds(self.header.disk_size, offset, len)?;
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -586,6 +590,7 @@ impl BlockBackend for CowImage {
     }
 
     fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        check_bounds(self.header.disk_size, offset, len)?;
         let end = offset + len;
         let mut pos = offset;
         while pos < end {

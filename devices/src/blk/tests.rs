@@ -538,6 +538,13 @@ fn images_are_locked_while_open() {
         Err(ImageError::Locked(_))
     ));
     drop(rw);
+    // Direct callers cannot reach past the end either.
+    let mut img = RawImage::open(&p).unwrap();
+    assert!(img.write_at(&[1u8; 512], DISK).is_err());
+    assert!(img.read_at(&mut [0u8; 512], u64::MAX - 10).is_err());
+    assert!(img.write_zeroes(DISK - 512, 1024).is_err());
+    assert_eq!(fs::metadata(&p).unwrap().len(), DISK);
+    drop(img);
     let ro1 = RawImage::open_read_only(&p).unwrap();
     let _ro2 = RawImage::open_read_only(&p).unwrap();
     assert!(matches!(RawImage::open(&p), Err(ImageError::Locked(_))));
@@ -715,7 +722,12 @@ fn overlay_refuses_a_changed_base_and_garbage() {
     assert_eq!(img.allocated_chunks(), 0);
     img.write_at(&[9u8; 512], 0).unwrap();
     drop(img);
-    assert!(CowImage::open(&base, &ov).unwrap().is_allocated(0));
+    let mut img = CowImage::open(&base, &ov).unwrap();
+    assert!(img.is_allocated(0));
+    assert!(img.write_at(&[1u8; 512], DISK).is_err());
+    assert!(img.read_at(&mut [0u8; 512], u64::MAX - 10).is_err());
+    assert!(img.discard(DISK, 512).is_err());
+    drop(img);
     // Garbage headers.
     let bad = t.path().join("bad");
     fs::write(&bad, vec![0u8; 8192]).unwrap();
