@@ -500,8 +500,17 @@ impl Vm {
                 .collect()
         };
         for id in orphans {
+            // The agent could not report these processes' ends: they died
+            // with the machine. Say so, then close them with an exit.
             self.flush_output(&id).await;
             lock(&self.procs).mark_exited(&id, None);
+            self.hub
+                .publish(&event::error(
+                    &id,
+                    "the VM stopped unexpectedly; the process was killed with it",
+                    true,
+                ))
+                .await;
             self.hub
                 .publish(&event::exit(&id, None, Some("SIGKILL"), None))
                 .await;

@@ -564,3 +564,62 @@ async fn install_sdk_before_start_is_applied_when_the_guest_connects() {
     .await;
     pipe.call("stopVM", Value::Null).await.unwrap();
 }
+
+/// The machine dying under a running process: the client gets a fatal
+/// `error` event and then the process's `exit`, the guest reads as
+/// disconnected, and the next `startVM` boots a fresh machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn machine_death_reports_fatal_error_then_exit_and_recovers() {
+    let d = Daemon::start();
+    let p = Profile::new(&d, &uid("death"));
+    let pipe = p.pipe(&d).await;
+    start_vm(&d, &pipe, json!({})).await;
+    let mut sub = p.subscribe(&d).await;
+    let id = uid("victim");
+    pipe.call(
+        "spawn",
+        json!({"id": id, "name": "victim", "command": "/bin/sleep", "args": ["100"], "isResume": false}),
+    )
+    .await
+    .expect("spawn");
+
+    // Kill this daemon's sandbox init from outside, as a crash would.
+    let inits: Vec<u32> = pids_with_arg("__sandbox-init")
+        .into_iter()
+        .filter(|pid| parent_of(*pid) == Some(d.pid()))
+        .collect();
+    assert_eq!(inits.len(), 1, "one sandbox for this daemon: {inits:?}");
+    unsafe { libc::kill(inits[0] as i32, libc::SIGKILL) };
+
+    let err = sub
+        .next_matching(T, |e| e["type"] == json!("error") && e["id"] == json!(id))
+        .await
+        .expect("fatal error event for the running process");
+    assert_eq!(err["fatal"], json!(true), "{err}");
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{err}"
+    );
+    let out = sub
+        .collect_process(&id, T)
+        .await
+        .expect("exit after the error");
+    assert_eq!(out.signal(), Some("SIGKILL"), "{}", out.exit);
+    wait_guest(&pipe, false).await;
+    let status = pipe
+        .call("isProcessRunning", json!({"id": id}))
+        .await
+        .unwrap();
+    assert_eq!(status["running"], json!(false));
+
+    start_vm(&d, &pipe, json!({})).await;
+    wait_guest(&pipe, true).await;
+    run_ok(&pipe, &mut sub, &uid("after"), "victim", "echo back").await;
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name: state, ppid, ...
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
