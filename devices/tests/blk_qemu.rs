@@ -42,6 +42,9 @@ const ROOTFS_SERIAL: &str = "cowork-rootfs";
 const SESSION_SIZE: u64 = 256 << 20;
 /// Longest a boot may take.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+/// One VM at a time: QEMU TCG is CPU heavy and the machine is shared.
+static ONE_VM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Text the base image carries.
 const BASE_TEXT: &str = "hello-from-the-base-image";
 
@@ -270,6 +273,7 @@ fn host_cmd(cmd: &str, args: &[&str]) -> (bool, String) {
 
 #[test]
 fn guest_formats_writes_and_reads_back_disks_over_vhost_user() {
+    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
     let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
     let p = match prereqs() {
         Ok(p) => p,
@@ -466,6 +470,7 @@ fn boot_agent(
 
 #[test]
 fn agent_formats_the_blank_session_disk_and_mounts_it() {
+    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
     let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
     let found = prereqs().and_then(|p| guest_image().map(|i| (p, i)));
     let (p, image) = match found {
