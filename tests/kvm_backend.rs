@@ -1,0 +1,514 @@
+//! End-to-end test of `--backend kvm`: the helper binary boots the guest
+//! image under its in-process VMM, the agent (PID 1 of the Linux guest)
+//! dials the helper over our in-process virtio-vsock device on
+//! virtio-mmio, and the usual protocol drives it: configure, subscribe,
+//! startVM (hello, startup steps, `isGuestConnected`), spawn
+//! `/bin/echo hello-from-kvm` (stdout and exit 0), stopVM (the guest powers
+//! off; no VM thread, vCPU thread, device worker or KVM fd is left in the
+//! helper), and the helper exits cleanly on SIGTERM. It prints startVM →
+//! hello time and the helper's RSS with the VM running.
+//!
+//! Where it runs:
+//! - directly, on hosts whose `/dev/kvm` can boot Linux (vmx/svm, not PVM);
+//! - otherwise inside the nested-KVM harness (`scripts/nested-run.sh`, a
+//!   QEMU TCG L1 guest with emulated SVM sharing this host's `/`): this test
+//!   binary re-runs itself there, in direct mode, and checks the result.
+//!   Everything then runs at TCG speed: the numbers it prints are nested
+//!   numbers, not what hardware KVM gives.
+//!
+//! Gating: runs when the guest image (`scripts/mkguestimage.sh`) exists and,
+//! in nested mode, the harness prerequisites are there; otherwise it prints
+//! a loud skip. With `COWORK_NESTED_TESTS=1` a missing image is built with
+//! `scripts/mkguestimage.sh` and anything else missing fails the test.
+//! `COWORK_NESTED_MODE=direct|nested` forces the mode.
+
+#[path = "support/nested.rs"]
+mod nested;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cowork_helper::backend::qemu::{self, GuestImage};
+use cowork_helper::client::{Pipe, Subscription};
+use serde_json::{json, Value};
+
+/// Name of the test (also what the nested re-run selects).
+const TEST: &str = "kvm_backend_end_to_end";
+/// Set (to 1) on the re-run inside the nested harness: run the body directly.
+const INSIDE_ENV: &str = "COWORK_KVM_BACKEND_INSIDE";
+/// Profile used by the test.
+const PROFILE: &str = "kvm-e2e";
+/// Marker line the body prints when every check passed.
+const OK_MARKER: &str = "kvm_backend: ok";
+/// Prefix of the measurement lines the body prints.
+const REPORT_PREFIX: &str = "kvm_backend: ";
+/// Guest memory asked of startVM.
+const MEMORY_GB: f64 = 1.0;
+/// vCPUs asked of startVM.
+const CPUS: u32 = 2;
+/// Limit for startVM (the helper's own hello timeout is 60 s; a nested boot
+/// takes ~15-30 s at TCG speed).
+const START_LIMIT: Duration = Duration::from_secs(90);
+/// Limit for one case's events (nested: every process start runs at TCG speed).
+const T: Duration = Duration::from_secs(60);
+/// Limit for the body inside the L1 guest.
+const INNER_TIMEOUT: Duration = Duration::from_secs(240);
+/// Limit for the whole harness run (L1 boot, ~4 s, included).
+const HARNESS_TIMEOUT: Duration = Duration::from_secs(300);
+/// Nested attempts: QEMU TCG's SVM emulation now and then crashes a guest
+/// that boots fine otherwise (see tests/nested_boot.rs).
+const NESTED_ATTEMPTS: u32 = 2;
+/// Thread names of a running in-process VM in the helper.
+const VM_THREADS: [&str; 5] = [
+    "cowork-kvm-vm",
+    "vcpu",
+    "virtio-vsock",
+    "virtio-fs",
+    "virtio-rng",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Direct,
+    Nested,
+}
+
+fn helper_exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
+}
+
+/// The guest image the helper binary will use, or why there is none.
+fn image_for_helper() -> Result<GuestImage, String> {
+    if let Some(dir) = std::env::var_os(qemu::IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return GuestImage::at(Path::new(&dir));
+    }
+    let exe_dir = helper_exe()
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or("the helper binary has no directory")?;
+    let mut why = Vec::new();
+    for dir in [exe_dir.join("guest-image"), exe_dir.join("../guest-image")] {
+        match GuestImage::at(&dir) {
+            Ok(img) => return Ok(img),
+            Err(e) => why.push(e),
+        }
+    }
+    Err(why.join("; "))
+}
+
+/// Builds the guest image with `scripts/mkguestimage.sh` (its default
+/// output is where [`image_for_helper`] looks).
+fn build_image() -> Result<GuestImage, String> {
+    let out = Command::new(nested::script("mkguestimage.sh"))
+        .arg("--quiet")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run mkguestimage.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "scripts/mkguestimage.sh failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    image_for_helper()
+}
+
+/// How to run, or `None` after a loud skip. Panics when the test is
+/// required and something is missing.
+fn plan() -> Option<Mode> {
+    let required = nested::nested_tests_required();
+    let unavailable = |reason: String| -> Option<Mode> {
+        assert!(
+            !required,
+            "COWORK_NESTED_TESTS=1 but {TEST} cannot run: {reason}"
+        );
+        nested::loud_skip(TEST, &reason);
+        None
+    };
+    let mode = match std::env::var("COWORK_NESTED_MODE").as_deref() {
+        Ok("direct") => Mode::Direct,
+        Ok("nested") => Mode::Nested,
+        Ok("") | Err(_) => {
+            if nested::host_kvm_boots_linux().is_ok() {
+                Mode::Direct
+            } else {
+                Mode::Nested
+            }
+        }
+        Ok(other) => panic!("COWORK_NESTED_MODE must be 'direct' or 'nested', not '{other}'"),
+    };
+    if let Err(why) = image_for_helper() {
+        if !required {
+            return unavailable(format!(
+                "no guest image ({why}); build it with scripts/mkguestimage.sh"
+            ));
+        }
+        if let Err(e) = build_image() {
+            panic!("COWORK_NESTED_TESTS=1, there was no guest image ({why}) and building one failed: {e}");
+        }
+    }
+    if mode == Mode::Nested {
+        if let Err(missing) = nested::harness_check() {
+            return unavailable(format!("the nested-KVM harness is not usable: {missing}"));
+        }
+    }
+    Some(mode)
+}
+
+#[test]
+fn kvm_backend_end_to_end() {
+    if std::env::var(INSIDE_ENV).is_ok_and(|v| v == "1") {
+        body();
+        return;
+    }
+    match plan() {
+        None => {}
+        Some(Mode::Direct) => body(),
+        Some(Mode::Nested) => nested_run(),
+    }
+}
+
+/// Re-runs this test binary inside the nested harness (in direct mode) and
+/// checks that the body passed there; one retry for emulation faults.
+fn nested_run() {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let inner = format!(
+        "{INSIDE_ENV}=1 COWORK_NESTED_MODE=direct timeout -k 5 {} {} --exact {TEST} --nocapture --test-threads=1 2>&1",
+        INNER_TIMEOUT.as_secs(),
+        nested::shell_quote(&exe.to_string_lossy())
+    );
+    for attempt in 1..=NESTED_ATTEMPTS {
+        let started = Instant::now();
+        let out = nested::run_in_nested_kvm(&inner, HARNESS_TIMEOUT)
+            .unwrap_or_else(|e| panic!("the nested-KVM harness failed: {e}"));
+        let passed = out.exit_code == 0
+            && out.stdout.lines().any(|l| l.trim() == OK_MARKER)
+            && out.stdout.contains("test result: ok. 1 passed");
+        if passed {
+            // The inner output shares L1's serial console with the helper's
+            // children; a report line may follow other text on its line.
+            for l in out.stdout.lines().filter(|l| l.trim() != OK_MARKER) {
+                if let Some(i) = l.find(REPORT_PREFIX) {
+                    eprintln!("{} (nested, TCG speed)", &l[i..]);
+                }
+            }
+            eprintln!(
+                "{TEST}: ok in the nested harness, {:.1} s wall; harness: {}",
+                started.elapsed().as_secs_f64(),
+                out.harness_log.trim()
+            );
+            return;
+        }
+        let report = format!(
+            "{TEST}: the run inside the nested harness failed (exit {}{})\n--- output ---\n{}\n--- harness ---\n{}",
+            out.exit_code,
+            if out.exit_code == 124 { ", timed out" } else { "" },
+            out.stdout,
+            out.harness_log
+        );
+        if attempt == NESTED_ATTEMPTS {
+            panic!("{report}");
+        }
+        nested::loud_notice(&format!(
+            "{report}\n{TEST}: attempt {attempt}/{NESTED_ATTEMPTS} failed; trying again \
+             (nested boots are subject to QEMU TCG SVM emulation faults)"
+        ));
+    }
+}
+
+/// The helper process; killed (and its log printed when failing) on drop.
+struct Helper {
+    child: Option<Child>,
+    socket: PathBuf,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Helper {
+    fn start() -> Helper {
+        // Inside the harness / is the host's over virtiofs; keep the socket
+        // and state on the L1 guest's own tmpfs.
+        let base = if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("cowork-kvm-e2e-")
+            .tempdir_in(base)
+            .expect("tempdir");
+        let socket = dir.path().join("helper.sock");
+        let log = dir.path().join("helper.log");
+        let out = File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = Command::new(helper_exe())
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--backend", "kvm", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .env_remove("COWORK_BACKEND")
+            .env("COWORK_LOG", "info,cowork_helper=debug")
+            .env("XDG_RUNTIME_DIR", dir.path().join("run"))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("start cowork-helper");
+        let h = Helper {
+            child: Some(child),
+            socket,
+            log,
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "helper did not listen: {}",
+                h.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        h
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then the exit status (bounded).
+    fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(st)) = child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
+        }
+    }
+}
+
+/// Names of the threads of `pid`.
+fn thread_names(pid: u32) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
+/// Threads of `pid` that belong to a running VM.
+fn vm_threads(pid: u32) -> Vec<String> {
+    thread_names(pid)
+        .into_iter()
+        .filter(|n| VM_THREADS.iter().any(|p| n.starts_with(p)))
+        .collect()
+}
+
+/// Open fds of `pid` on `/dev/kvm` or KVM's anonymous inodes (VM, vCPUs).
+fn kvm_fds(pid: u32) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|t| t.to_string_lossy().into_owned())
+        .filter(|t| t == "/dev/kvm" || t.starts_with("anon_inode:kvm"))
+        .collect()
+}
+
+/// Resident KiB of the mappings of `pid` at least `min_kib` large (the
+/// guest's RAM: nothing else in the helper maps that much).
+fn large_mappings_rss_kib(pid: u32, min_kib: u64) -> Option<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let kib = |l: &str, key: &str| -> Option<u64> {
+        l.strip_prefix(key)?.split_whitespace().next()?.parse().ok()
+    };
+    let mut total = 0;
+    let mut size = 0;
+    for l in smaps.lines() {
+        if let Some(s) = kib(l, "Size:") {
+            size = s;
+        } else if let Some(r) = kib(l, "Rss:") {
+            if size >= min_kib {
+                total += r;
+            }
+        }
+    }
+    Some(total)
+}
+
+/// `field` (e.g. `VmRSS`) of `/proc/<pid>/status`, in KiB.
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+fn body() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(body_async());
+}
+
+async fn body_async() {
+    let mut helper = Helper::start();
+    let pid = helper.pid();
+    let root = "/tmp/kvm-e2e-profile";
+    let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
+        .await
+        .expect("connect");
+    pipe.call(
+        "configure",
+        json!({"userDataName": PROFILE, "userDataRoot": root, "sessionOnly": true}),
+    )
+    .await
+    .expect("configure");
+    let mut sub = Subscription::connect(&helper.socket, PROFILE, root)
+        .await
+        .expect("subscribe");
+    let rss_idle = status_kib(pid, "VmRSS");
+    assert!(vm_threads(pid).is_empty(), "VM threads before startVM");
+
+    // Boot: startVM returns once the agent said hello over vsock.
+    let t0 = Instant::now();
+    pipe.call("startVM", json!({"memoryGB": MEMORY_GB, "cpuCount": CPUS}))
+        .await
+        .unwrap_or_else(|e| panic!("startVM: {e}\n{}", helper.log_text()));
+    let boot = t0.elapsed();
+    for step in ["vm_boot", "guest_vsock_connect"] {
+        let ev = sub
+            .next_matching(T, |v: &Value| {
+                v["type"] == "startupStep" && v["step"] == step && v["status"] == "completed"
+            })
+            .await
+            .unwrap_or_else(|e| panic!("no completed {step}: {e}"));
+        assert_eq!(ev["status"], "completed");
+    }
+    assert_eq!(
+        pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"],
+        json!(true)
+    );
+    let log = helper.log_text();
+    assert!(
+        log.contains("guest agent connected") && log.contains("backend=\"kvm\""),
+        "the helper log lacks the agent's hello: {log}"
+    );
+    assert!(
+        log.contains("kvm vm started"),
+        "the in-process VM did not start: {log}"
+    );
+    assert!(
+        log.contains("agent starting as the VM's init"),
+        "the guest console (agent as PID 1) is not in the helper log: {log}"
+    );
+    let running = vm_threads(pid);
+    assert!(
+        running.iter().any(|n| n == "cowork-kvm-vm") && running.iter().any(|n| n == "vcpu0"),
+        "the VM's threads are not in the helper: {running:?}"
+    );
+    let rss_running = status_kib(pid, "VmRSS");
+    let guest_ram_rss = large_mappings_rss_kib(pid, (MEMORY_GB * 1024.0 * 1024.0) as u64 / 2);
+
+    // A process in the guest: its stdout and exit code come back.
+    let t_spawn = Instant::now();
+    pipe.call(
+        "spawn",
+        json!({"id": "echo-1", "name": "s1", "command": "/bin/echo",
+               "args": ["hello-from-kvm"], "isResume": false}),
+    )
+    .await
+    .expect("spawn");
+    let out = sub
+        .collect_process("echo-1", T)
+        .await
+        .expect("echo's events");
+    let spawn_time = t_spawn.elapsed();
+    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    assert_eq!(out.stdout_str(), "hello-from-kvm\n");
+    assert_eq!(out.stderr_str(), "");
+
+    // stopVM: the guest powers off and the VM is gone from the helper.
+    let t_stop = Instant::now();
+    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    let stop_time = t_stop.elapsed();
+    assert_eq!(
+        pipe.call("isRunning", json!({})).await.unwrap()["running"],
+        json!(false)
+    );
+    assert_eq!(
+        pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"],
+        json!(false)
+    );
+    let log = helper.log_text();
+    assert!(
+        log.contains("kvm vm stopped") && log.contains("the guest powered the VM off"),
+        "the guest did not power off cleanly: {log}"
+    );
+    assert!(
+        !log.contains("did not power off in time"),
+        "the VM had to be stopped by the host: {log}"
+    );
+    let left = vm_threads(pid);
+    assert!(left.is_empty(), "VM threads left after stopVM: {left:?}");
+    let fds = kvm_fds(pid);
+    assert!(fds.is_empty(), "KVM fds left after stopVM: {fds:?}");
+    let rss_stopped = status_kib(pid, "VmRSS");
+    let hwm = status_kib(pid, "VmHWM");
+
+    drop(sub);
+    drop(pipe);
+    let st = helper.stop().expect("helper exit status");
+    assert!(st.success(), "helper exit: {st:?}\n{}", helper.log_text());
+
+    let boot_line = helper
+        .log_text()
+        .lines()
+        .find(|l| l.contains("guest agent connected"))
+        .map(str::to_string)
+        .unwrap_or_default();
+    let kib = |v: Option<u64>| v.map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0));
+    println!("{REPORT_PREFIX}startVM -> agent hello {boot:?} ({CPUS} vCPUs, {MEMORY_GB} GiB)");
+    println!("{REPORT_PREFIX}hello: {}", boot_line.trim());
+    println!("{REPORT_PREFIX}spawn echo -> exit event {spawn_time:?}; stopVM {stop_time:?}");
+    println!(
+        "{REPORT_PREFIX}helper RSS: idle {}, VM running {} (of which guest RAM {}), after stopVM {}, peak {}",
+        kib(rss_idle),
+        kib(rss_running),
+        kib(guest_ram_rss),
+        kib(rss_stopped),
+        kib(hwm)
+    );
+    println!("{OK_MARKER}");
+}
