@@ -576,10 +576,10 @@ impl Vm {
     }
 
     /// Routes one unsolicited agent message.
-    async fn on_agent_message(&self, msg: AgentMessage, payload: Vec<u8>) {
+    async fn on_agent_message(&self, msg: AgentMessage, payload: &[u8]) {
         match msg {
-            AgentMessage::Stdout { id } => self.on_output(true, id, &payload).await,
-            AgentMessage::Stderr { id } => self.on_output(false, id, &payload).await,
+            AgentMessage::Stdout { id } => self.on_output(true, id, payload).await,
+            AgentMessage::Stderr { id } => self.on_output(false, id, payload).await,
             AgentMessage::Exit {
                 id,
                 exit_code,
@@ -1063,15 +1063,16 @@ async fn link_reader(
                 break;
             }
         }
-        let body = std::mem::take(&mut buf);
-        let env = match proto::decode::<AgentMessage>(body) {
-            Ok(env) => env,
+        // The frame buffer is reused across frames; output is handled from
+        // a view of it, only answers copy their payload out.
+        let (header, payload) = match proto::decode_ref::<AgentMessage>(&buf) {
+            Ok(decoded) => decoded,
             Err(e) => {
                 tracing::warn!(error = %e, "malformed agent message ignored");
                 continue;
             }
         };
-        match env.header {
+        match header {
             AgentMessage::Response { id, error, result } => {
                 let tx = lock(&link.pending).remove(&id);
                 if let Some(tx) = tx {
@@ -1081,13 +1082,13 @@ async fn link_reader(
                     };
                     let _ = tx.send(Reply {
                         result,
-                        payload: env.payload,
+                        payload: payload.to_vec(),
                     });
                 }
             }
             other => {
                 let Some(vm) = vm.upgrade() else { break };
-                vm.on_agent_message(other, env.payload).await;
+                vm.on_agent_message(other, payload).await;
             }
         }
     }

@@ -115,6 +115,20 @@ pub fn decode<T: for<'de> Deserialize<'de>>(mut body: Vec<u8>) -> Result<Envelop
     Ok(Envelope { header, payload })
 }
 
+/// Decodes a frame body without copying the payload: returns the header and
+/// a view of the bytes that follow it (the hot path of process output).
+pub fn decode_ref<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<(T, &[u8]), ProtoError> {
+    if body.len() < 4 {
+        return Err(ProtoError::Short);
+    }
+    let hlen = u32::from_be_bytes([body[0], body[1], body[2], body[3]]) as usize;
+    if hlen > body.len() - 4 {
+        return Err(ProtoError::HeaderLength(hlen));
+    }
+    let header = serde_json::from_slice(&body[4..4 + hlen])?;
+    Ok((header, &body[4 + hlen..]))
+}
+
 /// A string that never appears in logs or `Debug` output (OAuth tokens).
 #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -363,6 +377,18 @@ mod tests {
         let env: Envelope<AgentMessage> = decode(encode(&msg, &payload)).unwrap();
         assert_eq!(env.header, msg);
         assert_eq!(env.payload, payload);
+    }
+
+    #[test]
+    fn decode_ref_borrows_the_payload() {
+        let body = encode(&AgentMessage::Stderr { id: "e".into() }, b"abc");
+        let (h, p): (AgentMessage, &[u8]) = decode_ref(&body).unwrap();
+        assert_eq!(h, AgentMessage::Stderr { id: "e".into() });
+        assert_eq!(p, b"abc");
+        assert!(matches!(
+            decode_ref::<AgentMessage>(&[0, 0, 0, 9, b'{']),
+            Err(ProtoError::HeaderLength(9))
+        ));
     }
 
     #[test]
