@@ -20,7 +20,9 @@
 //! in nested mode, the harness prerequisites are there; otherwise it prints
 //! a loud skip. With `COWORK_NESTED_TESTS=1` a missing image is built with
 //! `scripts/mkguestimage.sh` and anything else missing fails the test.
-//! `COWORK_NESTED_MODE=direct|nested` forces the mode.
+//! `COWORK_NESTED_MODE=direct|nested` forces the mode;
+//! `COWORK_KVM_E2E_VERBOSE=1` prints the helper's log (guest console included);
+//! `COWORK_KVM_E2E_HELPER=PATH` tests another helper binary (a release build).
 
 #[path = "support/nested.rs"]
 mod nested;
@@ -40,6 +42,8 @@ const TEST: &str = "kvm_backend_end_to_end";
 const INSIDE_ENV: &str = "COWORK_KVM_BACKEND_INSIDE";
 /// Profile used by the test.
 const PROFILE: &str = "kvm-e2e";
+/// Environment variable that prints the helper's whole log at the end.
+const VERBOSE_ENV: &str = "COWORK_KVM_E2E_VERBOSE";
 /// Marker line the body prints when every check passed.
 const OK_MARKER: &str = "kvm_backend: ok";
 /// Prefix of the measurement lines the body prints.
@@ -75,8 +79,15 @@ enum Mode {
     Nested,
 }
 
+/// Environment variable naming another helper binary to test (e.g. a
+/// release build, for its RSS); default: the one cargo built for the test.
+const HELPER_ENV: &str = "COWORK_KVM_E2E_HELPER";
+
 fn helper_exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
+    std::env::var_os(HELPER_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper")))
 }
 
 /// The guest image the helper binary will use, or why there is none.
@@ -188,6 +199,9 @@ fn nested_run() {
             && out.stdout.lines().any(|l| l.trim() == OK_MARKER)
             && out.stdout.contains("test result: ok. 1 passed");
         if passed {
+            if std::env::var_os(VERBOSE_ENV).is_some() {
+                eprintln!("---- inner run ----\n{}---- end ----", out.stdout);
+            }
             // The inner output shares L1's serial console with the helper's
             // children; a report line may follow other text on its line.
             for l in out.stdout.lines().filter(|l| l.trim() != OK_MARKER) {
@@ -224,7 +238,9 @@ struct Helper {
     child: Option<Child>,
     socket: PathBuf,
     log: PathBuf,
-    _dir: tempfile::TempDir,
+    /// Where this helper's files live.
+    dir: PathBuf,
+    _tmp: tempfile::TempDir,
 }
 
 impl Helper {
@@ -261,7 +277,8 @@ impl Helper {
             child: Some(child),
             socket,
             log,
-            _dir: dir,
+            dir: dir.path().to_path_buf(),
+            _tmp: dir,
         };
         let t0 = Instant::now();
         while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
@@ -401,6 +418,33 @@ async fn body_async() {
     let rss_idle = status_kib(pid, "VmRSS");
     assert!(vm_threads(pid).is_empty(), "VM threads before startVM");
 
+    // A bundle whose kernel is not one: startVM fails with the reason and
+    // leaves nothing running.
+    let bogus = tempfile::Builder::new()
+        .prefix("bogus-image-")
+        .tempdir_in(&helper.dir)
+        .expect("tempdir");
+    std::fs::write(bogus.path().join("vmlinuz"), b"not a kernel").unwrap();
+    std::fs::write(bogus.path().join("initramfs"), b"").unwrap();
+    std::fs::write(
+        bogus.path().join("image-info"),
+        format!("{}\n", qemu::IMAGE_FORMAT),
+    )
+    .unwrap();
+    let e = pipe
+        .call("startVM", json!({"bundlePath": bogus.path()}))
+        .await
+        .expect_err("startVM with a bogus kernel");
+    assert!(
+        e.to_string().contains("cannot build the VM from"),
+        "unexpected error: {e}"
+    );
+    assert!(
+        vm_threads(pid).is_empty(),
+        "VM threads after a failed build"
+    );
+    assert!(kvm_fds(pid).is_empty(), "KVM fds after a failed build");
+
     // Boot: startVM returns once the agent said hello over vsock.
     let t0 = Instant::now();
     pipe.call("startVM", json!({"memoryGB": MEMORY_GB, "cpuCount": CPUS}))
@@ -432,6 +476,10 @@ async fn body_async() {
     assert!(
         log.contains("agent starting as the VM's init"),
         "the guest console (agent as PID 1) is not in the helper log: {log}"
+    );
+    assert!(
+        log.contains("session share mounted"),
+        "the agent did not mount the in-process virtio-fs share: {log}"
     );
     let running = vm_threads(pid);
     assert!(
@@ -492,6 +540,9 @@ async fn body_async() {
     let st = helper.stop().expect("helper exit status");
     assert!(st.success(), "helper exit: {st:?}\n{}", helper.log_text());
 
+    if std::env::var_os(VERBOSE_ENV).is_some() {
+        println!("---- helper log ----\n{}---- end ----", helper.log_text());
+    }
     let boot_line = helper
         .log_text()
         .lines()
