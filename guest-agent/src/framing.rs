@@ -45,7 +45,10 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             if got == 0 {
                 return Ok(false);
             }
-            return Err(FrameError::Truncated { got, want: PREFIX_LEN });
+            return Err(FrameError::Truncated {
+                got,
+                want: PREFIX_LEN,
+            });
         }
         got += n;
     }
@@ -81,7 +84,10 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     max: usize,
 ) -> Result<(), FrameError> {
     if body.len() > max {
-        return Err(FrameError::TooLarge { len: body.len(), max });
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max,
+        });
     }
     w.write_all(&(body.len() as u32).to_be_bytes()).await?;
     w.write_all(body).await?;
@@ -111,7 +117,13 @@ mod tests {
         let wire = 1_000u32.to_be_bytes();
         let mut r = &wire[..];
         let err = read_frame(&mut r, 999, &mut Vec::new()).await.unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { len: 1000, max: 999 }));
+        assert!(matches!(
+            err,
+            FrameError::TooLarge {
+                len: 1000,
+                max: 999
+            }
+        ));
     }
 
     #[tokio::test]

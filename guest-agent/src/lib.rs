@@ -6,9 +6,9 @@
 //! in a VM, or a plain process inside the namespace sandbox; it dials the host
 //! and serves spawn/exec, files, mounts and the session-disk janitor.
 
+pub mod agent;
 pub mod framing;
+pub mod janitor;
 pub mod names;
 pub mod proto;
 pub mod signal;
-pub mod agent;
-pub mod janitor;

@@ -9,7 +9,11 @@ pub enum NameError {
     #[error("{what} must not be empty")]
     Empty { what: &'static str },
     #[error("{what} {name:?} is longer than {max} bytes")]
-    TooLong { what: &'static str, name: String, max: usize },
+    TooLong {
+        what: &'static str,
+        name: String,
+        max: usize,
+    },
     #[error("{what} {name:?} contains a forbidden character or path component (no '/', '..', '.', NUL or control characters)")]
     Forbidden { what: &'static str, name: String },
 }
@@ -25,11 +29,17 @@ fn check_component(what: &'static str, name: &str) -> Result<(), NameError> {
         return Err(NameError::Empty { what });
     }
     if name.len() > MAX_COMPONENT {
-        return Err(NameError::TooLong { what, name: name.to_string(), max: MAX_COMPONENT });
+        return Err(NameError::TooLong {
+            what,
+            name: name.to_string(),
+            max: MAX_COMPONENT,
+        });
     }
-    if name == "." || name == ".." || name.contains('/') || name.chars().any(|c| c.is_control())
-    {
-        return Err(NameError::Forbidden { what, name: name.to_string() });
+    if name == "." || name == ".." || name.contains('/') || name.chars().any(|c| c.is_control()) {
+        return Err(NameError::Forbidden {
+            what,
+            name: name.to_string(),
+        });
     }
     Ok(())
 }
@@ -52,11 +62,16 @@ pub fn mount_name(name: &str) -> Result<(), NameError> {
         });
     }
     if name.starts_with('/') || name.ends_with('/') {
-        return Err(NameError::Forbidden { what: "mount name", name: name.to_string() });
+        return Err(NameError::Forbidden {
+            what: "mount name",
+            name: name.to_string(),
+        });
     }
     for part in name.split('/') {
-        check_component("mount name", part)
-            .map_err(|_| NameError::Forbidden { what: "mount name", name: name.to_string() })?;
+        check_component("mount name", part).map_err(|_| NameError::Forbidden {
+            what: "mount name",
+            name: name.to_string(),
+        })?;
     }
     Ok(())
 }
@@ -67,21 +82,35 @@ pub fn host_relative_path(path: &str) -> Result<String, NameError> {
     let trimmed = path.trim_start_matches('/');
     if trimmed.is_empty() {
         // The whole host root is never shared.
-        return Err(NameError::Forbidden { what: "host path", name: path.to_string() });
+        return Err(NameError::Forbidden {
+            what: "host path",
+            name: path.to_string(),
+        });
     }
     let mut parts = Vec::new();
     for part in trimmed.split('/') {
         match part {
             "" | "." => continue,
-            ".." => return Err(NameError::Forbidden { what: "host path", name: path.to_string() }),
+            ".." => {
+                return Err(NameError::Forbidden {
+                    what: "host path",
+                    name: path.to_string(),
+                })
+            }
             p if p.contains('\0') => {
-                return Err(NameError::Forbidden { what: "host path", name: path.to_string() })
+                return Err(NameError::Forbidden {
+                    what: "host path",
+                    name: path.to_string(),
+                })
             }
             p => parts.push(p),
         }
     }
     if parts.is_empty() {
-        return Err(NameError::Forbidden { what: "host path", name: path.to_string() });
+        return Err(NameError::Forbidden {
+            what: "host path",
+            name: path.to_string(),
+        });
     }
     Ok(parts.join("/"))
 }
