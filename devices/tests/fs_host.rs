@@ -525,3 +525,43 @@ fn grants_appear_and_vanish_while_mounted() {
         .mode();
     assert_eq!(mode & 0o777, 0o555, "virtual directories are read-only");
 }
+
+/// The server negotiates HANDLE_KILLPRIV_V2, so the client kernel leaves it
+/// to the server to clear set-ID bits of pre-existing host files that a
+/// writer without CAP_FSETID writes or truncates, although the server (like
+/// a root helper) holds CAP_FSETID itself.
+#[test]
+fn writes_and_truncations_clear_set_id_bits_on_the_host() {
+    /// Runs the quoted script without CAP_FSETID (as root otherwise).
+    const NO_FSETID: &str = "setpriv --bounding-set=-fsetid sh -ec";
+    let env = Env::new();
+    for g in ["rw", "rwd"] {
+        let host = env.host(&format!("{g}/pre.txt"));
+        std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o6755)).unwrap();
+        ok(
+            &env.mnt(),
+            &format!("{NO_FSETID} 'echo more >> s/{g}/pre.txt'"),
+        );
+        let mode = std::fs::metadata(&host).unwrap().mode();
+        assert_eq!(mode & 0o6000, 0, "{g}: write kept set-ID bits: {mode:o}");
+        assert_eq!(
+            std::fs::read_to_string(&host).unwrap(),
+            format!("{g} pre-existing\nmore\n")
+        );
+        std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o4755)).unwrap();
+        ok(&env.mnt(), &format!("{NO_FSETID} ': > s/{g}/pre.txt'"));
+        let mode = std::fs::metadata(&host).unwrap().mode();
+        assert_eq!(
+            mode & 0o6000,
+            0,
+            "{g}: truncation kept set-ID bits: {mode:o}"
+        );
+        assert_eq!(std::fs::metadata(&host).unwrap().len(), 0);
+    }
+    // Without a write, the bits stay (reads are not modifications).
+    let host = env.host("rwd/dir/inner.txt");
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    ok(&env.mnt(), "cat s/rwd/dir/inner.txt >/dev/null");
+    assert_eq!(std::fs::metadata(&host).unwrap().mode() & 0o7777, 0o4755);
+    env.assert_outside_untouched();
+}

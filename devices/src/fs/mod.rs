@@ -44,7 +44,11 @@
 //!   deletion too;
 //! * in every mode: no device nodes, no set-user-ID / set-group-ID bits on
 //!   files the guest creates or chmods, and only `user.*` and POSIX ACL
-//!   extended attributes may be changed.
+//!   extended attributes may be changed; a write or truncation by a guest
+//!   process without `CAP_FSETID` clears the set-ID bits and file
+//!   capabilities of a pre-existing host file (FUSE `HANDLE_KILLPRIV_V2`:
+//!   the server does it, so the guest does not ask for
+//!   `security.capability` before every write).
 //!
 //! Limits: at most [`MAX_GRANTS`] grants at a time (the `Vfs` tags inodes
 //! with an 8-bit filesystem index). A grant cannot be nested inside another

@@ -202,7 +202,9 @@ impl GrantFs {
             writeback: false,
             no_open: false,
             no_opendir: false,
-            killpriv_v2: false,
+            // See `SessionFs::new`: writes and truncations kill privileges
+            // on the host side.
+            killpriv_v2: true,
             use_host_ino: false,
             ..Config::default()
         };

@@ -466,10 +466,12 @@ fn negotiated_options_keep_the_server_in_control() {
         FsOptions::WRITEBACK_CACHE,
         FsOptions::EXPORT_SUPPORT,
         FsOptions::PERFILE_DAX,
-        FsOptions::HANDLE_KILLPRIV_V2,
     ] {
         assert!(!opts.contains(refused), "{refused:?} negotiated");
     }
     assert!(opts.contains(FsOptions::DO_READDIRPLUS));
     assert!(opts.contains(FsOptions::MAX_PAGES));
+    // The server kills set-ID bits on write and truncation itself (tested
+    // over /dev/fuse in devices/tests/fs_host.rs).
+    assert!(opts.contains(FsOptions::HANDLE_KILLPRIV_V2));
 }
