@@ -3,7 +3,8 @@
 //! dials the helper over our in-process virtio-vsock device on
 //! virtio-mmio, and the usual protocol drives it: configure, subscribe,
 //! startVM (hello, startup steps, `isGuestConnected`), spawn
-//! `/bin/echo hello-from-kvm` (stdout and exit 0), stopVM (the guest powers
+//! `/bin/echo hello-from-kvm` (stdout and exit 0), an `ro` and an `rw` host
+//! folder through the in-process virtio-fs share, stopVM (the guest powers
 //! off; no VM thread, vCPU thread, device worker or KVM fd is left in the
 //! helper), and the helper exits cleanly on SIGTERM. It prints startVM →
 //! hello time and the helper's RSS with the VM running.
@@ -506,6 +507,47 @@ async fn body_async() {
     assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
     assert_eq!(out.stdout_str(), "hello-from-kvm\n");
     assert_eq!(out.stderr_str(), "");
+
+    // Host folders through the in-process virtio-fs share: an ro mount is
+    // read and refuses writes (enforced by the host), an rw mount's write
+    // reaches the host.
+    let host_dir = helper.dir.join("shared");
+    let (ro, rw) = (host_dir.join("ro"), host_dir.join("rw"));
+    for d in [&ro, &rw] {
+        std::fs::create_dir_all(d).expect("host dir");
+    }
+    std::fs::write(ro.join("readme.txt"), "host ro content\n").unwrap();
+    let m = "/sessions/s2/mnt";
+    let script = format!(
+        "cat {m}/ro/readme.txt
+         (echo x > {m}/ro/evil.txt) 2>/dev/null && echo create-ro=ok || echo create-ro=refused
+         echo from-kvm-guest > {m}/rw/new.txt && echo write-rw=ok"
+    );
+    let rel = |p: &Path| p.to_string_lossy().trim_start_matches('/').to_string();
+    let r = pipe
+        .call(
+            "spawn",
+            json!({"id": "fs-1", "name": "s2", "command": "/bin/sh", "args": ["-c", script],
+                   "isResume": false, "additionalMounts": {
+                       "ro": {"path": rel(&ro), "mode": "ro"},
+                       "rw": {"path": rel(&rw), "mode": "rw"}}}),
+        )
+        .await
+        .expect("spawn with mounts");
+    assert_eq!(r["failedMounts"], json!([]), "{r}");
+    let out = sub.collect_process("fs-1", T).await.expect("fs-1 events");
+    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    assert_eq!(
+        out.stdout_str(),
+        "host ro content\ncreate-ro=refused\nwrite-rw=ok\n",
+        "stderr: {}",
+        out.stderr_str()
+    );
+    assert_eq!(
+        std::fs::read_to_string(rw.join("new.txt")).unwrap(),
+        "from-kvm-guest\n"
+    );
+    assert!(!ro.join("evil.txt").exists());
 
     // stopVM: the guest powers off and the VM is gone from the helper.
     let t_stop = Instant::now();
