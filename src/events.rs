@@ -24,8 +24,10 @@ use tokio::sync::mpsc;
 /// A complete frame ready to write.
 pub type Frame = Arc<Vec<u8>>;
 
-/// Queue depth per subscriber.
-pub const SUBSCRIBER_QUEUE: usize = 256;
+/// Queue depth per subscriber, in frames. An output frame carries up to one
+/// agent chunk (256 KiB of text, a little more once escaped), so this bounds
+/// what a slow subscriber can make the helper hold to about 9 MiB.
+pub const SUBSCRIBER_QUEUE: usize = 32;
 
 /// Events kept for the next subscriber while none is connected.
 pub const UNDELIVERED_MAX_EVENTS: usize = 1024;
