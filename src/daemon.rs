@@ -230,8 +230,8 @@ impl Daemon {
         Ok(match req.method.as_str() {
             "createVM" => {
                 let params: CreateVmParams = req.params()?;
-                vm.create_storage()?;
                 tracing::info!(profile = %profile.key, disk_gb = params.disk_size_gb, "createVM");
+                vm.create_storage(params.disk_size_gb)?;
                 Value::Null
             }
             "startVM" => {
