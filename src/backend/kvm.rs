@@ -12,13 +12,17 @@
 //! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
 //! `startVM.cpuCount` vCPUs (default [`DEFAULT_CPUS`], at most the host's
 //! CPUs), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
-//! `$COWORK_GUEST_LOG`), and three virtio-mmio devices, which the guest
+//! `$COWORK_GUEST_LOG`), and four virtio-mmio devices, which the guest
 //! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
 //! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
 //! dials CID 2 port [`AGENT_PORT`] and the device hands the helper a
 //! socketpair end, which becomes the agent link), virtio-fs (the session
 //! share, tag [`guest_agent::proto::SESSIONS_FS_TAG`], granted through
-//! [`HostPaths::Shared`] as with QEMU) and virtio-rng. The host must be
+//! [`HostPaths::Shared`] as with QEMU), virtio-blk (the profile's session
+//! disk `sessiondata.img`, read-write with serial
+//! [`devices::blk::SESSION_DISK_SERIAL`], locked exclusively while the VM
+//! exists and flushed and closed when it ends; the agent formats it as
+//! ext4 when blank and mounts it at `/sessions`) and virtio-rng. The host must be
 //! able to run Linux under KVM ([`vmm::kvm_check::linux_capable`]); on a
 //! host that cannot (no VT-x/AMD-V, or PVM) `startVM` fails at once with
 //! the reason instead of booting a kernel that would die half way.
@@ -39,20 +43,23 @@
 //! gives the guest [`POWEROFF_DEADLINE`] for that, then stops the VM from
 //! the host ([`vmm::StopHandle`]) and joins the thread.
 //!
-//! Limits: x86_64 hosts with hardware virtualisation only; no session disk
-//! (sessions live in the guest's RAM); no network besides vsock; guest
+//! Limits: x86_64 hosts with hardware virtualisation only; no network
+//! besides vsock; guest
 //! memory is anonymous and never pre-touched, so the helper's RSS grows by
 //! what the guest touches. Files in shared folders are created with the
 //! helper's uid, as with QEMU.
 
 use std::collections::VecDeque;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use devices::blk::{
+    BlkConfig, BlkDevice, DeviceError as BlkDeviceError, ImageError, RawImage, SESSION_DISK_SERIAL,
+};
 use devices::fs::device::{FsDevice, FsDeviceError};
 use devices::fs::{SessionFs, SessionFsOptions};
 use devices::rng::RngDevice;
@@ -115,6 +122,10 @@ pub enum KvmError {
     VsockDevice(#[from] DeviceError),
     #[error("cannot create the virtio-fs device: {0}")]
     FsDevice(#[from] FsDeviceError),
+    #[error("cannot open the session disk: {0}")]
+    SessionDisk(#[from] ImageError),
+    #[error("cannot create the session disk device: {0}")]
+    BlkDevice(#[from] BlkDeviceError),
     #[error("cannot start the VM thread: {0}")]
     Thread(std::io::Error),
     #[error("cannot build the VM from {kernel}: {source}")]
@@ -336,11 +347,11 @@ fn vm_thread(
 /// Boots the guest in-process: checks KVM, finds the image, creates the
 /// devices, builds the VM on its thread and returns the machine with the
 /// future of the agent's stream.
-pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
-    start(opts).await.map_err(|e| e.to_string())
+pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
+    start(opts, session_disk).await.map_err(|e| e.to_string())
 }
 
-async fn start(opts: &BootOptions) -> Result<Booted, KvmError> {
+async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmError> {
     kvm_for_linux().map_err(KvmError::Unsuitable)?;
     let image = GuestImage::locate(opts.bundle_path.as_deref())?;
     let kernel = kernel_of(&image);
@@ -353,6 +364,11 @@ async fn start(opts: &BootOptions) -> Result<Booted, KvmError> {
     let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
     let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
     let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
+    // Locked exclusively until the VM (and with it the device) is dropped.
+    let blk_device = BlkDevice::new(
+        Box::new(RawImage::open(session_disk)?),
+        &BlkConfig::new(SESSION_DISK_SERIAL),
+    )?;
     let console = Console::default();
 
     let mut config = vmm::Config::new(&kernel);
@@ -367,6 +383,7 @@ async fn start(opts: &BootOptions) -> Result<Booted, KvmError> {
     config.virtio_devices = vec![
         Box::new(vsock),
         Box::new(fs_device),
+        Box::new(blk_device),
         Box::new(RngDevice::new()),
     ];
     let (mem_mib, vcpus) = (config.mem_mib, config.vcpus);
@@ -662,7 +679,13 @@ mod tests {
             // Hardware KVM: the nested/direct integration test covers booting.
             return;
         };
-        let e = boot(&BootOptions::default()).await.err().unwrap();
+        let e = boot(
+            &BootOptions::default(),
+            Path::new("/nonexistent/sessiondata.img"),
+        )
+        .await
+        .err()
+        .unwrap();
         assert!(e.contains("cannot run Linux guests"), "{e}");
         assert!(e.contains(&why), "{e}");
         assert!(e.contains("--backend qemu"), "{e}");

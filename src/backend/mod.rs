@@ -160,7 +160,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 host_paths,
             })
         }
-        BackendKind::Qemu => qemu::boot(opts).await,
-        BackendKind::Kvm => kvm::boot(opts).await,
+        BackendKind::Qemu => qemu::boot(opts, &cfg.session_disk()).await,
+        BackendKind::Kvm => kvm::boot(opts, &cfg.session_disk()).await,
     }
 }

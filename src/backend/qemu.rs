@@ -12,10 +12,21 @@
 //! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
 //! overrides), on an i440fx `pc` machine with memfd-shared guest memory
 //! (vhost-user needs it), `-nodefaults -nographic`, the serial console on
-//! QEMU's stdout, `vhost-user-vsock-pci` and `vhost-user-fs-pci` on sockets
-//! in a private 0700 directory, and `virtio-rng-pci`. The agent dials CID 2
-//! port 51234; the device hands the helper a socketpair end, which becomes
-//! the agent link.
+//! QEMU's stdout, and `vhost-user-vsock-pci`, `vhost-user-fs-pci`,
+//! `vhost-user-blk-pci` (the session disk) and `vhost-user-rng-pci` on
+//! sockets in a private 0700 directory, every device served from threads of
+//! this process. The agent dials CID 2 port 51234; the device hands the
+//! helper a socketpair end, which becomes the agent link.
+//!
+//! Session disk: the profile's `sessiondata.img` (created by `createVM` or
+//! `startVM`, see `crate::vm`) is opened read-write, locked exclusively for
+//! the VM's lifetime, and served with serial
+//! [`devices::blk::SESSION_DISK_SERIAL`] and one request queue; the agent
+//! formats it as ext4 when blank and mounts it at `/sessions`. When QEMU
+//! disconnects (or never connected) the server flushes the disk and closes
+//! it, which releases the lock for the next `startVM`. Entropy comes from
+//! the host's getrandom through our `vhost-user-rng` server (QEMU's own
+//! `virtio-rng-pci` is not used).
 //!
 //! Host folders: each VM has one [`SessionFs`] served in-process by
 //! `devices::vhost_user::fs` as the virtio-fs tag
@@ -37,8 +48,7 @@
 //! the agent to shut down (the agent powers the guest off); [`QemuMachine::kill`]
 //! then gives QEMU [`POWEROFF_DEADLINE`] to exit before killing it.
 //!
-//! Limits: x86_64 guests only; no session disk (sessions live in the
-//! guest's RAM); no network besides vsock. Files in shared folders are
+//! Limits: x86_64 guests only; no network besides vsock. Files in shared folders are
 //! created with the helper's uid (`devices::fs::Credentials::Helper`).
 
 use std::collections::VecDeque;
@@ -50,8 +60,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use devices::blk::{BlkConfig, ImageError, RawImage, SESSION_DISK_SERIAL};
 use devices::fs::{SessionFs, SessionFsOptions};
+use devices::vhost_user::blk::{VhostUserBlkError, VhostUserBlkServer, VhostUserServeError};
 use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsError, VhostUserFsServer};
+use devices::vhost_user::rng::VhostUserRngServer;
 use devices::vhost_user::vsock::{VhostUserVsockConfig, VhostUserVsockError, VhostUserVsockServer};
 use devices::vsock::{HostError, Listener, VsockHost};
 use guest_agent::proto::AGENT_PORT;
@@ -136,6 +149,12 @@ pub enum QemuError {
     VhostUser(#[from] VhostUserVsockError),
     #[error("cannot serve the virtio-fs device over vhost-user: {0}")]
     VhostUserFs(#[from] VhostUserFsError),
+    #[error("cannot open the session disk: {0}")]
+    SessionDisk(#[from] ImageError),
+    #[error("cannot serve the session disk over vhost-user: {0}")]
+    VhostUserBlk(#[from] VhostUserBlkError),
+    #[error("cannot serve the entropy device over vhost-user: {0}")]
+    VhostUserRng(#[from] VhostUserServeError),
     #[error("cannot start the vhost-user thread: {0}")]
     Thread(std::io::Error),
     #[error("cannot start {qemu}: {source}")]
@@ -297,6 +316,12 @@ pub struct QemuPlan {
     pub vsock_socket: PathBuf,
     /// The vhost-user socket of the session share (virtio-fs).
     pub fs_socket: PathBuf,
+    /// The vhost-user socket of the session disk (virtio-blk).
+    pub blk_socket: PathBuf,
+    /// The vhost-user socket of the entropy device (virtio-rng).
+    pub rng_socket: PathBuf,
+    /// The session disk image, served read-write on [`Self::blk_socket`].
+    pub session_disk: PathBuf,
     /// Extra kernel command-line words (`COWORK_LOG=...`).
     pub extra_cmdline: Vec<String>,
 }
@@ -365,7 +390,26 @@ impl QemuPlan {
                 guest_agent::proto::SESSIONS_FS_TAG
             ),
         );
-        push("-device", "virtio-rng-pci".into());
+        push(
+            "-chardev",
+            format!(
+                "socket,id=blk0,path={}",
+                qemu_opt_escape(&self.blk_socket.to_string_lossy())
+            ),
+        );
+        // One request queue: the device model serves exactly one.
+        push(
+            "-device",
+            "vhost-user-blk-pci,chardev=blk0,num-queues=1".into(),
+        );
+        push(
+            "-chardev",
+            format!(
+                "socket,id=rng0,path={}",
+                qemu_opt_escape(&self.rng_socket.to_string_lossy())
+            ),
+        );
+        push("-device", "vhost-user-rng-pci,chardev=rng0".into());
         a.push("-kernel".into());
         a.push(self.image.vmlinuz.clone().into());
         a.push("-initrd".into());
@@ -603,6 +647,14 @@ pub struct QemuMachine {
     /// The virtio-fs server thread; ends when QEMU disconnects.
     vhost_fs: Option<std::thread::JoinHandle<Result<(), VhostUserFsError>>>,
     fs_canceller: devices::vhost_user::fs::FsServerCanceller,
+    /// The session disk's server thread; it holds the image (and its lock)
+    /// until it ends, flushing the disk when QEMU disconnects.
+    vhost_blk: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
+    blk_socket: PathBuf,
+    blk_stats: Arc<devices::blk::BlkStats>,
+    /// The entropy device's server thread.
+    vhost_rng: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
+    rng_socket: PathBuf,
     /// Keeps the device's host side alive as long as the machine.
     _host: VsockHost,
     ended: Option<String>,
@@ -693,6 +745,27 @@ impl QemuMachine {
             }
             join_vhost_thread(handle, "virtio-fs").await;
         }
+        if let Some(handle) = self.vhost_blk.take() {
+            if !handle.is_finished() {
+                let _ = std::os::unix::net::UnixStream::connect(&self.blk_socket);
+            }
+            join_vhost_thread(handle, "virtio-blk").await;
+            let s = &self.blk_stats;
+            tracing::info!(
+                requests = s.requests.load(Ordering::Relaxed),
+                bytes_read = s.bytes_read.load(Ordering::Relaxed),
+                bytes_written = s.bytes_written.load(Ordering::Relaxed),
+                flushes = s.flushes.load(Ordering::Relaxed),
+                errors = s.errors.load(Ordering::Relaxed),
+                "session disk closed"
+            );
+        }
+        if let Some(handle) = self.vhost_rng.take() {
+            if !handle.is_finished() {
+                let _ = std::os::unix::net::UnixStream::connect(&self.rng_socket);
+            }
+            join_vhost_thread(handle, "virtio-rng").await;
+        }
     }
 }
 
@@ -724,9 +797,10 @@ where
 }
 
 /// Boots the guest: resolves QEMU, the image and the accelerator, serves
-/// the vsock device, starts QEMU and returns the machine with the future of
-/// the agent's stream.
-pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
+/// the devices (vsock, virtio-fs, the session disk `session_disk`, rng),
+/// starts QEMU and returns the machine with the future of the agent's
+/// stream.
+pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
     let plan_parts = (
         find_qemu(),
         GuestImage::locate(opts.bundle_path.as_deref()),
@@ -755,6 +829,9 @@ pub async fn boot(opts: &BootOptions) -> Result<Booted, String> {
         cpus: cpu_count(opts.cpu_count, host_cpus),
         vsock_socket: run_dir.0.join("vsock.sock"),
         fs_socket: run_dir.0.join("fs.sock"),
+        blk_socket: run_dir.0.join("blk.sock"),
+        rng_socket: run_dir.0.join("rng.sock"),
+        session_disk: session_disk.to_path_buf(),
         extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
             .into_iter()
             .collect(),
@@ -775,12 +852,41 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
     let mut fs_config = VhostUserFsConfig::new(&plan.fs_socket);
     fs_config.queue_size = FS_QUEUE_SIZE;
     let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?;
+    // Locked exclusively from here until the blk server thread ends.
+    let disk = RawImage::open(&plan.session_disk)?;
+    let blk_server = VhostUserBlkServer::bind(
+        &plan.blk_socket,
+        Box::new(disk),
+        &BlkConfig::new(SESSION_DISK_SERIAL),
+    )?;
+    let blk_stats = blk_server.stats();
+    let rng_server = VhostUserRngServer::bind(&plan.rng_socket)?;
     let vhost = server.spawn().map_err(QemuError::Thread)?;
     let fs_canceller = fs_server.canceller();
     let vhost_fs = match fs_server.spawn() {
         Ok(t) => t,
         Err(e) => {
             end_unconnected(&plan.vsock_socket, Some(vhost));
+            return Err(QemuError::Thread(e));
+        }
+    };
+    let end_vsock_fs = |vhost, vhost_fs: std::thread::JoinHandle<_>| {
+        end_unconnected(&plan.vsock_socket, Some(vhost));
+        fs_canceller.cancel();
+        let _ = vhost_fs.join();
+    };
+    let vhost_blk = match blk_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_vsock_fs(vhost, vhost_fs);
+            return Err(QemuError::Thread(e));
+        }
+    };
+    let vhost_rng = match rng_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_vsock_fs(vhost, vhost_fs);
+            end_unconnected(&plan.blk_socket, Some(vhost_blk));
             return Err(QemuError::Thread(e));
         }
     };
@@ -812,9 +918,9 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
         Ok(c) => c,
         Err(source) => {
             // Unblock and end the vhost-user threads: no frontend will come.
-            end_unconnected(&plan.vsock_socket, Some(vhost));
-            fs_canceller.cancel();
-            let _ = vhost_fs.join();
+            end_vsock_fs(vhost, vhost_fs);
+            end_unconnected(&plan.blk_socket, Some(vhost_blk));
+            end_unconnected(&plan.rng_socket, Some(vhost_rng));
             return Err(QemuError::Spawn {
                 qemu: plan.qemu.clone(),
                 source,
@@ -852,6 +958,11 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
         vhost_socket: plan.vsock_socket.clone(),
         vhost_fs: Some(vhost_fs),
         fs_canceller,
+        vhost_blk: Some(vhost_blk),
+        blk_socket: plan.blk_socket.clone(),
+        blk_stats,
+        vhost_rng: Some(vhost_rng),
+        rng_socket: plan.rng_socket.clone(),
         _host: host,
         ended: None,
         _run_dir: run_dir,
@@ -957,6 +1068,9 @@ mod tests {
             cpus: 2,
             vsock_socket: socket.into(),
             fs_socket: Path::new(socket).with_file_name("fs.sock"),
+            blk_socket: Path::new(socket).with_file_name("blk.sock"),
+            rng_socket: Path::new(socket).with_file_name("rng.sock"),
+            session_disk: "/data/sessiondata.img".into(),
             extra_cmdline: vec!["COWORK_LOG=debug".into()],
         }
     }
@@ -990,17 +1104,25 @@ mod tests {
             values(&a, "-chardev"),
             [
                 "socket,id=vsock,path=/run/x,,y/vsock.sock",
-                "socket,id=fs0,path=/run/x,,y/fs.sock"
+                "socket,id=fs0,path=/run/x,,y/fs.sock",
+                "socket,id=blk0,path=/run/x,,y/blk.sock",
+                "socket,id=rng0,path=/run/x,,y/rng.sock"
             ]
         );
+        // Every device is ours over vhost-user; QEMU's own rng is not used.
         assert_eq!(
             values(&a, "-device"),
             [
                 "vhost-user-vsock-pci,chardev=vsock",
                 "vhost-user-fs-pci,chardev=fs0,tag=cowork-sessions,queue-size=1024",
-                "virtio-rng-pci"
+                "vhost-user-blk-pci,chardev=blk0,num-queues=1",
+                "vhost-user-rng-pci,chardev=rng0"
             ]
         );
+        // The image itself is never handed to QEMU.
+        assert!(!a
+            .iter()
+            .any(|x| x.to_string_lossy().contains("sessiondata")));
         assert_eq!(values(&a, "-kernel"), ["/img/vmlinuz"]);
         assert_eq!(values(&a, "-initrd"), ["/img/initramfs"]);
         assert_eq!(
@@ -1081,11 +1203,17 @@ mod tests {
         p
     }
 
+    /// A plan for `qemu` whose sockets and (1 MiB) session disk live in `run_dir`.
     fn fake_plan(qemu: PathBuf, run_dir: &RunDir) -> QemuPlan {
+        let session_disk = run_dir.0.join("sessiondata.img");
+        devices::blk::create_sparse_image(&session_disk, 1 << 20).unwrap();
         QemuPlan {
             qemu,
             vsock_socket: run_dir.0.join("vsock.sock"),
             fs_socket: run_dir.0.join("fs.sock"),
+            blk_socket: run_dir.0.join("blk.sock"),
+            rng_socket: run_dir.0.join("rng.sock"),
+            session_disk,
             ..plan(Accel::Tcg, "")
         }
     }
@@ -1115,6 +1243,10 @@ mod tests {
         assert!(how.contains("qemu: bad option"), "{how}");
         // The vhost-user threads, whose frontend never came, were ended.
         assert!(m.vhost.is_none() && m.vhost_fs.is_none());
+        assert!(m.vhost_blk.is_none() && m.vhost_rng.is_none());
+        // The session disk was closed: its lock is free for the next VM.
+        let disk = dir.join("sessiondata.img");
+        drop(RawImage::open(&disk).expect("the session disk is still locked"));
         m.kill().await;
         drop(m);
         assert!(!dir.exists(), "runtime directory left behind");
@@ -1176,6 +1308,36 @@ mod tests {
         sweep_stale_run_dirs(base.path());
         assert!(!dead.exists());
         assert!(live.exists() && unrelated.exists());
+    }
+
+    #[tokio::test]
+    async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
+        let tmp = tempfile::tempdir().unwrap();
+        let disk = tmp.path().join("sessiondata.img");
+        devices::blk::create_sparse_image(&disk, 1 << 20).unwrap();
+        let plan_with_disk = |run_dir: &RunDir| QemuPlan {
+            session_disk: disk.clone(),
+            ..fake_plan("/nonexistent/qemu-system-x86_64".into(), run_dir)
+        };
+        // Another VM holds the disk: refused, saying so.
+        let holder = RawImage::open(&disk).unwrap();
+        let run_dir = RunDir::create().unwrap();
+        match start(plan_with_disk(&run_dir), run_dir, "test").await {
+            Err(e @ QemuError::SessionDisk(ImageError::Locked(_))) => {
+                assert!(e.to_string().contains("in use by another VM"), "{e}")
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(_) => panic!("served a disk another VM holds"),
+        }
+        drop(holder);
+        // A boot that fails after the disk was opened closes it again.
+        let run_dir = RunDir::create().unwrap();
+        match start(plan_with_disk(&run_dir), run_dir, "test").await {
+            Err(QemuError::Spawn { .. }) => {}
+            Err(e) => panic!("unexpected error: {e}"),
+            Ok(_) => panic!("started a missing binary"),
+        }
+        drop(RawImage::open(&disk).expect("the session disk is still locked"));
     }
 
     #[tokio::test]
