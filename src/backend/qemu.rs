@@ -633,6 +633,19 @@ impl Drop for RunDir {
     }
 }
 
+/// The vhost-user threads of the single-queue devices (virtio-blk and
+/// virtio-rng), with what ends and reports them.
+struct SingleQueueThreads {
+    /// The session disk's server thread; it holds the image (and its lock)
+    /// until it ends, flushing the disk when QEMU disconnects.
+    blk: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
+    blk_socket: PathBuf,
+    blk_stats: Arc<devices::blk::BlkStats>,
+    /// The entropy device's server thread.
+    rng: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
+    rng_socket: PathBuf,
+}
+
 /// A running QEMU guest.
 pub struct QemuMachine {
     child: Child,
@@ -647,14 +660,9 @@ pub struct QemuMachine {
     /// The virtio-fs server thread; ends when QEMU disconnects.
     vhost_fs: Option<std::thread::JoinHandle<Result<(), VhostUserFsError>>>,
     fs_canceller: devices::vhost_user::fs::FsServerCanceller,
-    /// The session disk's server thread; it holds the image (and its lock)
-    /// until it ends, flushing the disk when QEMU disconnects.
-    vhost_blk: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
-    blk_socket: PathBuf,
-    blk_stats: Arc<devices::blk::BlkStats>,
-    /// The entropy device's server thread.
-    vhost_rng: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
-    rng_socket: PathBuf,
+    /// The session disk's and the entropy device's server threads (boxed:
+    /// the machine is moved around inside [`Machine`]).
+    single_queue: Box<SingleQueueThreads>,
     /// Keeps the device's host side alive as long as the machine.
     _host: VsockHost,
     ended: Option<String>,
@@ -745,12 +753,13 @@ impl QemuMachine {
             }
             join_vhost_thread(handle, "virtio-fs").await;
         }
-        if let Some(handle) = self.vhost_blk.take() {
+        let sq = &mut self.single_queue;
+        if let Some(handle) = sq.blk.take() {
             if !handle.is_finished() {
-                let _ = std::os::unix::net::UnixStream::connect(&self.blk_socket);
+                let _ = std::os::unix::net::UnixStream::connect(&sq.blk_socket);
             }
             join_vhost_thread(handle, "virtio-blk").await;
-            let s = &self.blk_stats;
+            let s = &sq.blk_stats;
             tracing::info!(
                 requests = s.requests.load(Ordering::Relaxed),
                 bytes_read = s.bytes_read.load(Ordering::Relaxed),
@@ -760,9 +769,9 @@ impl QemuMachine {
                 "session disk closed"
             );
         }
-        if let Some(handle) = self.vhost_rng.take() {
+        if let Some(handle) = sq.rng.take() {
             if !handle.is_finished() {
-                let _ = std::os::unix::net::UnixStream::connect(&self.rng_socket);
+                let _ = std::os::unix::net::UnixStream::connect(&sq.rng_socket);
             }
             join_vhost_thread(handle, "virtio-rng").await;
         }
@@ -958,11 +967,13 @@ async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Boote
         vhost_socket: plan.vsock_socket.clone(),
         vhost_fs: Some(vhost_fs),
         fs_canceller,
-        vhost_blk: Some(vhost_blk),
-        blk_socket: plan.blk_socket.clone(),
-        blk_stats,
-        vhost_rng: Some(vhost_rng),
-        rng_socket: plan.rng_socket.clone(),
+        single_queue: Box::new(SingleQueueThreads {
+            blk: Some(vhost_blk),
+            blk_socket: plan.blk_socket.clone(),
+            blk_stats,
+            rng: Some(vhost_rng),
+            rng_socket: plan.rng_socket.clone(),
+        }),
         _host: host,
         ended: None,
         _run_dir: run_dir,
@@ -1243,7 +1254,7 @@ mod tests {
         assert!(how.contains("qemu: bad option"), "{how}");
         // The vhost-user threads, whose frontend never came, were ended.
         assert!(m.vhost.is_none() && m.vhost_fs.is_none());
-        assert!(m.vhost_blk.is_none() && m.vhost_rng.is_none());
+        assert!(m.single_queue.blk.is_none() && m.single_queue.rng.is_none());
         // The session disk was closed: its lock is free for the next VM.
         let disk = dir.join("sessiondata.img");
         drop(RawImage::open(&disk).expect("the session disk is still locked"));
