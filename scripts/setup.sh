@@ -24,6 +24,8 @@ packages=(
     qemu-system-x86             # QEMU backend and the nested-KVM test harness
     busybox-static cpio zstd xz-utils  # guest initramfs
     lz4                         # fetch-kernel.sh: the Debian kernel's payload is LZ4 (vmlinux)
+    e2fsprogs                   # mke2fs for the guest image; e2fsck/debugfs in the disk tests
+    git tar                     # real programs the virtio-fs tests run over /dev/fuse
 )
 
 export DEBIAN_FRONTEND=noninteractive
