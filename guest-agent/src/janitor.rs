@@ -9,7 +9,9 @@
 //!
 //! Semantics:
 //! * Sessions are the directories directly below the root whose names pass
-//!   [`crate::names::session_name`]; symlinks and other entries are ignored.
+//!   [`crate::names::session_name`]; symlinks and other entries are ignored,
+//!   and so is [`LOST_FOUND`], which ext4 keeps at the root of the session
+//!   disk (it is neither listed, pruned nor deletable).
 //! * Sizes are allocated bytes (`st_blocks * 512`, like `du`), counted
 //!   without following symlinks and without descending into mount points
 //!   (mount id from `statx`, or a different device on old kernels): a user
@@ -172,6 +174,10 @@ fn remove_tree(path: &Path) -> io::Result<u64> {
     Ok(freed)
 }
 
+/// The directory `mke2fs` creates at the root of an ext4 file system; on the
+/// session disk it sits beside the sessions but is not one.
+pub const LOST_FOUND: &str = "lost+found";
+
 /// Names of the session directories below `root`, sorted.
 fn session_names(root: &Path) -> io::Result<Vec<String>> {
     let mut names = Vec::new();
@@ -180,7 +186,7 @@ fn session_names(root: &Path) -> io::Result<Vec<String>> {
         let Ok(name) = entry.file_name().into_string() else {
             continue;
         };
-        if names::session_name(&name).is_err() {
+        if names::session_name(&name).is_err() || name == LOST_FOUND {
             continue;
         }
         if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
@@ -228,6 +234,11 @@ pub fn delete_session_dirs(root: &Path, names: &[String], live: &HashSet<String>
 
 fn delete_one(root: &Path, name: &str, live: &HashSet<String>) -> Result<(), String> {
     names::session_name(name).map_err(|e| e.to_string())?;
+    if name == LOST_FOUND {
+        return Err(format!(
+            "{LOST_FOUND:?} belongs to the file system, not a session"
+        ));
+    }
     if live.contains(name) {
         return Err(format!(
             "session {name:?} has a running process; stop it first"
@@ -374,6 +385,7 @@ mod tests {
         fs::write(r.join("big/sub/data"), vec![1u8; 300_000]).unwrap();
         fs::write(r.join("small/x"), b"x").unwrap();
         fs::write(r.join("not-a-session-file"), b"x").unwrap();
+        fs::create_dir_all(r.join(LOST_FOUND)).unwrap();
         std::os::unix::fs::symlink("/usr", r.join("big/link-to-usr")).unwrap();
         std::os::unix::fs::symlink(r.join("big"), r.join("linked-session")).unwrap();
         let v = disk_info(r, u64::MAX).unwrap();
@@ -393,6 +405,10 @@ mod tests {
         assert!(big < 300_000 + 1024 * 1024, "{big}");
         assert!(small < big);
         assert!(disk_info(&r.join("missing"), 0).is_err());
+        // ext4's lost+found is not a session: never listed, never deleted.
+        let v = delete_session_dirs(r, &[LOST_FOUND.to_string()], &live(&[]));
+        assert!(v["errors"][LOST_FOUND].is_string(), "{v}");
+        assert!(r.join(LOST_FOUND).is_dir());
     }
 
     #[test]
