@@ -49,11 +49,10 @@
 //! what the guest touches. Files in shared folders are created with the
 //! helper's uid, as with QEMU.
 
-use std::collections::VecDeque;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -63,14 +62,15 @@ use devices::blk::{
 use devices::fs::device::{FsDevice, FsDeviceError};
 use devices::fs::{SessionFs, SessionFsOptions};
 use devices::rng::RngDevice;
-use devices::vsock::{DeviceError, HostError, Listener, VsockConfig, VsockDevice, VsockHost};
+use devices::vsock::{DeviceError, HostError, VsockConfig, VsockDevice, VsockHost};
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
 use tokio::sync::oneshot;
 
 use super::fsgrants::SharedFolders;
+use super::guest::{agent_stream, Console, MAX_CONSOLE_LINE, QUOTED_LINES};
+pub use super::guest::{AGENT_DIAL_TIMEOUT, CONSOLE_TAIL};
 use super::qemu::{self, GuestImage, QemuError};
-use super::{AgentStream, BootOptions, Booted, HostPaths, Machine};
-use crate::vm::HELLO_TIMEOUT;
+use super::{BootOptions, Booted, HostPaths, Machine};
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
 pub const VMLINUX: &str = "vmlinux";
@@ -95,17 +95,6 @@ pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
 /// How long the VM gets to finish after the host stopped it (vCPUs and
 /// device workers joined, the VM closed; milliseconds in practice).
 pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
-/// How long the agent has to dial in; a little less than the controller's
-/// hello timeout so the error quoting the console wins the race.
-pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::from_secs(5));
-/// Console lines kept for error messages.
-pub const CONSOLE_TAIL: usize = 40;
-/// Console lines quoted in an error.
-const QUOTED_LINES: usize = 15;
-/// Longest console line kept; the rest of a longer one starts a new line.
-const MAX_CONSOLE_LINE: usize = 1024;
-/// How often the agent listener is polled.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
 /// Errors of starting the in-process machine, worded for the client's log.
 #[derive(Debug, thiserror::Error)]
@@ -201,37 +190,6 @@ impl Probe {
     /// Whether the backend can start here.
     pub fn usable(&self) -> bool {
         self.kvm.is_ok() && self.image.is_ok()
-    }
-}
-
-/// The last console lines, shared by the serial sink and the error paths.
-#[derive(Clone, Default)]
-struct Console {
-    tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl Console {
-    fn push(&self, line: String) {
-        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.len() == CONSOLE_TAIL {
-            t.pop_front();
-        }
-        t.push_back(line);
-    }
-
-    /// The last `n` lines, indented, for an error message.
-    fn quote(&self, n: usize) -> String {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.is_empty() {
-            return " (the console printed nothing)".into();
-        }
-        let skip = t.len().saturating_sub(n);
-        let mut s = String::from("; last console lines:");
-        for l in t.iter().skip(skip) {
-            s.push_str("\n  ");
-            s.push_str(l);
-        }
-        s
     }
 }
 
@@ -432,44 +390,6 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
     })
 }
 
-/// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
-fn agent_stream(listener: Listener, console: Console, connected: Arc<AtomicBool>) -> AgentStream {
-    Box::pin(async move {
-        let began = Instant::now();
-        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
-        loop {
-            match listener.try_accept() {
-                Ok(Some(stream)) => {
-                    connected.store(true, Ordering::Release);
-                    tracing::info!(
-                        ms = began.elapsed().as_millis() as u64,
-                        "guest agent dialled vsock port {AGENT_PORT}"
-                    );
-                    let wrap =
-                        |e: std::io::Error| format!("cannot use the agent's vsock stream: {e}");
-                    stream.set_nonblocking(true).map_err(wrap)?;
-                    return tokio::net::UnixStream::from_std(stream).map_err(wrap);
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(format!(
-                        "the vsock device stopped before the guest agent dialled in: {e}{}",
-                        console.quote(QUOTED_LINES)
-                    ))
-                }
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "the guest agent did not dial vsock port {AGENT_PORT} within {}s{}",
-                    AGENT_DIAL_TIMEOUT.as_secs(),
-                    console.quote(QUOTED_LINES)
-                ));
-            }
-            tokio::time::sleep(ACCEPT_POLL).await;
-        }
-    })
-}
-
 /// A guest running in this process.
 pub struct KvmMachine {
     /// The thread running the VM; joined once it reported its end.
@@ -646,7 +566,7 @@ mod tests {
         sink.write_all(&vec![b'x'; MAX_CONSOLE_LINE + 3]).unwrap();
         sink.write_all(b"no newline").unwrap();
         drop(sink);
-        let tail: Vec<String> = console.tail.lock().unwrap().iter().cloned().collect();
+        let tail: Vec<String> = console.lines();
         assert_eq!(tail.len(), CONSOLE_TAIL);
         assert_eq!(tail[tail.len() - 1], "xxxno newline");
         assert_eq!(tail[tail.len() - 2], "x".repeat(MAX_CONSOLE_LINE));

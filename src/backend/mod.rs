@@ -7,6 +7,7 @@
 //! agent's hello is backend-independent (see `crate::vm`).
 
 pub mod fsgrants;
+mod guest;
 pub mod kvm;
 pub mod qemu;
 

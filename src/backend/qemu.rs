@@ -51,13 +51,12 @@
 //! Limits: x86_64 guests only; no network besides vsock. Files in shared folders are
 //! created with the helper's uid (`devices::fs::Credentials::Helper`).
 
-use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devices::blk::{BlkConfig, ImageError, RawImage, SESSION_DISK_SERIAL};
@@ -66,14 +65,15 @@ use devices::vhost_user::blk::{VhostUserBlkError, VhostUserBlkServer, VhostUserS
 use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsError, VhostUserFsServer};
 use devices::vhost_user::rng::VhostUserRngServer;
 use devices::vhost_user::vsock::{VhostUserVsockConfig, VhostUserVsockError, VhostUserVsockServer};
-use devices::vsock::{HostError, Listener, VsockHost};
+use devices::vsock::{HostError, VsockHost};
 use guest_agent::proto::AGENT_PORT;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::{Child, Command};
 
 use super::fsgrants::SharedFolders;
-use super::{AgentStream, BootOptions, Booted, HostPaths, Machine};
-use crate::vm::HELLO_TIMEOUT;
+use super::guest::{agent_stream, Console, ACCEPT_POLL, MAX_CONSOLE_LINE, QUOTED_LINES};
+pub use super::guest::{AGENT_DIAL_TIMEOUT, CONSOLE_TAIL};
+use super::{BootOptions, Booted, HostPaths, Machine};
 
 /// Environment variable naming the QEMU binary (a path or a name in `PATH`).
 pub const QEMU_ENV: &str = "COWORK_QEMU";
@@ -108,17 +108,6 @@ pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
 
 /// How long QEMU gets to power off after the agent was told to shut down.
 pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
-/// How long the agent has to dial in; a little less than the controller's
-/// hello timeout so the error quoting the console wins the race.
-pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::from_secs(5));
-/// Console lines kept for error messages.
-pub const CONSOLE_TAIL: usize = 40;
-/// Console lines quoted in an error.
-const QUOTED_LINES: usize = 15;
-/// Longest console line kept; the rest of a longer one starts a new line.
-const MAX_CONSOLE_LINE: usize = 1024;
-/// How often the agent listener is polled.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// How long the console readers get to drain QEMU's output after it exited.
 const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
 /// How long the vhost-user thread gets to end after QEMU is gone.
@@ -475,37 +464,6 @@ impl Probe {
     /// Whether the backend can start here.
     pub fn usable(&self) -> bool {
         self.qemu.is_ok() && self.image.is_ok() && self.accel.is_ok()
-    }
-}
-
-/// The last console lines, shared by the readers and the error paths.
-#[derive(Clone, Default)]
-struct Console {
-    tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl Console {
-    fn push(&self, line: String) {
-        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.len() == CONSOLE_TAIL {
-            t.pop_front();
-        }
-        t.push_back(line);
-    }
-
-    /// The last `n` lines, indented, for an error message.
-    fn quote(&self, n: usize) -> String {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.is_empty() {
-            return " (the console printed nothing)".into();
-        }
-        let skip = t.len().saturating_sub(n);
-        let mut s = String::from("; last console lines:");
-        for l in t.iter().skip(skip) {
-            s.push_str("\n  ");
-            s.push_str(l);
-        }
-        s
     }
 }
 
@@ -994,44 +952,6 @@ fn end_unconnected<T>(socket: &Path, thread: Option<std::thread::JoinHandle<T>>)
     }
 }
 
-/// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
-fn agent_stream(listener: Listener, console: Console, connected: Arc<AtomicBool>) -> AgentStream {
-    Box::pin(async move {
-        let began = Instant::now();
-        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
-        loop {
-            match listener.try_accept() {
-                Ok(Some(stream)) => {
-                    connected.store(true, Ordering::Release);
-                    tracing::info!(
-                        ms = began.elapsed().as_millis() as u64,
-                        "guest agent dialled vsock port {AGENT_PORT}"
-                    );
-                    let wrap =
-                        |e: std::io::Error| format!("cannot use the agent's vsock stream: {e}");
-                    stream.set_nonblocking(true).map_err(wrap)?;
-                    return tokio::net::UnixStream::from_std(stream).map_err(wrap);
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(format!(
-                        "the vsock device stopped before the guest agent dialled in: {e}{}",
-                        console.quote(QUOTED_LINES)
-                    ))
-                }
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "the guest agent did not dial vsock port {AGENT_PORT} within {}s{}",
-                    AGENT_DIAL_TIMEOUT.as_secs(),
-                    console.quote(QUOTED_LINES)
-                ));
-            }
-            tokio::time::sleep(ACCEPT_POLL).await;
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1189,7 +1109,7 @@ mod tests {
         input.extend_from_slice(b"\n\n\nlast without newline");
         let console = Console::default();
         pump_console(&input[..], console.clone(), "test").await;
-        let tail: Vec<String> = console.tail.lock().unwrap().iter().cloned().collect();
+        let tail: Vec<String> = console.lines();
         assert_eq!(tail.len(), CONSOLE_TAIL);
         assert_eq!(tail[tail.len() - 1], "last without newline");
         assert_eq!(tail[tail.len() - 2], "x".repeat(10));
