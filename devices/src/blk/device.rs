@@ -19,10 +19,9 @@
 
 use std::io;
 use std::mem::offset_of;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use tracing::{debug, error, info, warn};
 use virtio_bindings::virtio_blk::{
@@ -32,12 +31,11 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemory;
+use vmm::virtio::worker::{DeviceWorker, StopError, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
     features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::image::BlockBackend;
 use super::request::{self, Completion, DiskParams};
@@ -66,10 +64,11 @@ pub const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
 /// driver cannot flood the host log.
 pub const WARN_LOG_BUDGET: u32 = 32;
 
-/// epoll token of the stop eventfd.
-const TOKEN_STOP: u64 = 0;
 /// epoll token of the request queue's notify eventfd.
 const TOKEN_QUEUE: u64 = 1;
+/// Most epoll events the worker takes per wait (the stop eventfd and the
+/// queue).
+const WORKER_EVENTS: usize = 2;
 
 /// Errors of the device model.
 #[derive(Debug, thiserror::Error)]
@@ -378,11 +377,6 @@ fn build_config(size: u64, queue_size: u16, params: &DiskParams) -> [u8; CONFIG_
     c
 }
 
-struct Worker {
-    stop: EventFd,
-    thread: JoinHandle<BlkModel>,
-}
-
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running a [`BlkModel`] on its own thread while active.
 pub struct BlkDevice {
@@ -394,7 +388,8 @@ pub struct BlkDevice {
     max_sizes: [u16; NUM_QUEUES],
     stats: Arc<BlkStats>,
     acked: u64,
-    worker: Option<Worker>,
+    /// Hands the model back when stopped.
+    worker: DeviceWorker<BlkModel>,
 }
 
 impl BlkDevice {
@@ -408,7 +403,7 @@ impl BlkDevice {
             stats: model.stats(),
             model: Some(model),
             acked: 0,
-            worker: None,
+            worker: DeviceWorker::new("blk"),
         })
     }
 
@@ -424,28 +419,23 @@ impl BlkDevice {
 
     /// Whether the worker runs.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
+        self.worker.is_running()
     }
 
     /// Stops the worker (taking the model back from it).
     fn stop_worker(&mut self) -> bool {
-        let Some(w) = self.worker.take() else {
-            return true;
-        };
-        if let Err(e) = w.stop.write(1) {
-            warn!("blk: cannot stop the worker: {e}");
-            self.worker = Some(w);
-            return false;
-        }
-        match w.thread.join() {
+        match self.worker.stop() {
             Ok(model) => {
-                self.model = Some(model);
+                if let Some(model) = model {
+                    self.model = Some(model);
+                }
                 true
             }
-            Err(_) => {
+            Err(StopError::Panicked) => {
                 error!("blk: the worker panicked; the disk is gone until the VM restarts");
                 false
             }
+            Err(StopError::Signal(_)) => false,
         }
     }
 }
@@ -497,7 +487,7 @@ impl VirtioDevice for BlkDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
         let queue = queues
@@ -506,20 +496,8 @@ impl VirtioDevice for BlkDevice {
             .ok_or(ActivateError::MissingQueue {
                 index: REQUEST_QUEUE,
             })?;
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
-        let add = |fd: RawFd, token: u64| {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, token),
-                )
-                .map_err(ActivateError::Worker)
-        };
-        add(stop.as_raw_fd(), TOKEN_STOP)?;
-        add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
-        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let setup = WorkerSetup::new()?;
+        setup.add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
         let model = self
             .model
             .take()
@@ -529,22 +507,16 @@ impl VirtioDevice for BlkDevice {
             interrupt,
             queue,
             model,
-            epoll,
-            stop: worker_stop,
         };
-        let thread = match std::thread::Builder::new()
-            .name("virtio-blk".into())
-            .spawn(move || ctx.run())
+        if let Err(e) = self
+            .worker
+            .start("virtio-blk", setup, move |worker| ctx.run(worker))
         {
-            Ok(t) => t,
-            Err(e) => {
-                // The closure (and the model in it) is gone with the failed
-                // spawn; nothing to recover.
-                error!("blk: cannot start the worker: {e}");
-                return Err(ActivateError::Worker(e));
-            }
-        };
-        self.worker = Some(Worker { stop, thread });
+            // The closure (and the model in it) is gone with the failed
+            // spawn; nothing to recover.
+            error!("blk: cannot start the worker: {e}");
+            return Err(ActivateError::Worker(e));
+        }
         info!(capacity = self.config_capacity(), "blk: device activated");
         Ok(())
     }
@@ -571,8 +543,6 @@ struct WorkerCtx {
     interrupt: Arc<dyn VirtioInterrupt>,
     queue: ActiveQueue,
     model: BlkModel,
-    epoll: Epoll,
-    stop: EventFd,
 }
 
 /// Why the worker stopped serving.
@@ -585,41 +555,24 @@ enum WorkerError {
 }
 
 impl WorkerCtx {
-    fn run(mut self) -> BlkModel {
-        if let Err(e) = self.event_loop() {
+    fn run(mut self, worker: WorkerLoop) -> BlkModel {
+        if let Err(e) = worker.serve(WORKER_EVENTS, WorkerError::Epoll, |w| self.on_wakeup(w)) {
             error!("blk: {e}; the device needs a reset");
-            if let Err(e) = self.interrupt.signal_needs_reset() {
-                warn!("blk: cannot signal needs-reset: {e}");
-            }
-            // Park until the transport resets (or drops) the device.
-            let _ = self.stop.read();
+            worker.park_needs_reset("blk", self.interrupt.as_ref());
         }
         self.model
     }
 
-    fn event_loop(&mut self) -> Result<(), WorkerError> {
-        let mut events = [EpollEvent::default(); 2];
-        loop {
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(WorkerError::Epoll(e)),
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return Ok(()),
-                    TOKEN_QUEUE => {
-                        // Reset the counter; EAGAIN only means a spurious wakeup.
-                        let _ = self.queue.notify.read();
-                        if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
-                            if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
-                                warn!("blk: cannot signal the request queue: {e}");
-                            }
-                        }
-                    }
-                    _ => {}
+    fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
+        if wakeup == Wakeup::Ready(TOKEN_QUEUE) {
+            // Reset the counter; EAGAIN only means a spurious wakeup.
+            let _ = self.queue.notify.read();
+            if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
+                if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
+                    warn!("blk: cannot signal the request queue: {e}");
                 }
             }
         }
+        Ok(())
     }
 }

@@ -28,23 +28,21 @@
 //! (`VIRTIO_FS_F_NOTIFICATION` is not offered).
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
 use tracing::{debug, error, info, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
     features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::SessionFs;
 
@@ -69,8 +67,9 @@ pub const DEFAULT_TAG: &str = "cowork-sessions";
 /// going quiet (debug level), so a hostile driver cannot flood the host log.
 pub const MALFORMED_LOG_BUDGET: u32 = 32;
 
-/// epoll token of the stop eventfd; queue `i` (by position) uses `i + 1`.
-const TOKEN_STOP: u64 = 0;
+/// epoll token of the queue at position 0 of those the driver enabled;
+/// position `i` uses `i + 1` (0 is the worker's stop eventfd).
+const TOKEN_FIRST_QUEUE: u64 = 1;
 
 /// Why a device could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -106,13 +105,10 @@ pub struct FsDeviceStats {
     pub needs_reset: AtomicU64,
 }
 
-struct Worker {
-    stop: EventFd,
-    thread: JoinHandle<()>,
-}
-
 /// The virtio-fs device model.
 pub struct FsDevice {
+    /// First, so it is stopped before the rest is dropped.
+    worker: DeviceWorker<()>,
     config: [u8; CONFIG_SIZE],
     queue_sizes: Vec<u16>,
     fs: Arc<SessionFs>,
@@ -120,7 +116,6 @@ pub struct FsDevice {
     acked: u64,
     stats: Arc<FsDeviceStats>,
     log_budget: Arc<AtomicU32>,
-    worker: Option<Worker>,
 }
 
 impl FsDevice {
@@ -146,6 +141,7 @@ impl FsDevice {
         config[..tag.len()].copy_from_slice(tag.as_bytes());
         config[TAG_LEN..].copy_from_slice(&u32::from(request_queues).to_le_bytes());
         Ok(Self {
+            worker: DeviceWorker::new("virtio-fs"),
             config,
             queue_sizes: vec![QUEUE_SIZE; usize::from(request_queues) + 1],
             server: Arc::new(Server::new(fs.clone())),
@@ -153,7 +149,6 @@ impl FsDevice {
             acked: 0,
             stats: Arc::default(),
             log_budget: Arc::new(AtomicU32::new(MALFORMED_LOG_BUDGET)),
-            worker: None,
         })
     }
 
@@ -174,25 +169,7 @@ impl FsDevice {
 
     /// Whether a worker is running.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
-    }
-
-    fn stop_worker(&mut self) -> bool {
-        let Some(w) = self.worker.take() else {
-            return true;
-        };
-        if let Err(e) = w.stop.write(1) {
-            warn!("virtio-fs: cannot stop the worker: {e}");
-            self.worker = Some(w);
-            return false;
-        }
-        w.thread.join().is_ok()
-    }
-}
-
-impl Drop for FsDevice {
-    fn drop(&mut self) {
-        self.stop_worker();
+        self.worker.is_running()
     }
 }
 
@@ -232,7 +209,7 @@ impl VirtioDevice for FsDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
         let declared = self.queue_sizes.len();
@@ -245,20 +222,9 @@ impl VirtioDevice for FsDevice {
                 return Err(ActivateError::MissingQueue { index: required });
             }
         }
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
-        let add = |fd: RawFd, token: u64| {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, token),
-                )
-                .map_err(ActivateError::Worker)
-        };
-        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        let setup = WorkerSetup::new()?;
         for (pos, q) in queues.iter().enumerate() {
-            add(q.notify.as_raw_fd(), pos as u64 + 1)?;
+            setup.add(q.notify.as_raw_fd(), pos as u64 + TOKEN_FIRST_QUEUE)?;
         }
         let ctx = WorkerCtx {
             mem,
@@ -267,14 +233,10 @@ impl VirtioDevice for FsDevice {
             server: self.server.clone(),
             stats: self.stats.clone(),
             log_budget: self.log_budget.clone(),
-            epoll,
-            stop: stop.try_clone().map_err(ActivateError::Worker)?,
         };
-        let thread = std::thread::Builder::new()
-            .name("virtio-fs".into())
-            .spawn(move || ctx.run())
+        self.worker
+            .start("virtio-fs", setup, move |worker| ctx.run(worker))
             .map_err(ActivateError::Worker)?;
-        self.worker = Some(Worker { stop, thread });
         info!(
             tag = %String::from_utf8_lossy(&self.config[..TAG_LEN]).trim_end_matches('\0'),
             "virtio-fs device activated"
@@ -283,7 +245,7 @@ impl VirtioDevice for FsDevice {
     }
 
     fn reset(&mut self) -> bool {
-        let stopped = self.stop_worker();
+        let stopped = self.worker.stop().is_ok();
         if stopped {
             // End the FUSE session as DESTROY would: open files and inodes
             // of the previous driver instance are released.
@@ -315,47 +277,32 @@ struct WorkerCtx {
     server: Arc<Server<Arc<SessionFs>>>,
     stats: Arc<FsDeviceStats>,
     log_budget: Arc<AtomicU32>,
-    epoll: Epoll,
-    stop: EventFd,
 }
 
 impl WorkerCtx {
-    fn run(mut self) {
-        if let Err(e) = self.event_loop() {
+    fn run(mut self, worker: WorkerLoop) {
+        let events = self.queues.len() + 1;
+        if let Err(e) = worker.serve(events, WorkerError::Epoll, |w| self.on_wakeup(w)) {
             error!("virtio-fs: {e}; the device needs a reset");
             self.stats.needs_reset.fetch_add(1, Ordering::Relaxed);
-            if let Err(e) = self.interrupt.signal_needs_reset() {
-                warn!("virtio-fs: cannot signal needs-reset: {e}");
-            }
-            // Park until the transport resets (or drops) the device.
-            let _ = self.stop.read();
+            worker.park_needs_reset("virtio-fs", self.interrupt.as_ref());
         }
     }
 
-    fn event_loop(&mut self) -> Result<(), WorkerError> {
-        let mut events = vec![EpollEvent::default(); self.queues.len() + 1];
-        loop {
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(WorkerError::Epoll(e)),
-            };
-            for ev in &events[..n] {
-                let token = ev.data();
-                if token == TOKEN_STOP {
-                    return Ok(());
-                }
-                let Some(pos) = usize::try_from(token - 1)
-                    .ok()
-                    .filter(|p| *p < self.queues.len())
-                else {
-                    continue;
-                };
-                // Reset the counter; EAGAIN only means a spurious wakeup.
-                let _ = self.queues[pos].notify.read();
-                self.process(pos)?;
-            }
-        }
+    fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
+        let Wakeup::Ready(token) = wakeup else {
+            return Ok(());
+        };
+        let Some(pos) = token
+            .checked_sub(TOKEN_FIRST_QUEUE)
+            .and_then(|p| usize::try_from(p).ok())
+            .filter(|p| *p < self.queues.len())
+        else {
+            return Ok(());
+        };
+        // Reset the counter; EAGAIN only means a spurious wakeup.
+        let _ = self.queues[pos].notify.read();
+        self.process(pos)
     }
 
     /// Serves every available chain of the queue at `pos`.

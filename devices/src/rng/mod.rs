@@ -16,19 +16,17 @@
 //! queue, no config space.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use tracing::{debug, error, info, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestMemory};
+use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
     features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
 };
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
 #[cfg(test)]
 mod tests;
@@ -45,10 +43,11 @@ pub const QUEUE_SIZE: u16 = 64;
 /// (Linux asks for at most a page at a time).
 pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
 
-/// epoll token of the stop eventfd.
-const TOKEN_STOP: u64 = 0;
 /// epoll token of the queue's notify eventfd.
 const TOKEN_QUEUE: u64 = 1;
+/// Most epoll events the worker takes per wait (the stop eventfd and the
+/// queue).
+const WORKER_EVENTS: usize = 2;
 
 /// Errors of the rng device.
 #[derive(Debug, thiserror::Error)]
@@ -209,19 +208,15 @@ impl RngModel {
     }
 }
 
-struct Worker {
-    stop: EventFd,
-    thread: JoinHandle<()>,
-}
-
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running an [`RngModel`] on its own thread while active.
 pub struct RngDevice {
+    /// First, so it is stopped before the rest is dropped.
+    worker: DeviceWorker<()>,
     stats: Arc<RngStats>,
     features: u64,
     max_sizes: [u16; NUM_QUEUES],
     acked: u64,
-    worker: Option<Worker>,
 }
 
 impl Default for RngDevice {
@@ -235,11 +230,11 @@ impl RngDevice {
     pub fn new() -> Self {
         let model = RngModel::new();
         Self {
+            worker: DeviceWorker::new("rng"),
             stats: model.stats(),
             features: model.features(),
             max_sizes: [QUEUE_SIZE],
             acked: 0,
-            worker: None,
         }
     }
 
@@ -250,25 +245,7 @@ impl RngDevice {
 
     /// Whether the worker runs.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
-    }
-
-    fn stop_worker(&mut self) -> bool {
-        let Some(w) = self.worker.take() else {
-            return true;
-        };
-        if let Err(e) = w.stop.write(1) {
-            warn!("rng: cannot stop the worker: {e}");
-            self.worker = Some(w);
-            return false;
-        }
-        w.thread.join().is_ok()
-    }
-}
-
-impl Drop for RngDevice {
-    fn drop(&mut self) {
-        self.stop_worker();
+        self.worker.is_running()
     }
 }
 
@@ -312,7 +289,7 @@ impl VirtioDevice for RngDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
         let queue = queues
@@ -321,19 +298,8 @@ impl VirtioDevice for RngDevice {
             .ok_or(ActivateError::MissingQueue {
                 index: REQUEST_QUEUE,
             })?;
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
-        let add = |fd: RawFd, token: u64| {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, token),
-                )
-                .map_err(ActivateError::Worker)
-        };
-        add(stop.as_raw_fd(), TOKEN_STOP)?;
-        add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
+        let setup = WorkerSetup::new()?;
+        setup.add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
         let mut model = RngModel::new();
         model.stats = self.stats.clone();
         let ctx = WorkerCtx {
@@ -341,20 +307,16 @@ impl VirtioDevice for RngDevice {
             interrupt,
             queue,
             model,
-            epoll,
-            stop: stop.try_clone().map_err(ActivateError::Worker)?,
         };
-        let thread = std::thread::Builder::new()
-            .name("virtio-rng".into())
-            .spawn(move || ctx.run())
+        self.worker
+            .start("virtio-rng", setup, move |worker| ctx.run(worker))
             .map_err(ActivateError::Worker)?;
-        self.worker = Some(Worker { stop, thread });
         info!("rng: device activated");
         Ok(())
     }
 
     fn reset(&mut self) -> bool {
-        let stopped = self.stop_worker();
+        let stopped = self.worker.stop().is_ok();
         if stopped {
             info!("rng: device reset");
         }
@@ -367,8 +329,6 @@ struct WorkerCtx {
     interrupt: Arc<dyn VirtioInterrupt>,
     queue: ActiveQueue,
     model: RngModel,
-    epoll: Epoll,
-    stop: EventFd,
 }
 
 /// Why the worker stopped serving.
@@ -381,39 +341,22 @@ enum WorkerError {
 }
 
 impl WorkerCtx {
-    fn run(mut self) {
-        if let Err(e) = self.event_loop() {
+    fn run(mut self, worker: WorkerLoop) {
+        if let Err(e) = worker.serve(WORKER_EVENTS, WorkerError::Epoll, |w| self.on_wakeup(w)) {
             error!("rng: {e}; the device needs a reset");
-            if let Err(e) = self.interrupt.signal_needs_reset() {
-                warn!("rng: cannot signal needs-reset: {e}");
-            }
-            // Park until the transport resets (or drops) the device.
-            let _ = self.stop.read();
+            worker.park_needs_reset("rng", self.interrupt.as_ref());
         }
     }
 
-    fn event_loop(&mut self) -> Result<(), WorkerError> {
-        let mut events = [EpollEvent::default(); 2];
-        loop {
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(WorkerError::Epoll(e)),
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return Ok(()),
-                    TOKEN_QUEUE => {
-                        let _ = self.queue.notify.read();
-                        if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
-                            if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
-                                warn!("rng: cannot signal the request queue: {e}");
-                            }
-                        }
-                    }
-                    _ => {}
+    fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
+        if wakeup == Wakeup::Ready(TOKEN_QUEUE) {
+            let _ = self.queue.notify.read();
+            if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
+                if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
+                    warn!("rng: cannot signal the request queue: {e}");
                 }
             }
         }
+        Ok(())
     }
 }

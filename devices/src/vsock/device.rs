@@ -10,8 +10,9 @@
 //! filled only while a connection has something to say and its guest credit
 //! allows.
 //!
-//! [`VsockDevice`] runs the model on a worker thread with an epoll loop over
-//! the queue notify eventfds, the model's host fd and a stop eventfd. Its
+//! [`VsockDevice`] runs the model on a worker thread
+//! ([`vmm::virtio::worker`]) with an epoll loop over the queue notify
+//! eventfds, the model's host fd and a stop eventfd. Its
 //! config space is the 64-bit guest CID (virtio 1.2 §5.10.4). On activation
 //! the event queue gets a TRANSPORT_RESET only if the host asked for one.
 //!
@@ -21,17 +22,15 @@
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use tracing::{debug, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemory;
+use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
     features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::backend::VsockHost;
 use super::muxer::{Muxer, MuxerError, MuxerStats};
@@ -328,20 +327,16 @@ fn check_cid(cid: u64) -> Result<(), DeviceError> {
     }
 }
 
-struct Worker {
-    stop: EventFd,
-    thread: JoinHandle<()>,
-}
-
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running a [`VsockModel`] on its own thread while active.
 pub struct VsockDevice {
+    /// First, so it is stopped before the rest is dropped.
+    worker: DeviceWorker<()>,
     guest_cid: u64,
     config: VsockConfig,
     host: VsockHost,
     acked: u64,
     max_sizes: [u16; NUM_QUEUES],
-    worker: Option<Worker>,
 }
 
 impl VsockDevice {
@@ -349,12 +344,12 @@ impl VsockDevice {
     pub fn new(guest_cid: u64, config: VsockConfig, host: VsockHost) -> Result<Self, DeviceError> {
         check_cid(guest_cid)?;
         Ok(Self {
+            worker: DeviceWorker::new("vsock"),
             guest_cid,
             config,
             host,
             acked: 0,
             max_sizes: [QUEUE_SIZE; NUM_QUEUES],
-            worker: None,
         })
     }
 
@@ -365,25 +360,7 @@ impl VsockDevice {
 
     /// Whether the worker runs.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
-    }
-
-    fn stop_worker(&mut self) -> bool {
-        let Some(w) = self.worker.take() else {
-            return true;
-        };
-        if let Err(e) = w.stop.write(1) {
-            warn!("vsock: cannot stop the worker: {e}");
-            self.worker = Some(w);
-            return false;
-        }
-        w.thread.join().is_ok()
-    }
-}
-
-impl Drop for VsockDevice {
-    fn drop(&mut self) {
-        self.stop_worker();
+        self.worker.is_running()
     }
 }
 
@@ -419,7 +396,7 @@ impl VirtioDevice for VsockDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
         let mut slots: [Option<ActiveQueue>; NUM_QUEUES] = [None, None, None];
@@ -435,23 +412,11 @@ impl VirtioDevice for VsockDevice {
         let model = VsockModel::new(self.guest_cid, self.config.clone(), &self.host)
             .map_err(|e| ActivateError::Device(e.to_string()))?;
 
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
-        let add = |fd: RawFd, token: u64| {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, token),
-                )
-                .map_err(ActivateError::Worker)
-        };
-        add(stop.as_raw_fd(), TOKEN_STOP)?;
-        add(rx.notify.as_raw_fd(), TOKEN_RX)?;
-        add(tx.notify.as_raw_fd(), TOKEN_TX)?;
-        add(ev.notify.as_raw_fd(), TOKEN_EVENT)?;
-        add(model.host_fd(), TOKEN_HOST)?;
-        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let setup = WorkerSetup::new()?;
+        setup.add(rx.notify.as_raw_fd(), TOKEN_RX)?;
+        setup.add(tx.notify.as_raw_fd(), TOKEN_TX)?;
+        setup.add(ev.notify.as_raw_fd(), TOKEN_EVENT)?;
+        setup.add(model.host_fd(), TOKEN_HOST)?;
         let ctx = WorkerCtx {
             mem,
             interrupt,
@@ -459,23 +424,19 @@ impl VirtioDevice for VsockDevice {
             tx,
             ev,
             model,
-            epoll,
-            stop: worker_stop,
         };
-        let thread = std::thread::Builder::new()
-            .name("virtio-vsock".into())
-            .spawn(move || ctx.run())
-            .map_err(ActivateError::Worker)?;
-        self.worker = Some(Worker { stop, thread });
-        Ok(())
+        self.worker
+            .start("virtio-vsock", setup, move |worker| ctx.run(worker))
+            .map_err(ActivateError::Worker)
     }
 
     fn reset(&mut self) -> bool {
-        self.stop_worker()
+        self.worker.stop().is_ok()
     }
 }
 
-const TOKEN_STOP: u64 = 0;
+/// Most epoll events the worker takes per wait.
+const WORKER_EVENTS: usize = 8;
 const TOKEN_RX: u64 = 1;
 const TOKEN_TX: u64 = 2;
 const TOKEN_EVENT: u64 = 3;
@@ -488,43 +449,30 @@ struct WorkerCtx {
     tx: ActiveQueue,
     ev: ActiveQueue,
     model: VsockModel,
-    epoll: Epoll,
-    stop: EventFd,
 }
 
 impl WorkerCtx {
-    fn run(mut self) {
-        if let Err(e) = self.event_loop() {
+    fn run(mut self, worker: WorkerLoop) {
+        if let Err(e) = self.event_loop(&worker) {
             warn!("vsock: {e}; device needs reset");
-            if let Err(e) = self.interrupt.signal_needs_reset() {
-                warn!("vsock: cannot signal needs-reset: {e}");
-            }
-            // Park until the transport resets (or drops) us.
-            let _ = self.stop.read();
+            worker.park_needs_reset("vsock", self.interrupt.as_ref());
         }
     }
 
-    fn event_loop(&mut self) -> Result<(), WorkerLoopError> {
-        let mut events = [EpollEvent::default(); 8];
+    fn event_loop(&mut self, worker: &WorkerLoop) -> Result<(), WorkerLoopError> {
         // Buffers may have been posted before DRIVER_OK: one pass up front.
         self.pass()?;
-        loop {
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(WorkerLoopError::Epoll(e)),
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return Ok(()),
-                    TOKEN_RX => drop(self.rx.notify.read()),
-                    TOKEN_TX => drop(self.tx.notify.read()),
-                    TOKEN_EVENT => drop(self.ev.notify.read()),
-                    _ => {}
-                }
+        worker.serve(WORKER_EVENTS, WorkerLoopError::Epoll, |wakeup| {
+            match wakeup {
+                Wakeup::Ready(TOKEN_RX) => drop(self.rx.notify.read()),
+                Wakeup::Ready(TOKEN_TX) => drop(self.tx.notify.read()),
+                Wakeup::Ready(TOKEN_EVENT) => drop(self.ev.notify.read()),
+                // The host fd is level-triggered: the pass serves it.
+                Wakeup::Ready(_) => {}
+                Wakeup::BatchDone => self.pass()?,
             }
-            self.pass()?;
-        }
+            Ok(())
+        })
     }
 
     fn pass(&mut self) -> Result<(), WorkerLoopError> {

@@ -5,7 +5,8 @@
 //! and, once the driver has finished initialisation, receives its queues, their
 //! notification [`EventFd`]s and a [`VirtioInterrupt`] handle in
 //! [`VirtioDevice::activate`], where it moves its work to its own thread or
-//! event loop. Devices know nothing of KVM: the transport
+//! event loop ([`worker`] holds the thread, stop and epoll machinery the
+//! in-process devices share). Devices know nothing of KVM: the transport
 //! ([`mmio::MmioTransport`]) turns a [`VirtioInterrupt`] signal into an
 //! interrupt-status bit plus a write to an `EventFd` the machine registers as a
 //! KVM irqfd, and the machine registers each queue's notify `EventFd` as a KVM
@@ -24,6 +25,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub mod mmio;
 pub mod testdev;
+pub mod worker;
 
 pub use mmio::{MmioTransport, MmioTransportError};
 

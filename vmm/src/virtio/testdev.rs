@@ -16,16 +16,15 @@
 //! (device-readable descriptors are skipped).
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use tracing::{debug, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
+use super::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use super::{features, read_config_bytes, write_config_bytes};
 use super::{ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt};
 
@@ -43,6 +42,9 @@ pub const CONFIG_COMPLETED: u64 = 4;
 pub const CONFIG_SIZE: usize = 8;
 /// Largest buffer chunk the worker writes at once.
 const CHUNK: usize = 4096;
+/// epoll token of the queue at position 0; position `i` uses `i + 1` (0 is
+/// the worker's stop eventfd).
+const TOKEN_FIRST_QUEUE: u64 = 1;
 
 /// Byte `i` of the pattern for `seed`.
 pub fn pattern_byte(seed: u32, i: usize) -> u8 {
@@ -56,27 +58,23 @@ struct Counters {
     completed: AtomicU32,
 }
 
-struct Worker {
-    stop: EventFd,
-    thread: JoinHandle<()>,
-}
-
 /// The pattern-writing test device.
 pub struct PatternDevice {
+    /// First, so it is stopped before the rest is dropped.
+    worker: DeviceWorker<()>,
     max_sizes: Vec<u16>,
     acked: u64,
     counters: Arc<Counters>,
-    worker: Option<Worker>,
 }
 
 impl PatternDevice {
     /// A device with one queue per entry of `max_sizes`.
     pub fn new(max_sizes: Vec<u16>) -> Self {
         Self {
+            worker: DeviceWorker::new("testdev"),
             max_sizes,
             acked: 0,
             counters: Arc::default(),
-            worker: None,
         }
     }
 
@@ -87,26 +85,7 @@ impl PatternDevice {
 
     /// Whether a worker thread is running.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
-    }
-
-    fn stop_worker(&mut self) -> bool {
-        let Some(w) = self.worker.take() else {
-            return true;
-        };
-        if let Err(e) = w.stop.write(1) {
-            warn!("testdev: cannot stop the worker: {e}");
-            // Keep the handle so a later reset can retry.
-            self.worker = Some(w);
-            return false;
-        }
-        w.thread.join().is_ok()
-    }
-}
-
-impl Drop for PatternDevice {
-    fn drop(&mut self) {
-        self.stop_worker();
+        self.worker.is_running()
     }
 }
 
@@ -153,55 +132,28 @@ impl VirtioDevice for PatternDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
-        // Blocking, so a failed worker can park on it until reset.
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
-        // Token = queue position + 1; 0 = stop.
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                raw_fd(&stop),
-                EpollEvent::new(EventSet::IN, 0),
-            )
-            .map_err(ActivateError::Worker)?;
+        let setup = WorkerSetup::new()?;
         for (pos, q) in queues.iter().enumerate() {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    raw_fd(&q.notify),
-                    EpollEvent::new(EventSet::IN, pos as u64 + 1),
-                )
-                .map_err(ActivateError::Worker)?;
+            setup.add(q.notify.as_raw_fd(), pos as u64 + TOKEN_FIRST_QUEUE)?;
         }
-        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
         self.counters.completed.store(0, Ordering::SeqCst);
         let ctx = WorkerCtx {
             mem,
             interrupt,
             queues,
             counters: self.counters.clone(),
-            epoll,
-            stop: worker_stop,
         };
-        let thread = std::thread::Builder::new()
-            .name("virtio-testdev".into())
-            .spawn(move || ctx.run())
-            .map_err(ActivateError::Worker)?;
-        self.worker = Some(Worker { stop, thread });
-        Ok(())
+        self.worker
+            .start("virtio-testdev", setup, move |worker| ctx.run(worker))
+            .map_err(ActivateError::Worker)
     }
 
     fn reset(&mut self) -> bool {
-        self.stop_worker()
+        self.worker.stop().is_ok()
     }
-}
-
-fn raw_fd(evt: &EventFd) -> i32 {
-    use std::os::fd::AsRawFd;
-    evt.as_raw_fd()
 }
 
 /// Why the worker gave up on the queues.
@@ -227,40 +179,23 @@ struct WorkerCtx {
     interrupt: Arc<dyn VirtioInterrupt>,
     queues: Vec<ActiveQueue>,
     counters: Arc<Counters>,
-    epoll: Epoll,
-    stop: EventFd,
 }
 
 impl WorkerCtx {
-    fn run(mut self) {
-        if let Err(e) = self.event_loop() {
-            warn!("testdev: {e}; device needs reset");
-            if let Err(e) = self.interrupt.signal_needs_reset() {
-                warn!("testdev: cannot signal needs-reset: {e}");
-            }
-            // Park until the transport resets (or drops) us.
-            let _ = self.stop.read();
-        }
-    }
-
-    fn event_loop(&mut self) -> Result<(), WorkerError> {
-        let mut events = vec![EpollEvent::default(); self.queues.len() + 1];
-        loop {
-            let n = match self.epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(WorkerError::Epoll(e)),
+    fn run(mut self, worker: WorkerLoop) {
+        let events = self.queues.len() + 1;
+        let served = worker.serve(events, WorkerError::Epoll, |wakeup| {
+            let Wakeup::Ready(token) = wakeup else {
+                return Ok(());
             };
-            for ev in &events[..n] {
-                let token = ev.data();
-                if token == 0 {
-                    return Ok(());
-                }
-                let pos = (token - 1) as usize;
-                // Reset the counter; EAGAIN just means a spurious wakeup.
-                let _ = self.queues[pos].notify.read();
-                self.process(pos)?;
-            }
+            let pos = (token - TOKEN_FIRST_QUEUE) as usize;
+            // Reset the counter; EAGAIN just means a spurious wakeup.
+            let _ = self.queues[pos].notify.read();
+            self.process(pos)
+        });
+        if let Err(e) = served {
+            warn!("testdev: {e}; device needs reset");
+            worker.park_needs_reset("testdev", self.interrupt.as_ref());
         }
     }
 

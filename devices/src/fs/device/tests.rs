@@ -15,6 +15,7 @@ use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use vm_memory::{ByteValued, Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
 use crate::fs::testutil::{Fixture, PRE};

@@ -1,0 +1,324 @@
+//! The worker thread every in-process virtio device runs while active.
+//!
+//! A device builds a [`WorkerSetup`] in [`VirtioDevice::activate`]: a
+//! blocking stop [`EventFd`] and an epoll set in which it is already
+//! registered under [`STOP_TOKEN`]; the device adds its queue notify
+//! eventfds (and any other fd it waits on) under tokens of its own, then
+//! [`DeviceWorker::start`]s a named thread with it. The thread's body gets
+//! the worker's end, a [`WorkerLoop`]: [`WorkerLoop::serve`] waits on the
+//! epoll set and hands every token but the stop token to the device until
+//! stopped, and [`WorkerLoop::park_needs_reset`] is the failure policy (ask
+//! the driver for a reset, then do nothing until the transport stops the
+//! worker). [`DeviceWorker::stop`] (on reset, and on drop) writes the stop
+//! eventfd and joins the thread, returning what its body returned.
+//!
+//! Limits: one thread per device; level-triggered `EPOLLIN` only.
+//!
+//! [`VirtioDevice::activate`]: super::VirtioDevice::activate
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::thread::JoinHandle;
+
+use tracing::warn;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{ActivateError, VirtioInterrupt};
+
+/// epoll token of the stop eventfd; devices register their fds under other
+/// tokens.
+pub const STOP_TOKEN: u64 = 0;
+
+/// What [`WorkerLoop::serve`] hands the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wakeup {
+    /// The fd registered under this token is readable.
+    Ready(u64),
+    /// Every event of one wait was handed over (and none was the stop).
+    BatchDone,
+}
+
+/// Why [`DeviceWorker::stop`] did not get the worker's result.
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    /// The stop eventfd could not be written; the worker still runs and is
+    /// kept, so a later stop can retry.
+    #[error("cannot stop the worker: {0}")]
+    Signal(#[source] io::Error),
+    /// The worker thread panicked; it is gone, and what it owned with it.
+    #[error("the worker panicked")]
+    Panicked,
+}
+
+/// The epoll set and stop eventfd of a worker about to be started.
+pub struct WorkerSetup {
+    stop: EventFd,
+    worker: WorkerLoop,
+}
+
+impl WorkerSetup {
+    /// A new blocking stop eventfd (a failed worker parks on it) and an
+    /// epoll set holding it under [`STOP_TOKEN`].
+    pub fn new() -> Result<Self, ActivateError> {
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let epoll = Epoll::new().map_err(ActivateError::Worker)?;
+        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let setup = Self {
+            stop,
+            worker: WorkerLoop {
+                epoll,
+                stop: worker_stop,
+            },
+        };
+        setup.register(setup.stop.as_raw_fd(), STOP_TOKEN)?;
+        Ok(setup)
+    }
+
+    /// Wakes the worker with [`Wakeup::Ready`]`(token)` while `fd` is
+    /// readable. `token` must not be [`STOP_TOKEN`].
+    pub fn add(&self, fd: RawFd, token: u64) -> Result<(), ActivateError> {
+        if token == STOP_TOKEN {
+            return Err(ActivateError::Worker(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "epoll token 0 is reserved for the stop eventfd",
+            )));
+        }
+        self.register(fd, token)
+    }
+
+    fn register(&self, fd: RawFd, token: u64) -> Result<(), ActivateError> {
+        self.worker
+            .epoll
+            .ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
+            .map_err(ActivateError::Worker)
+    }
+}
+
+/// The worker thread's end: the epoll set and its copy of the stop eventfd.
+pub struct WorkerLoop {
+    epoll: Epoll,
+    stop: EventFd,
+}
+
+impl WorkerLoop {
+    /// Waits (up to `max_events` events at a time) and hands each token to
+    /// `on_wakeup`, then [`Wakeup::BatchDone`]; returns `Ok` when the stop
+    /// eventfd fires (the events before it in the same wait are handed over
+    /// first, the ones after it are not). An interrupted wait is retried;
+    /// another epoll error is returned through `epoll_error`, and so is the
+    /// first error of `on_wakeup`.
+    pub fn serve<E>(
+        &self,
+        max_events: usize,
+        epoll_error: impl Fn(io::Error) -> E,
+        mut on_wakeup: impl FnMut(Wakeup) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut events = vec![EpollEvent::default(); max_events.max(1)];
+        loop {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(epoll_error(e)),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    STOP_TOKEN => return Ok(()),
+                    token => on_wakeup(Wakeup::Ready(token))?,
+                }
+            }
+            on_wakeup(Wakeup::BatchDone)?;
+        }
+    }
+
+    /// The failure policy: signals DEVICE_NEEDS_RESET through `interrupt`
+    /// (logging `"<name>: cannot signal needs-reset: ..."` if that fails),
+    /// then blocks until the transport resets (or drops) the device. The
+    /// caller logs why it failed first.
+    pub fn park_needs_reset(&self, name: &str, interrupt: &dyn VirtioInterrupt) {
+        if let Err(e) = interrupt.signal_needs_reset() {
+            warn!("{name}: cannot signal needs-reset: {e}");
+        }
+        let _ = self.stop.read();
+    }
+}
+
+struct Running<T> {
+    stop: EventFd,
+    thread: JoinHandle<T>,
+}
+
+/// A device's worker thread slot: empty while the device is inactive. The
+/// thread's body returns a `T` (what it owned that the device wants back)
+/// to [`Self::stop`]. Dropping it stops the worker.
+pub struct DeviceWorker<T> {
+    /// Prefix of the log lines about this worker (`"rng"`, `"blk"`...).
+    name: &'static str,
+    running: Option<Running<T>>,
+}
+
+impl<T> DeviceWorker<T> {
+    /// An empty slot for a device that logs as `name`.
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            running: None,
+        }
+    }
+
+    /// Whether a worker thread runs (or is parked after a failure).
+    pub fn is_running(&self) -> bool {
+        self.running.is_some()
+    }
+
+    /// Stops and joins the worker. `Ok(None)`: none was running;
+    /// `Ok(Some(t))`: it stopped and returned `t`.
+    pub fn stop(&mut self) -> Result<Option<T>, StopError> {
+        let Some(running) = self.running.take() else {
+            return Ok(None);
+        };
+        if let Err(e) = running.stop.write(1) {
+            warn!("{}: cannot stop the worker: {e}", self.name);
+            // Keep the handle so a later reset can retry.
+            self.running = Some(running);
+            return Err(StopError::Signal(e));
+        }
+        running
+            .thread
+            .join()
+            .map(Some)
+            .map_err(|_| StopError::Panicked)
+    }
+}
+
+impl<T: Send + 'static> DeviceWorker<T> {
+    /// Spawns the thread `thread_name` running `body` with `setup`'s worker
+    /// end. On error the thread did not start and `body` is dropped. The
+    /// caller checks [`Self::is_running`] first: starting over a running
+    /// worker stops it.
+    pub fn start(
+        &mut self,
+        thread_name: &str,
+        setup: WorkerSetup,
+        body: impl FnOnce(WorkerLoop) -> T + Send + 'static,
+    ) -> io::Result<()> {
+        let WorkerSetup { stop, worker } = setup;
+        let thread = std::thread::Builder::new()
+            .name(thread_name.into())
+            .spawn(move || body(worker))?;
+        let _ = self.stop();
+        self.running = Some(Running { stop, thread });
+        Ok(())
+    }
+}
+
+impl<T> Drop for DeviceWorker<T> {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::mpsc;
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// Token the tests register their kick eventfd under.
+    const TOKEN_KICK: u64 = 7;
+
+    #[derive(Default)]
+    struct CountReset(AtomicU32);
+
+    impl VirtioInterrupt for CountReset {
+        fn signal_used_queue(&self, _queue: u16) -> io::Result<()> {
+            Ok(())
+        }
+        fn signal_config_change(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn signal_needs_reset(&self) -> io::Result<()> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn stop_token_is_reserved() {
+        let setup = WorkerSetup::new().unwrap();
+        let fd = EventFd::new(0).unwrap();
+        assert!(matches!(
+            setup.add(fd.as_raw_fd(), STOP_TOKEN),
+            Err(ActivateError::Worker(_))
+        ));
+        setup.add(fd.as_raw_fd(), TOKEN_KICK).unwrap();
+    }
+
+    #[test]
+    fn serves_tokens_then_returns_the_body_result_on_stop() {
+        let kick = EventFd::new(0).unwrap();
+        let setup = WorkerSetup::new().unwrap();
+        setup.add(kick.as_raw_fd(), TOKEN_KICK).unwrap();
+        let worker_kick = kick.try_clone().unwrap();
+        let (seen_tx, seen_rx) = mpsc::channel();
+        let mut worker = DeviceWorker::new("test");
+        assert!(!worker.is_running());
+        worker
+            .start("worker-test", setup, move |lp| {
+                let mut kicks = 0u32;
+                let res: Result<(), io::Error> = lp.serve(
+                    2,
+                    |e| e,
+                    |w| {
+                        if w == Wakeup::Ready(TOKEN_KICK) {
+                            let _ = worker_kick.read();
+                            kicks += 1;
+                            let _ = seen_tx.send(w);
+                        }
+                        Ok(())
+                    },
+                );
+                assert!(res.is_ok());
+                kicks
+            })
+            .unwrap();
+        assert!(worker.is_running());
+        kick.write(1).unwrap();
+        assert_eq!(seen_rx.recv().unwrap(), Wakeup::Ready(TOKEN_KICK));
+        assert_eq!(worker.stop().unwrap(), Some(1));
+        assert!(!worker.is_running());
+        assert_eq!(worker.stop().unwrap(), None);
+    }
+
+    #[test]
+    fn failed_worker_signals_needs_reset_and_parks_until_stopped() {
+        let kick = EventFd::new(0).unwrap();
+        let setup = WorkerSetup::new().unwrap();
+        setup.add(kick.as_raw_fd(), TOKEN_KICK).unwrap();
+        let interrupt = Arc::new(CountReset::default());
+        let irq = interrupt.clone();
+        let mut worker = DeviceWorker::new("test");
+        worker
+            .start("worker-test", setup, move |lp| {
+                let res = lp.serve(2, |e| e.to_string(), |_| Err("broken".to_string()));
+                assert_eq!(res, Err("broken".to_string()));
+                lp.park_needs_reset("test", irq.as_ref());
+                "parked"
+            })
+            .unwrap();
+        kick.write(1).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while interrupt.0.load(Ordering::SeqCst) == 0 {
+            assert!(std::time::Instant::now() < deadline, "no needs-reset");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(worker.stop().unwrap(), Some("parked"));
+        assert_eq!(interrupt.0.load(Ordering::SeqCst), 1);
+    }
+}
