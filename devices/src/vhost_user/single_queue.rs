@@ -4,8 +4,9 @@
 //! frontend.
 //!
 //! Guest memory comes from the frontend's shared (memfd) regions, mapped by
-//! the vhost-user-backend crate; the config space is served through
-//! `VHOST_USER_PROTOCOL_F_CONFIG`.
+//! the vhost-user-backend crate; a device with a config space (blk) serves
+//! it through `VHOST_USER_PROTOCOL_F_CONFIG`, one without (rng) does not
+//! offer that feature (QEMU's vhost-user-rng warns when it is offered).
 //!
 //! Limits: one frontend connection per server (bind a new one for the next
 //! VM); one worker thread; no dirty-page logging (no live migration).
@@ -112,7 +113,14 @@ impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
-        VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG
+        // CONFIG only with a config space to serve: QEMU's frontends of
+        // config-less devices (vhost-user-rng) do not negotiate it and log
+        // a warning on every boot when the backend offers it.
+        if self.model.config().is_empty() {
+            VhostUserProtocolFeatures::MQ
+        } else {
+            VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG
+        }
     }
 
     fn set_event_idx(&mut self, _enabled: bool) {
@@ -256,5 +264,38 @@ impl<T: QueueModel> SingleQueueServer<T> {
         std::thread::Builder::new()
             .name(format!("vhost-user-{}", T::NAME))
             .spawn(move || self.run())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blk::{create_sparse_image, BlkConfig, BlkModel, RawImage};
+    use crate::rng::RngModel;
+
+    fn backend<T: QueueModel>(model: T) -> SingleQueueBackend<T> {
+        SingleQueueBackend::new(model, GuestMemoryAtomic::new(GuestMemoryMmap::new())).unwrap()
+    }
+
+    #[test]
+    fn config_is_offered_only_with_a_config_space() {
+        let rng = backend(RngModel::new());
+        assert_eq!(rng.protocol_features(), VhostUserProtocolFeatures::MQ);
+        assert!(rng.get_config(0, 1).is_empty());
+
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("disk.img");
+        create_sparse_image(&img, 1 << 20).unwrap();
+        let model = BlkModel::new(
+            Box::new(RawImage::open(&img).unwrap()),
+            &BlkConfig::new("cfg-test"),
+        )
+        .unwrap();
+        let blk = backend(model);
+        assert!(blk
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG));
+        // virtio_blk_config starts with the capacity in 512-byte sectors.
+        assert_eq!(blk.get_config(0, 8), (2048u64).to_le_bytes().to_vec());
     }
 }
