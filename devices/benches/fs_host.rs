@@ -19,7 +19,9 @@
 //! Each figure is the best of [`ROUNDS`] rounds. Environment overrides:
 //! `FS_BENCH_MIB` (file size), `FS_BENCH_FILES` (file count),
 //! `FS_BENCH_DIR` (where the scratch directory and mount point go),
-//! `FS_BENCH_WORKERS` (server threads, default 2).
+//! `FS_BENCH_WORKERS` (server threads, default 2), `FS_BENCH_MODE` (the
+//! grant's mode, `rwd` by default; `rw` adds the server's "created by the
+//! guest" check to every unlink).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -43,12 +45,26 @@ const DEFAULT_FILES: usize = 5000;
 const SMALL_FILE: usize = 100;
 /// Default server worker threads.
 const DEFAULT_WORKERS: usize = 2;
+/// Default grant mode: deletion without the `rw` creation check.
+const DEFAULT_MODE: GrantMode = GrantMode::Rwd;
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// The grant mode from `FS_BENCH_MODE` (default `rwd`); `ro` cannot run the
+/// workload.
+fn env_mode() -> GrantMode {
+    match std::env::var("FS_BENCH_MODE") {
+        Err(_) => DEFAULT_MODE,
+        Ok(v) => match GrantMode::parse(&v) {
+            Some(GrantMode::Ro) | None => panic!("FS_BENCH_MODE must be rw or rwd, not {v:?}"),
+            Some(m) => m,
+        },
+    }
 }
 
 fn mib_per_s(bytes: usize, d: Duration) -> f64 {
@@ -142,6 +158,7 @@ fn main() {
     let mib = env_usize("FS_BENCH_MIB", DEFAULT_MIB);
     let files = env_usize("FS_BENCH_FILES", DEFAULT_FILES);
     let workers = env_usize("FS_BENCH_WORKERS", DEFAULT_WORKERS);
+    let mode = env_mode();
     let base = std::env::var_os("FS_BENCH_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
@@ -157,7 +174,7 @@ fn main() {
     let host = measure(scratch.path(), mib, files, false);
 
     let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
-    fs.add_grant("bench", "data", scratch.path(), GrantMode::Rwd)
+    fs.add_grant("bench", "data", scratch.path(), mode)
         .expect("grant the scratch dir");
     let mount =
         HostMount::mount(fs, mnt.path(), workers).expect("mount over /dev/fuse (run as root)");
@@ -166,7 +183,8 @@ fn main() {
     mount.unmount().expect("unmount");
 
     println!(
-        "virtio-fs server over /dev/fuse vs the host filesystem ({} workers, best of {ROUNDS}, scratch in {})",
+        "virtio-fs server over /dev/fuse vs the host filesystem ({} grant, {} workers, best of {ROUNDS}, scratch in {})",
+        mode,
         workers,
         base.display()
     );
