@@ -87,9 +87,15 @@ pub const VIRTUAL_DIR_TTL: Duration = Duration::from_secs(1);
 
 /// How long the guest may cache a name lookup inside a grant. Host-side
 /// changes to a granted tree show up in the guest after at most this long.
+/// The same as virtiofsd's default (`cache=auto`): a longer lifetime would
+/// save the guest's revalidating LOOKUP of names older than this (before an
+/// unlink, say) at the price of staler views of files the user edits on
+/// the host.
 pub const GRANT_ENTRY_TTL: Duration = Duration::from_secs(1);
 
-/// How long the guest may cache attributes of files inside a grant.
+/// How long the guest may cache attributes of files inside a grant (as
+/// virtiofsd's `cache=auto`). A `stat` of a name looked up less than this
+/// (and [`GRANT_ENTRY_TTL`]) ago costs no request at all.
 pub const GRANT_ATTR_TTL: Duration = Duration::from_secs(1);
 
 /// Longest session name or mount-name component (Linux `NAME_MAX`).

@@ -43,7 +43,12 @@
 //! Limits: the set of created identities grows with the number of live
 //! files the guest created in an `rw` grant (about 40 bytes each). A host
 //! inode number reused by the host for a new file after the guest's file is
-//! deleted by someone else keeps the guest's deletion right.
+//! deleted by someone else keeps the guest's deletion right. The `rw`
+//! check costs each unlink, rmdir and rename one host lookup of the name
+//! (`openat(O_PATH)`, `statx`, `close`) before the removal itself: the
+//! passthrough filesystem does not expose the parent's descriptor, which a
+//! single `fstatat` would need. `rwd` and `ro` add no system call to any
+//! request.
 
 use std::any::Any;
 use std::collections::HashSet;
