@@ -36,10 +36,13 @@
 #[path = "support/nested.rs"]
 mod nested;
 
+#[path = "support/vm_helper.rs"]
+mod vm_helper;
+
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -47,6 +50,7 @@ use cowork_helper::backend::qemu::{self, GuestImage};
 use cowork_helper::client::{Pipe, Subscription};
 use cowork_helper::daemon::profile_key;
 use serde_json::{json, Value};
+use vm_helper::VmHelper;
 
 /// Name of the test (also what the nested re-run selects).
 const TEST: &str = "kvm_backend_end_to_end";
@@ -117,6 +121,16 @@ fn helper_exe() -> PathBuf {
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper")))
+}
+
+/// Where the helper's files go: inside the harness `/` is the host's over
+/// virtiofs, so the socket and state stay on the L1 guest's own tmpfs.
+fn helper_base_dir() -> PathBuf {
+    if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    }
 }
 
 /// The guest image the helper binary will use, or why there is none.
@@ -279,102 +293,6 @@ fn nested_run() {
     }
 }
 
-/// The helper process; killed (and its log printed when failing) on drop.
-struct Helper {
-    child: Option<Child>,
-    socket: PathBuf,
-    log: PathBuf,
-    /// Where this helper's files live.
-    dir: PathBuf,
-    _tmp: tempfile::TempDir,
-}
-
-impl Helper {
-    fn start() -> Helper {
-        // Inside the harness / is the host's over virtiofs; keep the socket
-        // and state on the L1 guest's own tmpfs.
-        let base = if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = tempfile::Builder::new()
-            .prefix("cowork-kvm-e2e-")
-            .tempdir_in(base)
-            .expect("tempdir");
-        let socket = dir.path().join("helper.sock");
-        let log = dir.path().join("helper.log");
-        let out = File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(helper_exe())
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--backend", "kvm", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .env_remove("COWORK_BACKEND")
-            .env("COWORK_LOG", "info,cowork_helper=debug")
-            .env("XDG_RUNTIME_DIR", dir.path().join("run"))
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .expect("start cowork-helper");
-        let h = Helper {
-            child: Some(child),
-            socket,
-            log,
-            dir: dir.path().to_path_buf(),
-            _tmp: dir,
-        };
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "helper did not listen: {}",
-                h.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        h
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM, then the exit status (bounded).
-    fn stop(&mut self) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(30) {
-            if let Ok(Some(st)) = child.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait().ok()
-    }
-}
-
-impl Drop for Helper {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
-        }
-    }
-}
-
 /// Names of the threads of `pid`.
 fn thread_names(pid: u32) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -451,7 +369,7 @@ fn assert_unlocked(disk: &Path) {
 }
 
 /// startVM with the test's size, timed; panics with the helper's log.
-async fn start_vm(pipe: &Pipe, helper: &Helper, what: &str) -> Duration {
+async fn start_vm(pipe: &Pipe, helper: &VmHelper, what: &str) -> Duration {
     let t0 = Instant::now();
     tokio::time::timeout(
         START_LIMIT,
@@ -517,7 +435,13 @@ fn body() {
 }
 
 async fn body_async() {
-    let mut helper = Helper::start();
+    let mut helper = VmHelper::start_temp(
+        &helper_exe(),
+        "cowork-kvm-e2e-",
+        &helper_base_dir(),
+        "kvm",
+        Duration::from_secs(30),
+    );
     let pid = helper.pid();
     let root = "/tmp/kvm-e2e-profile";
     let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)

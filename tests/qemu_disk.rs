@@ -14,10 +14,13 @@
 //! (rebuild it with `scripts/mkguestimage.sh`). With `COWORK_QEMU_TESTS=1`
 //! a missing prerequisite fails the test instead of skipping it.
 
+#[path = "support/vm_helper.rs"]
+mod vm_helper;
+
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -25,6 +28,7 @@ use cowork_helper::backend::qemu::{self, GuestImage};
 use cowork_helper::client::{Pipe, Subscription};
 use cowork_helper::daemon::profile_key;
 use serde_json::{json, Value};
+use vm_helper::VmHelper;
 
 /// Environment variable that makes missing prerequisites a failure.
 const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
@@ -111,96 +115,23 @@ fn prerequisites() -> bool {
     false
 }
 
-/// A helper process on `dir`'s data directory; killed (and its log
-/// printed when failing) on drop.
-struct Helper {
-    child: Option<Child>,
-    socket: PathBuf,
-    log: PathBuf,
-}
-
-impl Helper {
-    /// Starts a helper whose socket, log and runtime directory are in
-    /// `dir` and whose data directory is `dir/data`.
-    fn start(dir: &Path, name: &str) -> Helper {
-        let socket = dir.join(format!("{name}.sock"));
-        let log = dir.join(format!("{name}.log"));
-        let out = File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(helper_exe())
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--backend", "qemu", "--data-dir"])
-            .arg(dir.join("data"))
-            .env_remove("COWORK_BACKEND")
-            .env("COWORK_LOG", "info,cowork_helper=debug")
-            .env("XDG_RUNTIME_DIR", dir.join("run"))
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .expect("start cowork-helper");
-        let h = Helper {
-            child: Some(child),
-            socket,
-            log,
-        };
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(15),
-                "helper did not listen: {}",
-                h.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        h
+/// SIGTERM; asserts a clean exit (bounded), printing the log when
+/// `VERBOSE_ENV` is set.
+fn stop_clean(helper: &mut VmHelper) {
+    let status = helper.stop();
+    if std::env::var_os(VERBOSE_ENV).is_some() {
+        eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
     }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM; asserts a clean exit (bounded).
-    fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = Instant::now();
-        let status = loop {
-            if let Ok(Some(st)) = child.try_wait() {
-                break st;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "helper ignored SIGTERM: {}",
-                self.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        if std::env::var_os(VERBOSE_ENV).is_some() {
-            eprintln!("---- helper log ----\n{}---- end ----", self.log_text());
-        }
-        assert!(status.success(), "helper exit: {status}");
-    }
-}
-
-impl Drop for Helper {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
-        }
-    }
+    let status = status.expect("helper exit status");
+    assert!(
+        status.success(),
+        "helper exit: {status}\n{}",
+        helper.log_text()
+    );
 }
 
 /// A connected, configured pipe and a subscription for the test's profile.
-async fn connect(helper: &Helper) -> (Pipe, Subscription) {
+async fn connect(helper: &VmHelper) -> (Pipe, Subscription) {
     let pipe = Pipe::connect_profile(&helper.socket, PROFILE, ROOT)
         .await
         .expect("connect");
@@ -285,7 +216,13 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
 
     // Helper 1: createVM makes the sparse 1 GiB disk; the first boot
     // formats it and a session writes a file.
-    let mut helper = Helper::start(dir.path(), "helper1");
+    let mut helper = VmHelper::start_in(
+        &helper_exe(),
+        dir.path(),
+        "helper1",
+        "qemu",
+        Duration::from_secs(15),
+    );
     let (pipe, mut sub) = connect(&helper).await;
     pipe.call("createVM", json!({"bundlePath": "", "diskSizeGB": 1}))
         .await
@@ -371,12 +308,18 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);
-    helper.stop();
+    stop_clean(&mut helper);
 
     // Helper 2 on the same data directory: createVM with other sizes keeps
     // the disk (grown sparsely when larger, never shrunk), and the file is
     // still there.
-    let mut helper = Helper::start(dir.path(), "helper2");
+    let mut helper = VmHelper::start_in(
+        &helper_exe(),
+        dir.path(),
+        "helper2",
+        "qemu",
+        Duration::from_secs(15),
+    );
     let (pipe, _sub) = connect(&helper).await;
     pipe.call("createVM", json!({"diskSizeGB": 2}))
         .await
@@ -406,5 +349,5 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     assert_unlocked(&disk);
     drop(pipe);
-    helper.stop();
+    stop_clean(&mut helper);
 }

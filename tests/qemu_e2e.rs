@@ -16,15 +16,17 @@
 //! installed; with `COWORK_QEMU_TESTS=1` a missing prerequisite fails the
 //! test instead of skipping it.
 
-use std::fs::File;
+#[path = "support/vm_helper.rs"]
+mod vm_helper;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use cowork_helper::backend::qemu::{self, GuestImage};
 use cowork_helper::client::{Pipe, ProcessOutput, Subscription};
 use serde_json::{json, Value};
+use vm_helper::VmHelper;
 
 /// Environment variable that makes missing prerequisites a failure.
 const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
@@ -94,92 +96,6 @@ fn prerequisites() -> bool {
     false
 }
 
-/// The helper process; killed (and its log printed when failing) on drop.
-struct Helper {
-    child: Option<Child>,
-    socket: PathBuf,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Helper {
-    fn start() -> Helper {
-        let dir = tempfile::Builder::new()
-            .prefix("cowork-qemu-e2e-")
-            .tempdir()
-            .expect("tempdir");
-        let socket = dir.path().join("helper.sock");
-        let log = dir.path().join("helper.log");
-        let out = File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(helper_exe())
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--backend", "qemu", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .env_remove("COWORK_BACKEND")
-            .env("COWORK_LOG", "info,cowork_helper=debug")
-            .env("XDG_RUNTIME_DIR", dir.path().join("run"))
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .expect("start cowork-helper");
-        let h = Helper {
-            child: Some(child),
-            socket,
-            log,
-            _dir: dir,
-        };
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(15),
-                "helper did not listen: {}",
-                h.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        h
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM, then the exit status (bounded).
-    fn stop(&mut self) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(30) {
-            if let Ok(Some(st)) = child.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait().ok()
-    }
-}
-
-impl Drop for Helper {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
-        }
-    }
-}
-
 /// Children of `pid` whose command name starts with `prefix`.
 fn children_named(pid: u32, prefix: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -233,7 +149,13 @@ async fn qemu_backend_end_to_end() {
         return;
     }
     let _one = ONE_VM.lock().await;
-    let mut helper = Helper::start();
+    let mut helper = VmHelper::start_temp(
+        &helper_exe(),
+        "cowork-qemu-e2e-",
+        &std::env::temp_dir(),
+        "qemu",
+        Duration::from_secs(15),
+    );
     let root = "/tmp/qemu-e2e-profile";
     let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
         .await
@@ -433,7 +355,7 @@ fn rel(p: &Path) -> String {
 /// Host folders in the guest: `ro` and `rw` mounts at spawn, what the host
 /// sees and refuses, `mountPath` into a running session, a guest symlink to
 /// `/`, `installSdk`, and deleting the session releasing its grants.
-async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &Helper) {
+async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) {
     let host = tempfile::Builder::new()
         .prefix("cowork-qemu-e2e-fs-")
         .tempdir()
@@ -636,7 +558,13 @@ async fn qemu_dies_with_a_killed_helper() {
         return;
     }
     let _one = ONE_VM.lock().await;
-    let mut helper = Helper::start();
+    let mut helper = VmHelper::start_temp(
+        &helper_exe(),
+        "cowork-qemu-e2e-",
+        &std::env::temp_dir(),
+        "qemu",
+        Duration::from_secs(15),
+    );
     let pipe = Pipe::connect_profile(&helper.socket, PROFILE, "/tmp/qemu-e2e-kill")
         .await
         .expect("connect");
@@ -650,7 +578,7 @@ async fn qemu_dies_with_a_killed_helper() {
         assert!(t0.elapsed() < T, "QEMU never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let mut child = helper.child.take().expect("helper child");
+    let mut child = helper.take_child().expect("helper child");
     child.kill().expect("SIGKILL the helper");
     child.wait().expect("reap the helper");
     let t1 = Instant::now();

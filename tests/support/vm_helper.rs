@@ -1,0 +1,137 @@
+//! The helper process of the VM-backend end-to-end tests (`qemu_e2e`,
+//! `qemu_disk`, `kvm_backend`): started with a given backend on a socket in
+//! a directory of the test's, stdout and stderr in a log file there; stopped
+//! with SIGTERM, or killed on drop with its log printed when the test is
+//! failing. (The sandbox protocol tests use `tests/common`, which keeps the
+//! log in memory and runs many helpers at once.)
+
+// Each test binary compiles this file and uses a different part of it.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a stopping helper gets after SIGTERM before it is killed.
+const STOP_LIMIT: Duration = Duration::from_secs(30);
+
+/// A running helper.
+pub struct VmHelper {
+    child: Option<Child>,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// The directory holding its socket, log, runtime and data directories.
+    pub dir: PathBuf,
+    log: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl VmHelper {
+    /// Starts `exe --backend <backend>` with its files in `dir` (socket
+    /// `<name>.sock`, log `<name>.log`, data `dir/data`, runtime `dir/run`)
+    /// and waits up to `listen_limit` for the socket to answer.
+    pub fn start_in(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        backend: &str,
+        listen_limit: Duration,
+    ) -> VmHelper {
+        let socket = dir.join(format!("{name}.sock"));
+        let log = dir.join(format!("{name}.log"));
+        let out = File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = Command::new(exe)
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--backend", backend, "--data-dir"])
+            .arg(dir.join("data"))
+            .env_remove("COWORK_BACKEND")
+            .env("COWORK_LOG", "info,cowork_helper=debug")
+            .env("XDG_RUNTIME_DIR", dir.join("run"))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("start cowork-helper");
+        let h = VmHelper {
+            child: Some(child),
+            socket,
+            dir: dir.to_path_buf(),
+            log,
+            _tmp: None,
+        };
+        let t0 = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
+            assert!(
+                t0.elapsed() < listen_limit,
+                "helper did not listen: {}",
+                h.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        h
+    }
+
+    /// [`VmHelper::start_in`] a new temporary directory under `base`,
+    /// removed when the helper is dropped.
+    pub fn start_temp(
+        exe: &Path,
+        prefix: &str,
+        base: &Path,
+        backend: &str,
+        listen_limit: Duration,
+    ) -> VmHelper {
+        let tmp = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in(base)
+            .expect("tempdir");
+        let mut h = Self::start_in(exe, tmp.path(), "helper", backend, listen_limit);
+        h._tmp = Some(tmp);
+        h
+    }
+
+    /// The helper's pid (0 once it was stopped or taken).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Everything the helper logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Takes the child, for a test that ends the helper its own way.
+    pub fn take_child(&mut self) -> Option<Child> {
+        self.child.take()
+    }
+
+    /// SIGTERM, then the exit status (killed after [`STOP_LIMIT`]).
+    pub fn stop(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < STOP_LIMIT {
+            if let Ok(Some(st)) = child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait().ok()
+    }
+}
+
+impl Drop for VmHelper {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
+        }
+    }
+}
