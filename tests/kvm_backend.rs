@@ -133,27 +133,8 @@ fn helper_base_dir() -> PathBuf {
     }
 }
 
-/// The guest image the helper binary will use, or why there is none.
-fn image_for_helper() -> Result<GuestImage, String> {
-    if let Some(dir) = std::env::var_os(qemu::IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
-        return GuestImage::at(Path::new(&dir));
-    }
-    let exe_dir = helper_exe()
-        .parent()
-        .map(Path::to_path_buf)
-        .ok_or("the helper binary has no directory")?;
-    let mut why = Vec::new();
-    for dir in [exe_dir.join("guest-image"), exe_dir.join("../guest-image")] {
-        match GuestImage::at(&dir) {
-            Ok(img) => return Ok(img),
-            Err(e) => why.push(e),
-        }
-    }
-    Err(why.join("; "))
-}
-
 /// Builds the guest image with `scripts/mkguestimage.sh` (its default
-/// output is where [`image_for_helper`] looks).
+/// output is where [`vm_helper::image_for`] looks).
 fn build_image() -> Result<GuestImage, String> {
     let out = Command::new(nested::script("mkguestimage.sh"))
         .arg("--quiet")
@@ -167,7 +148,7 @@ fn build_image() -> Result<GuestImage, String> {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    image_for_helper()
+    vm_helper::image_for(&helper_exe())
 }
 
 /// How to run, or `None` after a loud skip. Panics when the test is
@@ -194,7 +175,7 @@ fn plan() -> Option<Mode> {
         }
         Ok(other) => panic!("COWORK_NESTED_MODE must be 'direct' or 'nested', not '{other}'"),
     };
-    if let Err(why) = image_for_helper() {
+    if let Err(why) = vm_helper::image_for(&helper_exe()) {
         if !required {
             return unavailable(format!(
                 "no guest image ({why}); build it with scripts/mkguestimage.sh"

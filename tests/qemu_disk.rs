@@ -55,17 +55,7 @@ fn helper_exe() -> PathBuf {
 /// The guest image the helper binary will use, or why there is none or
 /// it is too old to format the session disk.
 fn image_for_helper() -> Result<GuestImage, String> {
-    let img = match std::env::var_os(qemu::IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
-        Some(dir) => GuestImage::at(Path::new(&dir))?,
-        None => {
-            let exe_dir = helper_exe()
-                .parent()
-                .map(Path::to_path_buf)
-                .ok_or("the helper binary has no directory")?;
-            GuestImage::at(&exe_dir.join("guest-image"))
-                .or_else(|_| GuestImage::at(&exe_dir.join("../guest-image")))?
-        }
-    };
+    let img = vm_helper::image_for(&helper_exe())?;
     let listing = Command::new("sh")
         .arg("-c")
         .arg("gzip -dc \"$1\" | cpio -t --quiet")

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use cowork_helper::backend::qemu::{self, GuestImage};
+use cowork_helper::backend::qemu;
 use cowork_helper::client::{Pipe, ProcessOutput, Subscription};
 use serde_json::{json, Value};
 use vm_helper::VmHelper;
@@ -47,31 +47,12 @@ fn helper_exe() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
 }
 
-/// The guest image the helper binary will use, or why there is none.
-fn image_for_helper() -> Result<GuestImage, String> {
-    if let Some(dir) = std::env::var_os(qemu::IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
-        return GuestImage::at(Path::new(&dir));
-    }
-    let exe_dir = helper_exe()
-        .parent()
-        .map(Path::to_path_buf)
-        .ok_or("the helper binary has no directory")?;
-    let mut why = Vec::new();
-    for dir in [exe_dir.join("guest-image"), exe_dir.join("../guest-image")] {
-        match GuestImage::at(&dir) {
-            Ok(img) => return Ok(img),
-            Err(e) => why.push(e),
-        }
-    }
-    Err(why.join("; "))
-}
-
 /// Whether the test may run; panics when it must run but cannot.
 fn prerequisites() -> bool {
     let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
     let missing: Vec<String> = [
         qemu::find_qemu().err().map(|e| e.to_string()),
-        image_for_helper()
+        vm_helper::image_for(&helper_exe())
             .err()
             .map(|e| format!("no guest image ({e}); build it with scripts/mkguestimage.sh")),
     ]

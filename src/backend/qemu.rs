@@ -187,8 +187,15 @@ impl GuestImage {
 
     /// Finds the image: `bundle` when it holds ours, else
     /// `$COWORK_GUEST_IMAGE_DIR` (which must then hold one), else
-    /// `guest-image/` next to or above the executable.
+    /// `guest-image/` next to or above this executable.
     pub fn locate(bundle: Option<&Path>) -> Result<GuestImage, QemuError> {
+        let exe = std::env::current_exe().ok();
+        Self::locate_for(exe.as_deref(), bundle)
+    }
+
+    /// [`GuestImage::locate`] as the helper executable `exe` would find it
+    /// (tests run another binary than the helper they start).
+    pub fn locate_for(exe: Option<&Path>, bundle: Option<&Path>) -> Result<GuestImage, QemuError> {
         let mut tried = Vec::new();
         if let Some(b) = bundle {
             // bundlePath may come root-relative like the client's other host paths.
@@ -201,7 +208,7 @@ impl GuestImage {
             return GuestImage::at(Path::new(&dir))
                 .map_err(|why| QemuError::NoImage(format!("{IMAGE_DIR_ENV}: {why}")));
         }
-        for dir in default_image_dirs() {
+        for dir in exe.map(image_dirs_beside).unwrap_or_default() {
             match GuestImage::at(&dir) {
                 Ok(img) => return Ok(img),
                 Err(why) => tried.push(why),
@@ -215,12 +222,9 @@ impl GuestImage {
     }
 }
 
-/// `guest-image/` next to the executable and one level up.
-pub fn default_image_dirs() -> Vec<PathBuf> {
-    let Some(exe_dir) = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(Path::to_path_buf))
-    else {
+/// `guest-image/` next to the executable `exe` and one level up.
+pub fn image_dirs_beside(exe: &Path) -> Vec<PathBuf> {
+    let Some(exe_dir) = exe.parent() else {
         return Vec::new();
     };
     let mut dirs = vec![exe_dir.join(IMAGE_DIR_NAME)];

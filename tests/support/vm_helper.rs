@@ -13,6 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+/// The guest image the helper binary `exe` will use, or why there is none.
+pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::qemu::GuestImage, String> {
+    cowork_helper::backend::qemu::GuestImage::locate_for(Some(exe), None).map_err(|e| e.to_string())
+}
+
 /// How long a stopping helper gets after SIGTERM before it is killed.
 const STOP_LIMIT: Duration = Duration::from_secs(30);
 
