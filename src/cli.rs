@@ -53,6 +53,12 @@ pub struct Cli {
     /// Stop a VM after this many seconds without any connected client (0 = never).
     #[arg(long, env = "COWORK_IDLE_TIMEOUT", default_value_t = 900)]
     pub idle_timeout: u64,
+    /// Let the VM read and set extended attributes (`user.*`, POSIX ACLs) on
+    /// the shared folders. Off by default, as in virtiofsd: serving them
+    /// costs the guest a round trip to the helper before the first write to
+    /// every file (the kernel asks for `security.capability`).
+    #[arg(long, env = "COWORK_FS_XATTR")]
+    pub fs_xattr: bool,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -307,6 +313,7 @@ fn serve(cli: Cli) -> i32 {
         data_dir,
         backend,
         helper_exe,
+        fs_xattr: cli.fs_xattr,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -30,6 +30,8 @@ pub struct Settings {
     pub data_dir: PathBuf,
     pub backend: BackendKind,
     pub helper_exe: PathBuf,
+    /// Serve extended attributes on the shared folders (`--fs-xattr`).
+    pub fs_xattr: bool,
 }
 
 /// One desktop profile.
@@ -241,6 +243,10 @@ impl Daemon {
                     bundle_path: params.bundle_path.map(Into::into),
                     memory_gb: params.memory_gb,
                     cpu_count: params.cpu_count,
+                    fs: devices::fs::SessionFsOptions {
+                        xattr: self.settings.fs_xattr,
+                        ..Default::default()
+                    },
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null

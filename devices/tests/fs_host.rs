@@ -40,7 +40,20 @@ struct Env {
 }
 
 impl Env {
+    /// The grants served with the options the helper uses.
     fn new() -> Self {
+        Self::with_options(SessionFsOptions::default())
+    }
+
+    /// The grants served with extended attributes on.
+    fn with_xattrs() -> Self {
+        Self::with_options(SessionFsOptions {
+            xattr: true,
+            ..SessionFsOptions::default()
+        })
+    }
+
+    fn with_options(opts: SessionFsOptions) -> Self {
         let data = tempfile::tempdir().unwrap();
         for g in ["ro", "rw", "rwd"] {
             let d = data.path().join(g);
@@ -50,7 +63,7 @@ impl Env {
         }
         std::fs::create_dir(data.path().join("outside")).unwrap();
         std::fs::write(data.path().join("outside/secret.txt"), b"secret\n").unwrap();
-        let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+        let fs = Arc::new(SessionFs::new(opts));
         fs.add_grant("s", "ro", &data.path().join("ro"), GrantMode::Ro)
             .unwrap();
         fs.add_grant("s", "rw", &data.path().join("rw"), GrantMode::Rw)
@@ -215,14 +228,6 @@ fn everyday_commands_in_an_rwd_grant() {
         Path::new("deep/er/est/copy.txt")
     );
     assert!(!h.join("pre.txt").exists() && !h.join("dir").exists());
-    // Extended attributes through the mount.
-    setxattr(&g.join("c.txt"), "user.origin", b"guest").unwrap();
-    assert_eq!(getxattr(&g.join("c.txt"), "user.origin").unwrap(), b"guest");
-    assert_eq!(getxattr(&h.join("c.txt"), "user.origin").unwrap(), b"guest");
-    assert_eq!(
-        errno(setxattr(&g.join("c.txt"), "trusted.x", b"1")),
-        libc::EPERM
-    );
     // No set-user-ID files and no device nodes from the guest.
     ok(&g, "chmod 4755 c.txt");
     assert_eq!(
@@ -231,6 +236,83 @@ fn everyday_commands_in_an_rwd_grant() {
     );
     fails(&g, "mknod null c 1 3", "Operation not permitted");
     env.assert_outside_untouched();
+}
+
+#[test]
+fn xattrs_are_not_served_by_default() {
+    let env = Env::new();
+    let g = env.m("rwd");
+    let h = env.host("rwd");
+    std::fs::write(h.join("tagged.txt"), b"x").unwrap();
+    setxattr(&h.join("tagged.txt"), "user.origin", b"host").unwrap();
+    // The kernel turns the server's ENOSYS into "not supported", for good.
+    for _ in 0..2 {
+        assert_eq!(
+            errno(getxattr(&g.join("tagged.txt"), "user.origin")),
+            libc::EOPNOTSUPP
+        );
+        assert_eq!(
+            errno(setxattr(&g.join("tagged.txt"), "user.x", b"1")),
+            libc::EOPNOTSUPP
+        );
+    }
+    // Tools that copy xattrs when they can still work, and writes leave the
+    // host file's attributes alone.
+    ok(
+        &g,
+        "cp -a tagged.txt copy.txt && echo more >> tagged.txt && ls -l >/dev/null",
+    );
+    assert_eq!(
+        getxattr(&h.join("tagged.txt"), "user.origin").unwrap(),
+        b"host"
+    );
+    assert_eq!(std::fs::read(h.join("copy.txt")).unwrap(), b"x");
+    env.assert_outside_untouched();
+}
+
+#[test]
+fn user_xattrs_when_enabled() {
+    let env = Env::with_xattrs();
+    let g = env.m("rwd");
+    let h = env.host("rwd");
+    ok(&g, "echo hi > c.txt");
+    setxattr(&g.join("c.txt"), "user.origin", b"guest").unwrap();
+    assert_eq!(getxattr(&g.join("c.txt"), "user.origin").unwrap(), b"guest");
+    assert_eq!(getxattr(&h.join("c.txt"), "user.origin").unwrap(), b"guest");
+    assert_eq!(
+        errno(setxattr(&g.join("c.txt"), "trusted.x", b"1")),
+        libc::EPERM
+    );
+    assert_eq!(
+        errno(setxattr(&g.join("c.txt"), "security.evil", b"1")),
+        libc::EPERM
+    );
+    // Read-only grants refuse xattr changes.
+    assert_eq!(
+        errno(setxattr(&env.m("ro").join("pre.txt"), "user.x", b"1")),
+        libc::EROFS
+    );
+    env.assert_outside_untouched();
+}
+
+#[test]
+fn host_changes_reach_a_file_the_guest_holds_open() {
+    use std::io::{Read, Seek, SeekFrom};
+    let env = Env::new();
+    let h = env.host("rwd").join("live.txt");
+    std::fs::write(&h, b"first version\n").unwrap();
+    let mut f = std::fs::File::open(env.m("rwd").join("live.txt")).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "first version\n");
+    // A host editor rewrites it (longer); once the guest's attributes
+    // expire, the cached pages are dropped and the new bytes read.
+    std::fs::write(&h, b"second, longer version\n").unwrap();
+    std::thread::sleep(GRANT_ENTRY_TTL + std::time::Duration::from_millis(300));
+    f.seek(SeekFrom::Start(0)).unwrap();
+    s.clear();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "second, longer version\n");
 }
 
 #[test]
@@ -315,10 +397,6 @@ fn an_ro_grant_refuses_writes() {
     fails(&g, "chmod 777 pre.txt", rofs);
     fails(&g, "touch pre.txt", rofs);
     fails(&g, "mkfifo f", rofs);
-    assert_eq!(
-        errno(setxattr(&g.join("pre.txt"), "user.x", b"1")),
-        libc::EROFS
-    );
     // The virtual directories are read-only too.
     fails(&env.mnt(), "mkdir new-session", rofs);
     fails(&env.m(""), "touch s.txt", rofs);

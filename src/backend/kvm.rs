@@ -60,7 +60,7 @@ use devices::blk::{
     BlkConfig, BlkDevice, DeviceError as BlkDeviceError, ImageError, RawImage, SESSION_DISK_SERIAL,
 };
 use devices::fs::device::{FsDevice, FsDeviceError};
-use devices::fs::{SessionFs, SessionFsOptions};
+use devices::fs::SessionFs;
 use devices::rng::RngDevice;
 use devices::vsock::{DeviceError, HostError, VsockConfig, VsockDevice, VsockHost};
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
@@ -320,7 +320,7 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
     let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
-    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let fs = Arc::new(SessionFs::new(opts.fs));
     let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
     // Locked exclusively until the VM (and with it the device) is dropped.
     let blk_device = BlkDevice::new(

@@ -139,6 +139,9 @@ pub struct BootOptions {
     pub memory_gb: Option<f64>,
     /// `startVM.cpuCount`.
     pub cpu_count: Option<u32>,
+    /// How the VM backends serve the shared folders (the daemon's
+    /// `--fs-xattr`).
+    pub fs: devices::fs::SessionFsOptions,
 }
 
 /// Boots `cfg.backend`.

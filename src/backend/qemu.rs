@@ -807,19 +807,24 @@ pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, Str
             .into_iter()
             .collect(),
     };
-    start(plan, run_dir, &accel_why)
+    start(plan, run_dir, &accel_why, opts.fs)
         .await
         .map_err(|e| e.to_string())
 }
 
-async fn start(plan: QemuPlan, run_dir: RunDir, accel_why: &str) -> Result<Booted, QemuError> {
+async fn start(
+    plan: QemuPlan,
+    run_dir: RunDir,
+    accel_why: &str,
+    fs_options: SessionFsOptions,
+) -> Result<Booted, QemuError> {
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
     let server = VhostUserVsockServer::bind(
         &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
         &host,
     )?;
-    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let fs = Arc::new(SessionFs::new(fs_options));
     let mut fs_config = VhostUserFsConfig::new(&plan.fs_socket);
     fs_config.queue_size = FS_QUEUE_SIZE;
     let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?;
@@ -1166,9 +1171,14 @@ mod tests {
             std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
             0o700
         );
-        let booted = start(fake_plan(qemu, &run_dir), run_dir, "test")
-            .await
-            .unwrap();
+        let booted = start(
+            fake_plan(qemu, &run_dir),
+            run_dir,
+            "test",
+            SessionFsOptions::default(),
+        )
+        .await
+        .unwrap();
         let Machine::Qemu(mut m) = booted.machine else {
             panic!("not a QEMU machine")
         };
@@ -1209,9 +1219,14 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let qemu = fake_qemu(tmp.path(), "echo started; exec sleep 600");
         let run_dir = RunDir::create().unwrap();
-        let booted = start(fake_plan(qemu, &run_dir), run_dir, "test")
-            .await
-            .unwrap();
+        let booted = start(
+            fake_plan(qemu, &run_dir),
+            run_dir,
+            "test",
+            SessionFsOptions::default(),
+        )
+        .await
+        .unwrap();
         let Machine::Qemu(mut m) = booted.machine else {
             panic!("not a QEMU machine")
         };
@@ -1257,7 +1272,14 @@ mod tests {
         // Another VM holds the disk: refused, saying so.
         let holder = RawImage::open(&disk).unwrap();
         let run_dir = RunDir::create().unwrap();
-        match start(plan_with_disk(&run_dir), run_dir, "test").await {
+        match start(
+            plan_with_disk(&run_dir),
+            run_dir,
+            "test",
+            SessionFsOptions::default(),
+        )
+        .await
+        {
             Err(e @ QemuError::SessionDisk(ImageError::Locked(_))) => {
                 assert!(e.to_string().contains("in use by another VM"), "{e}")
             }
@@ -1267,7 +1289,14 @@ mod tests {
         drop(holder);
         // A boot that fails after the disk was opened closes it again.
         let run_dir = RunDir::create().unwrap();
-        match start(plan_with_disk(&run_dir), run_dir, "test").await {
+        match start(
+            plan_with_disk(&run_dir),
+            run_dir,
+            "test",
+            SessionFsOptions::default(),
+        )
+        .await
+        {
             Err(QemuError::Spawn { .. }) => {}
             Err(e) => panic!("unexpected error: {e}"),
             Ok(_) => panic!("started a missing binary"),
@@ -1279,7 +1308,7 @@ mod tests {
     async fn a_missing_qemu_binary_is_a_clear_error() {
         let run_dir = RunDir::create().unwrap();
         let plan = fake_plan("/nonexistent/qemu-system-x86_64".into(), &run_dir);
-        match start(plan, run_dir, "test").await {
+        match start(plan, run_dir, "test", SessionFsOptions::default()).await {
             Err(QemuError::Spawn { qemu, .. }) => {
                 assert_eq!(qemu, PathBuf::from("/nonexistent/qemu-system-x86_64"))
             }

@@ -43,12 +43,22 @@
 //!   guest did not create during the grant's lifetime (`EPERM`); `rwd` allows
 //!   deletion too;
 //! * in every mode: no device nodes, no set-user-ID / set-group-ID bits on
-//!   files the guest creates or chmods, and only `user.*` and POSIX ACL
-//!   extended attributes may be changed; a write or truncation by a guest
-//!   process without `CAP_FSETID` clears the set-ID bits and file
+//!   files the guest creates or chmods; extended attributes are not served
+//!   unless [`SessionFsOptions::xattr`] asks for them, and then only
+//!   `user.*` and POSIX ACL ones may be changed; a write or truncation by a
+//!   guest process without `CAP_FSETID` clears the set-ID bits and file
 //!   capabilities of a pre-existing host file (FUSE `HANDLE_KILLPRIV_V2`:
 //!   the server does it, so the guest does not ask for
 //!   `security.capability` before every write).
+//!
+//! Round trips per operation are what the guest pays for (a few hundred
+//! microseconds each under QEMU TCG, tens under KVM), so the server avoids
+//! the ones it can: `FOPEN_NOFLUSH` where a `FLUSH` would do nothing
+//! ([`policy`]), no xattrs by default (a mount serving them gets a
+//! `GETXATTR security.capability` before the first write to every file),
+//! writes and truncations that kill privileges on the host side. Opens
+//! themselves stay real (the policy sees their flags, host file watchers
+//! see a close when the guest closes).
 //!
 //! Limits: at most [`MAX_GRANTS`] grants at a time (the `Vfs` tags inodes
 //! with an 8-bit filesystem index). A grant cannot be nested inside another

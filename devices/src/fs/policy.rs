@@ -40,6 +40,16 @@
 //! link resolves to the symlink itself, never its target; `inode_file_handles`
 //! is off so nothing is ever reopened with `open_by_handle_at`.
 //!
+//! Round trips: the server answers every open and create with
+//! `FOPEN_NOFLUSH` when closing a duplicate descriptor (what the passthrough
+//! does for a FUSE `FLUSH`) can have no effect: always for read-only opens,
+//! and for writable ones when the grant lives on a local host filesystem
+//! ([`LOCAL_FS_MAGICS`]: no write-back on close, no deferred error, and the
+//! server holds no POSIX locks that a close would drop). The guest's
+//! `close()` then costs no request; on NFS, CIFS or another FUSE filesystem
+//! writable opens keep their `FLUSH`, so a close still reports that
+//! filesystem's errors. Linux before 5.16 ignores the flag.
+//!
 //! Limits: the set of created identities grows with the number of live
 //! files the guest created in an `rw` grant (about 40 bytes each). A host
 //! inode number reused by the host for a new file after the guest's file is
@@ -80,6 +90,55 @@ const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_d
 
 /// Open flags that make an open a write (besides the access mode).
 const WRITE_OPEN_FLAGS: i32 = libc::O_TRUNC;
+
+/// `FOPEN_NOFLUSH` (Linux 5.16, `include/uapi/linux/fuse.h`): the kernel
+/// sends no `FUSE_FLUSH` when a descriptor of this open file is closed.
+/// fuse-backend-rs 0.14's `OpenOptions` has no name for it.
+const FOPEN_NOFLUSH: u32 = 1 << 5;
+
+/// `statfs(2)` `f_type` of host filesystems where closing one of several
+/// descriptors of an open file does nothing: no data is written back and no
+/// error is reported on close (`linux/magic.h`). ext2/3/4, XFS, Btrfs,
+/// tmpfs, ramfs, F2FS, bcachefs, overlayfs (over any of these) and OpenZFS.
+/// Network filesystems (NFS, CIFS/SMB) and FUSE filesystems flush or report
+/// errors on close and are deliberately absent.
+pub const LOCAL_FS_MAGICS: [i64; 9] = [
+    0xEF53,      // EXT4_SUPER_MAGIC (also ext2, ext3)
+    0x5846_5342, // XFS_SUPER_MAGIC
+    0x9123_683E, // BTRFS_SUPER_MAGIC
+    0x0102_1994, // TMPFS_MAGIC
+    0x8584_58F6, // RAMFS_MAGIC
+    0xF2F5_2010, // F2FS_SUPER_MAGIC
+    0xCA45_1A4E, // BCACHEFS_SUPER_MAGIC
+    0x794C_7630, // OVERLAYFS_SUPER_MAGIC
+    0x2FC1_2FC1, // ZFS_SUPER_MAGIC (OpenZFS)
+];
+
+/// Whether the filesystem holding `path` is one of [`LOCAL_FS_MAGICS`];
+/// `false` when it cannot be told.
+fn close_is_noop_on(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` a buffer of the size
+    // statfs(2) writes; it is read only after the call succeeded.
+    if unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: statfs(2) returned 0, so it filled `st`.
+    let f_type = unsafe { st.assume_init() }.f_type;
+    LOCAL_FS_MAGICS.contains(&f_type)
+}
+
+/// `opts` with `FOPEN_NOFLUSH` added.
+fn with_noflush(opts: OpenOptions) -> OpenOptions {
+    // SAFETY: bitflags 1 `from_bits_unchecked` only stores the bits; the
+    // value is passed on to the kernel as `fuse_open_out.open_flags` and
+    // never matched against the named flags.
+    unsafe { OpenOptions::from_bits_unchecked(opts.bits() | FOPEN_NOFLUSH) }
+}
 
 /// Why a grant's filesystem could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -184,13 +243,21 @@ pub struct GrantFs {
     /// `rw` only: serializes the deletion check with the deletion, so two
     /// guest requests cannot race a name between them.
     deletion: Mutex<()>,
+    /// Writable opens get `FOPEN_NOFLUSH` too (the grant is on a local
+    /// host filesystem; see the module doc).
+    noflush_writable: bool,
 }
 
 impl GrantFs {
     /// A grant of `root` (canonical: no symlink components, as the
-    /// passthrough root is opened with `O_NOFOLLOW`) in `mode`. `label`
-    /// names the grant in logs.
-    pub fn new(root: &Path, mode: GrantMode, label: String) -> Result<Self, GrantFsError> {
+    /// passthrough root is opened with `O_NOFOLLOW`) in `mode`, serving
+    /// extended attributes if `xattr`. `label` names the grant in logs.
+    pub fn new(
+        root: &Path,
+        mode: GrantMode,
+        xattr: bool,
+        label: String,
+    ) -> Result<Self, GrantFsError> {
         let root_dir = root
             .to_str()
             .ok_or_else(|| GrantFsError::NonUtf8Path(root.to_path_buf()))?
@@ -199,7 +266,7 @@ impl GrantFs {
             root_dir,
             // Under a Vfs: the root is imported here, not at FUSE INIT.
             do_import: false,
-            xattr: true,
+            xattr,
             inode_file_handles: false,
             entry_timeout: GRANT_ENTRY_TTL,
             attr_timeout: GRANT_ATTR_TTL,
@@ -228,6 +295,7 @@ impl GrantFs {
             label,
             created: Mutex::new(HashSet::new()),
             deletion: Mutex::new(()),
+            noflush_writable: close_is_noop_on(root),
         })
     }
 
@@ -254,6 +322,16 @@ impl GrantFs {
     fn refuse(&self, op: &'static str, code: i32, why: &'static str) -> io::Error {
         debug!(grant = %self.label, op, why, "virtio-fs request refused");
         errno(code)
+    }
+
+    /// The options an open or create answers with: the passthrough's, plus
+    /// `FOPEN_NOFLUSH` where a FLUSH would be a no-op.
+    fn open_options(&self, opts: OpenOptions, writable: bool) -> OpenOptions {
+        if !writable || self.noflush_writable {
+            with_noflush(opts)
+        } else {
+            opts
+        }
     }
 
     /// `EROFS` in a read-only grant.
@@ -561,10 +639,12 @@ impl FileSystem for GrantFs {
         fuse_flags: u32,
     ) -> io::Result<(Option<u64>, OpenOptions, Option<u32>)> {
         let f = flags as i32;
-        if f & libc::O_ACCMODE != libc::O_RDONLY || f & WRITE_OPEN_FLAGS != 0 {
+        let writable = f & libc::O_ACCMODE != libc::O_RDONLY || f & WRITE_OPEN_FLAGS != 0;
+        if writable {
             self.check_writable("open for writing")?;
         }
-        self.inner.open(ctx, inode, flags, fuse_flags)
+        let (handle, opts, passthrough) = self.inner.open(ctx, inode, flags, fuse_flags)?;
+        Ok((handle, self.open_options(opts, writable), passthrough))
     }
 
     fn create(
@@ -580,11 +660,12 @@ impl FileSystem for GrantFs {
             mode: file_type | sanitize_mode(file_type, args.mode & 0o7777),
             ..args
         };
-        if self.mode == GrantMode::Rw {
-            self.create_tracked(ctx, parent, name, args)
+        let (entry, handle, opts, passthrough) = if self.mode == GrantMode::Rw {
+            self.create_tracked(ctx, parent, name, args)?
         } else {
-            self.inner.create(ctx, parent, name, args)
-        }
+            self.inner.create(ctx, parent, name, args)?
+        };
+        Ok((entry, handle, self.open_options(opts, true), passthrough))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -112,6 +112,14 @@ pub enum Credentials {
 pub struct SessionFsOptions {
     /// Whose credentials files are created with.
     pub credentials: Credentials,
+    /// Serve extended attributes (`user.*` and POSIX ACLs may be set, any
+    /// may be read). Off by default, as in virtiofsd: while a mount serves
+    /// xattrs, the guest kernel asks for `security.capability` before the
+    /// first write to every file (and again after each attribute refresh),
+    /// one round trip per written file. Off, every xattr request is answered
+    /// `ENOSYS`, which the Linux client remembers for the whole mount
+    /// (programs then see `EOPNOTSUPP`).
+    pub xattr: bool,
 }
 
 /// A grant as listed by [`SessionFs::grants`].
@@ -334,6 +342,11 @@ impl SessionFs {
         let mut vfs_opts = vfs_opts;
         // No DAX window is offered.
         vfs_opts.out_opts.remove(FsOptions::PERFILE_DAX);
+        // Host processes change granted files behind the guest's back: when
+        // a refreshed size or mtime shows it, the guest must drop the pages
+        // it cached (AUTO_INVAL_DATA). EXPLICIT_INVAL_DATA would make it
+        // keep them until told by a notification, which we never send.
+        vfs_opts.out_opts.remove(FsOptions::EXPLICIT_INVAL_DATA);
         let mut vfs = Vfs::new(vfs_opts);
         // Unmounting a grant removes its directory from the virtual tree.
         vfs.set_remove_pseudo_root();
@@ -385,7 +398,12 @@ impl SessionFs {
             return Err(SessionFsError::UnsupportedFileType(canonical));
         }
         let vfs_path = format!("/{session}/{mount_name}");
-        let grant = GrantFs::new(&canonical, mode, format!("{session}/{mount_name}"))?;
+        let grant = GrantFs::new(
+            &canonical,
+            mode,
+            self.opts.xattr,
+            format!("{session}/{mount_name}"),
+        )?;
 
         let mut table = self.table();
         let mut replaced = None;
@@ -538,6 +556,16 @@ impl SessionFs {
     fn refuse(&self, op: &'static str, code: i32, why: &'static str) -> io::Error {
         debug!(op, why, "virtio-fs request refused");
         errno(code)
+    }
+
+    /// `ENOSYS` for every xattr request unless xattrs are served
+    /// ([`SessionFsOptions::xattr`]).
+    fn check_xattr(&self) -> io::Result<()> {
+        if self.opts.xattr {
+            Ok(())
+        } else {
+            Err(errno(libc::ENOSYS))
+        }
     }
 
     /// `EROFS` if `ino` is a virtual directory.
@@ -850,6 +878,7 @@ impl FileSystem for SessionFs {
         value: &[u8],
         flags: u32,
     ) -> io::Result<()> {
+        self.check_xattr()?;
         self.check_not_virtual("setxattr", inode)?;
         self.vfs.setxattr(ctx, inode.into(), name, value, flags)
     }
@@ -861,6 +890,7 @@ impl FileSystem for SessionFs {
         name: &CStr,
         size: u32,
     ) -> io::Result<GetxattrReply> {
+        self.check_xattr()?;
         if is_virtual(inode) {
             return Err(errno(libc::ENODATA));
         }
@@ -868,6 +898,7 @@ impl FileSystem for SessionFs {
     }
 
     fn listxattr(&self, ctx: &Context, inode: u64, size: u32) -> io::Result<ListxattrReply> {
+        self.check_xattr()?;
         if is_virtual(inode) {
             return Ok(if size == 0 {
                 ListxattrReply::Count(0)
@@ -879,6 +910,7 @@ impl FileSystem for SessionFs {
     }
 
     fn removexattr(&self, ctx: &Context, inode: u64, name: &CStr) -> io::Result<()> {
+        self.check_xattr()?;
         self.check_not_virtual("removexattr", inode)?;
         self.vfs.removexattr(ctx, inode.into(), name)
     }

@@ -11,7 +11,7 @@ use super::*;
 use crate::fs::testutil::*;
 
 fn grant(fx: &Fixture, mode: GrantMode) -> GrantFs {
-    GrantFs::new(&fx.host(), mode, format!("test/{mode}")).unwrap()
+    GrantFs::new(&fx.host(), mode, true, format!("test/{mode}")).unwrap()
 }
 
 fn lookup(fs: &GrantFs, parent: u64, name: &str) -> io::Result<Entry> {
@@ -510,7 +510,7 @@ fn no_device_nodes_no_setid_bits_no_privileged_xattrs() {
 fn a_granted_file_is_its_own_root() {
     let fx = Fixture::new();
     let file = fx.host().join("pre.txt");
-    let fs = GrantFs::new(&file, GrantMode::Ro, "test/file".into()).unwrap();
+    let fs = GrantFs::new(&file, GrantMode::Ro, true, "test/file".into()).unwrap();
     let (root, max) = fs.mount().unwrap();
     assert_eq!(root.inode, ROOT_ID);
     assert_eq!(max, VFS_MAX_INO);
@@ -522,4 +522,47 @@ fn a_granted_file_is_its_own_root() {
         errno_of(fs.open(&ctx(), ROOT_ID, libc::O_WRONLY as u32, 0)),
         libc::EROFS
     );
+}
+
+#[test]
+fn closes_cost_no_flush_where_a_flush_would_do_nothing() {
+    assert!(
+        !close_is_noop_on(Path::new("/proc")),
+        "procfs is not listed"
+    );
+    assert!(close_is_noop_on(Path::new("/dev/shm")), "tmpfs is local");
+    let fx = Fixture::new();
+    let local = close_is_noop_on(&fx.host());
+    let noflush = |opts: OpenOptions| opts.bits() & FOPEN_NOFLUSH != 0;
+    for mode in [GrantMode::Ro, GrantMode::Rw, GrantMode::Rwd] {
+        let fs = grant(&fx, mode);
+        let x = ctx();
+        let pre = ino(&fs, ROOT_ID, "pre.txt");
+        // Read-only opens never need a FLUSH: nothing was written through
+        // them and the server holds no locks.
+        let (h, opts, _) = fs.open(&x, pre, libc::O_RDONLY as u32, 0).unwrap();
+        assert!(noflush(opts), "{mode}: read-only open");
+        fs.release(&x, pre, 0, h.unwrap(), false, false, None)
+            .unwrap();
+        if mode == GrantMode::Ro {
+            continue;
+        }
+        // Writable ones skip it only on a local host filesystem.
+        let (h, opts, _) = fs.open(&x, pre, libc::O_RDWR as u32, 0).unwrap();
+        assert_eq!(noflush(opts), local, "{mode}: writable open");
+        fs.release(&x, pre, 0, h.unwrap(), false, false, None)
+            .unwrap();
+        let name = format!("new-{mode}");
+        let (e, h, opts, _) = fs
+            .create(&x, ROOT_ID, &c(&name), create_args(libc::O_RDWR, 0o644))
+            .unwrap();
+        assert_eq!(noflush(opts), local, "{mode}: create");
+        fs.release(&x, e.inode, 0, h.unwrap(), false, false, None)
+            .unwrap();
+        // FLUSH still works for a kernel that sends it anyway.
+        let (h, _, _) = fs.open(&x, pre, libc::O_RDWR as u32, 0).unwrap();
+        fs.flush(&x, pre, h.unwrap(), 0).unwrap();
+        fs.release(&x, pre, 0, h.unwrap(), false, false, None)
+            .unwrap();
+    }
 }

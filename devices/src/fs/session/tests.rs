@@ -7,9 +7,20 @@ use super::*;
 use crate::fs::testutil::*;
 
 fn session_fs() -> SessionFs {
-    let fs = SessionFs::new(SessionFsOptions::default());
+    session_fs_with(SessionFsOptions::default())
+}
+
+fn session_fs_with(opts: SessionFsOptions) -> SessionFs {
+    let fs = SessionFs::new(opts);
     fs.init(FsOptions::empty()).unwrap();
     fs
+}
+
+fn xattr_session_fs() -> SessionFs {
+    session_fs_with(SessionFsOptions {
+        xattr: true,
+        ..SessionFsOptions::default()
+    })
 }
 
 fn lookup(fs: &SessionFs, parent: u64, name: &str) -> io::Result<Entry> {
@@ -194,9 +205,37 @@ fn a_grant_root_shows_live_attributes() {
 }
 
 #[test]
+fn xattr_requests_are_enosys_unless_enabled() {
+    let fx = Fixture::new();
+    std::fs::write(fx.host().join("f"), b"x").unwrap();
+    let fs = session_fs();
+    fs.add_grant("s", "g", &fx.host(), GrantMode::Rwd).unwrap();
+    let x = ctx();
+    let file = walk(&fs, "s/g/f").unwrap().inode;
+    let enosys = libc::ENOSYS;
+    for ino in [ROOT_ID, file] {
+        assert_eq!(errno_of(fs.getxattr(&x, ino, &c("user.k"), 64)), enosys);
+        assert_eq!(errno_of(fs.listxattr(&x, ino, 0)), enosys);
+        assert_eq!(
+            errno_of(fs.setxattr(&x, ino, &c("user.k"), b"v", 0)),
+            enosys
+        );
+        assert_eq!(errno_of(fs.removexattr(&x, ino, &c("user.k"))), enosys);
+    }
+    let fs = xattr_session_fs();
+    fs.add_grant("s", "g", &fx.host(), GrantMode::Rwd).unwrap();
+    let file = walk(&fs, "s/g/f").unwrap().inode;
+    fs.setxattr(&x, file, &c("user.k"), b"v", 0).unwrap();
+    assert!(matches!(
+        fs.getxattr(&x, file, &c("user.k"), 64).unwrap(),
+        GetxattrReply::Value(v) if v == b"v"
+    ));
+}
+
+#[test]
 fn the_virtual_tree_is_read_only() {
     let fx = Fixture::new();
-    let fs = session_fs();
+    let fs = xattr_session_fs();
     fs.add_grant("s", "a/b", &fx.host(), GrantMode::Rwd)
         .unwrap();
     let x = ctx();
@@ -444,6 +483,7 @@ fn helper_credentials_ignore_guest_ids() {
     assert_eq!((x.uid, x.gid), (0, 0));
     let fs = SessionFs::new(SessionFsOptions {
         credentials: Credentials::Guest,
+        ..SessionFsOptions::default()
     });
     let mut x = Context {
         uid: 1234,
