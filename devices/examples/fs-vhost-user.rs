@@ -2,13 +2,15 @@
 //! benchmarking the device with QEMU (`devices/benches/bench-fs.sh`).
 //!
 //! ```text
-//! fs-vhost-user --socket PATH [--request-queues N] [--queue-size N]
+//! fs-vhost-user --socket PATH [--request-queues N] [--queue-size N] [--xattr]
 //!               --grant SESSION:MOUNT:HOST_PATH:MODE ...
 //! ```
 //!
 //! Binds the vhost-user socket, adds each grant (mode `ro`, `rw` or `rwd`;
 //! the host path may not contain `:`), serves one QEMU until it
-//! disconnects, prints the request counters and exits. Logs go to stderr,
+//! disconnects, prints the request counters (total, malformed, and per FUSE
+//! opcode) and exits. `--xattr` serves extended attributes
+//! (`SessionFsOptions::xattr`; off by default, as in the helper). Logs go to stderr,
 //! filtered by `RUST_LOG` (default `info`).
 
 use std::path::PathBuf;
@@ -21,7 +23,7 @@ use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsServer};
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: fs-vhost-user --socket PATH [--request-queues N] [--queue-size N] --grant SESSION:MOUNT:HOST_PATH:MODE..."
+        "usage: fs-vhost-user --socket PATH [--request-queues N] [--queue-size N] [--xattr] --grant SESSION:MOUNT:HOST_PATH:MODE..."
     );
     ExitCode::from(2)
 }
@@ -59,7 +61,12 @@ fn main() -> ExitCode {
     let mut queues = None;
     let mut qsize = None;
     let mut grants = Vec::new();
+    let mut fs_options = SessionFsOptions::default();
     while let Some(a) = args.next() {
+        if a == "--xattr" {
+            fs_options.xattr = true;
+            continue;
+        }
         let Some(v) = args.next() else {
             return usage();
         };
@@ -93,7 +100,7 @@ fn main() -> ExitCode {
     if let Some(n) = qsize {
         cfg.queue_size = n;
     }
-    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let fs = Arc::new(SessionFs::new(fs_options));
     for g in &grants {
         if let Err(e) = fs.add_grant(&g.session, &g.mount, &g.host, g.mode) {
             eprintln!("fs-vhost-user: {e}");
@@ -114,6 +121,12 @@ fn main() -> ExitCode {
         stats.chains.load(Ordering::Relaxed),
         stats.malformed.load(Ordering::Relaxed)
     );
+    let ops: Vec<String> = stats
+        .opcode_counts()
+        .iter()
+        .map(|(op, n)| format!("{op}:{n}"))
+        .collect();
+    eprintln!("fs-vhost-user: requests by FUSE opcode: {}", ops.join(" "));
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -38,6 +38,7 @@ use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
 use tracing::{debug, error, info, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use vm_memory::{Address, Bytes};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
     features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
@@ -94,7 +95,7 @@ pub enum FsDeviceError {
 }
 
 /// Counters a device keeps (since it was built).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FsDeviceStats {
     /// Descriptor chains completed (answered or not).
     pub chains: AtomicU64,
@@ -103,6 +104,40 @@ pub struct FsDeviceStats {
     pub malformed: AtomicU64,
     /// Times the worker gave up and asked for a device reset.
     pub needs_reset: AtomicU64,
+    /// Requests seen per FUSE opcode (index = opcode; opcodes at or above
+    /// [`OPCODE_SLOTS`] count in the last slot). Read by benchmarks and
+    /// `fs-vhost-user` to see what a workload costs in round trips.
+    pub opcodes: [AtomicU64; OPCODE_SLOTS],
+}
+
+/// Slots of [`FsDeviceStats::opcodes`]: FUSE opcodes run to 52
+/// (`FUSE_STATX`) in Linux 6.x; anything above shares the last slot.
+pub const OPCODE_SLOTS: usize = 64;
+
+impl Default for FsDeviceStats {
+    fn default() -> Self {
+        Self {
+            chains: AtomicU64::new(0),
+            malformed: AtomicU64::new(0),
+            needs_reset: AtomicU64::new(0),
+            opcodes: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl FsDeviceStats {
+    /// `(opcode, count)` for every opcode seen, most frequent first.
+    pub fn opcode_counts(&self) -> Vec<(usize, u64)> {
+        let mut v: Vec<(usize, u64)> = self
+            .opcodes
+            .iter()
+            .enumerate()
+            .map(|(op, n)| (op, n.load(Ordering::Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        v.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+        v
+    }
 }
 
 /// The virtio-fs device model.
@@ -383,6 +418,7 @@ pub(crate) fn serve_chain(
         Ok(r) => r,
         Err(e) => return Ok(malformed("readable buffers", &e)),
     };
+    count_opcode(mem, &chain, stats);
     let writer = match VirtioFsWriter::new(mem, chain) {
         Ok(w) => w,
         Err(e) => return Ok(malformed("writable buffers", &e)),
@@ -394,6 +430,34 @@ pub(crate) fn serve_chain(
         Ok(Ok(written)) => Ok(u32::try_from(written).unwrap_or(u32::MAX)),
         Ok(Err(e)) => Ok(malformed("FUSE message", &e)),
         Err(_) => Err(WorkerError::ServerPanic { index }),
+    }
+}
+
+/// Offset of `opcode` in `struct fuse_in_header` (after the `u32` length).
+const IN_HEADER_OPCODE_OFFSET: u64 = 4;
+
+/// Counts the request's opcode when the chain's first descriptor holds the
+/// start of the FUSE header (as every driver lays it out); otherwise counts
+/// nothing; the server parses and judges the message itself.
+fn count_opcode(
+    mem: &GuestMemoryMmap,
+    chain: &DescriptorChain<&GuestMemoryMmap>,
+    stats: &FsDeviceStats,
+) {
+    let Some(first) = chain.clone().next() else {
+        return;
+    };
+    if first.is_write_only() || first.len() < 8 {
+        return;
+    }
+    let Some(addr) = first.addr().checked_add(IN_HEADER_OPCODE_OFFSET) else {
+        return;
+    };
+    if let Ok(op) = mem.read_obj::<u32>(addr) {
+        let slot = usize::try_from(u32::from_le(op))
+            .unwrap_or(OPCODE_SLOTS - 1)
+            .min(OPCODE_SLOTS - 1);
+        stats.opcodes[slot].fetch_add(1, Ordering::Relaxed);
     }
 }
 
