@@ -415,4 +415,21 @@ mod tests {
             Some(std::path::Path::new("/x/y.sock"))
         );
     }
+
+    #[test]
+    fn shared_folder_xattrs_are_opt_in() {
+        if std::env::var_os("COWORK_FS_XATTR").is_none() {
+            let cli = Cli::try_parse_from(["h", "--socket", "/x"]).unwrap();
+            assert!(!cli.fs_xattr);
+        }
+        let cli = Cli::try_parse_from(["h", "--socket", "/x", "--fs-xattr"]).unwrap();
+        assert!(cli.fs_xattr);
+        let settings = Settings {
+            data_dir: "/d".into(),
+            backend: BackendKind::Qemu,
+            helper_exe: "/h".into(),
+            fs_xattr: cli.fs_xattr,
+        };
+        assert!(settings.fs_options().xattr);
+    }
 }

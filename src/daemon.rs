@@ -34,6 +34,16 @@ pub struct Settings {
     pub fs_xattr: bool,
 }
 
+impl Settings {
+    /// How the VM backends serve shared folders.
+    pub fn fs_options(&self) -> devices::fs::SessionFsOptions {
+        devices::fs::SessionFsOptions {
+            xattr: self.fs_xattr,
+            ..Default::default()
+        }
+    }
+}
+
 /// One desktop profile.
 pub struct Profile {
     pub key: String,
@@ -243,10 +253,7 @@ impl Daemon {
                     bundle_path: params.bundle_path.map(Into::into),
                     memory_gb: params.memory_gb,
                     cpu_count: params.cpu_count,
-                    fs: devices::fs::SessionFsOptions {
-                        xattr: self.settings.fs_xattr,
-                        ..Default::default()
-                    },
+                    fs: self.settings.fs_options(),
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null
