@@ -71,7 +71,7 @@ pub enum Val {
     /// 2^CoreBits capped at 255 (leaf 1 "addressable logical IDs").
     LogicalIds,
     /// Leaf 4: logical processors sharing this cache - 1, from the entry's
-    /// own cache level (EAX[7:5]): private for L1/L2, package-wide for L3.
+    /// own cache level (`EAX[7:5]`): private for L1/L2, package-wide for L3.
     CacheSharingMinus1,
     /// Host capability: 1 if the VMM enables the TSC-deadline timer.
     TscDeadline,

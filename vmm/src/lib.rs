@@ -5,7 +5,7 @@
 //! in-kernel irqchip and PIT, ACPI and MP tables, a COM1 UART, an i8042 for
 //! reset, a boot-timing port and the ACPI sleep registers;
 //! [`machine::Vm::run`] runs it to an [`machine::ExitReason`].
-//! [`cli::vm_run`] is the `cowork-helper vm run` command, [`bench`] the
+//! [`cli::vm_run`] is the `cowork-helper vm run` command, [`mod@bench`] the
 //! boot benchmark, and [`kvm_check::linux_capable`] tells whether this
 //! host's KVM can boot Linux at all.
 //!

@@ -11,7 +11,7 @@
 //!
 //! Guest-triggered terminations (KVM system events, entry failures, internal
 //! errors, triple faults) are reported through the VM's
-//! [`ExitSignal`](crate::devices::ExitSignal); the event loop then kicks
+//! [`ExitSignal`]; the event loop then kicks
 //! every vCPU.
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -15,7 +15,7 @@
 //! overlay's bitmap for a copy-on-write image) when the frontend resets the
 //! device or disconnects.
 //!
-//! Limits: those of [`super::single_queue`] (one frontend per server, one
+//! Limits: those of `vhost_user::single_queue` (one frontend per server, one
 //! worker thread) and of [`crate::blk`] (one request queue: start QEMU with
 //! `num-queues=1`).
 

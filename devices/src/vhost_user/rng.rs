@@ -7,7 +7,7 @@
 //! //   -chardev socket,id=rng0,path=SOCK -device vhost-user-rng-pci,chardev=rng0
 //! ```
 //!
-//! Limits: those of [`super::single_queue`] (one frontend per server, one
+//! Limits: those of `vhost_user::single_queue` (one frontend per server, one
 //! worker thread).
 
 use std::io;

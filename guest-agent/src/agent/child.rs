@@ -3,7 +3,7 @@
 //! Everything here runs in the forked child of a multi-threaded parent, so
 //! it is restricted to async-signal-safe raw system calls: no allocation, no
 //! locks, no logging. All paths and buffers are prepared in the parent
-//! ([`ChildSetup::new`]) and only borrowed in [`ChildSetup::apply`]. Errors
+//! (which builds the [`ChildSetup`]) and only borrowed in [`ChildSetup::apply`]. Errors
 //! are returned as raw OS errors, which `std` reports to the parent as the
 //! spawn's error.
 //!

@@ -1,6 +1,6 @@
 //! Establishing the host link: an inherited descriptor, a Unix socket, or
 //! AF_VSOCK to the host. Unix and vsock connects are retried with a growing
-//! pause ([`FIRST_RETRY`] up to [`MAX_RETRY`]) for [`CONNECT_PATIENCE`]: the
+//! pause (`FIRST_RETRY` up to `MAX_RETRY`) for [`CONNECT_PATIENCE`]: the
 //! host may still be setting up its listener when the agent starts.
 
 use std::io;

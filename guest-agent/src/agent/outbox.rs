@@ -11,7 +11,7 @@
 //! written. A slow host therefore slows the producers down (process pipes
 //! fill up and the processes block), instead of growing the agent's memory.
 //! The writer drains several queued frames into one `writev`
-//! ([`MAX_BATCH_FRAMES`], [`MAX_BATCH_BYTES`]).
+//! (`MAX_BATCH_FRAMES`, `MAX_BATCH_BYTES`).
 
 use std::io::IoSlice;
 use std::sync::Arc;
