@@ -43,11 +43,12 @@
 //! Round trips: the server answers every open and create with
 //! `FOPEN_NOFLUSH` when closing a duplicate descriptor (what the passthrough
 //! does for a FUSE `FLUSH`) can have no effect: always for read-only opens,
-//! and for writable ones when the grant lives on a local host filesystem
-//! ([`LOCAL_FS_MAGICS`]: no write-back on close, no deferred error, and the
-//! server holds no POSIX locks that a close would drop). The guest's
-//! `close()` then costs no request; on NFS, CIFS or another FUSE filesystem
-//! writable opens keep their `FLUSH`, so a close still reports that
+//! and for writable ones when the file is on the grant root's filesystem and
+//! that is a local one ([`LOCAL_FS_MAGICS`]: no write-back on close, no
+//! deferred error, and the server holds no POSIX locks that a close would
+//! drop). The guest's `close()` then costs no request; on NFS, CIFS or
+//! another FUSE filesystem, and for files on anything mounted inside the
+//! grant, writable opens keep their `FLUSH`, so a close still reports that
 //! filesystem's errors. Linux before 5.16 ignores the flag.
 //!
 //! Limits: the set of created identities grows with the number of live
@@ -113,6 +114,16 @@ pub const LOCAL_FS_MAGICS: [i64; 9] = [
     0x794C_7630, // OVERLAYFS_SUPER_MAGIC
     0x2FC1_2FC1, // ZFS_SUPER_MAGIC (OpenZFS)
 ];
+
+/// The device of `path` when the filesystem holding it is one of
+/// [`LOCAL_FS_MAGICS`]; `None` when it is not or cannot be told.
+fn local_fs_dev(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    if !close_is_noop_on(path) {
+        return None;
+    }
+    std::fs::metadata(path).ok().map(|m| m.dev())
+}
 
 /// Whether the filesystem holding `path` is one of [`LOCAL_FS_MAGICS`];
 /// `false` when it cannot be told.
@@ -243,9 +254,10 @@ pub struct GrantFs {
     /// `rw` only: serializes the deletion check with the deletion, so two
     /// guest requests cannot race a name between them.
     deletion: Mutex<()>,
-    /// Writable opens get `FOPEN_NOFLUSH` too (the grant is on a local
-    /// host filesystem; see the module doc).
-    noflush_writable: bool,
+    /// The grant root's device when it is on a local host filesystem:
+    /// writable opens of files on that device get `FOPEN_NOFLUSH` too (see
+    /// the module doc).
+    local_dev: Option<u64>,
 }
 
 impl GrantFs {
@@ -295,7 +307,7 @@ impl GrantFs {
             label,
             created: Mutex::new(HashSet::new()),
             deletion: Mutex::new(()),
-            noflush_writable: close_is_noop_on(root),
+            local_dev: local_fs_dev(root),
         })
     }
 
@@ -325,9 +337,16 @@ impl GrantFs {
     }
 
     /// The options an open or create answers with: the passthrough's, plus
-    /// `FOPEN_NOFLUSH` where a FLUSH would be a no-op.
-    fn open_options(&self, opts: OpenOptions, writable: bool) -> OpenOptions {
-        if !writable || self.noflush_writable {
+    /// `FOPEN_NOFLUSH` where a FLUSH would be a no-op: a read-only open, or
+    /// a file on device `dev` (asked for only then) that is the grant
+    /// root's local one.
+    fn open_options(
+        &self,
+        opts: OpenOptions,
+        writable: bool,
+        dev: impl FnOnce() -> Option<u64>,
+    ) -> OpenOptions {
+        if !writable || self.local_dev.is_some_and(|local| dev() == Some(local)) {
             with_noflush(opts)
         } else {
             opts
@@ -644,7 +663,13 @@ impl FileSystem for GrantFs {
             self.check_writable("open for writing")?;
         }
         let (handle, opts, passthrough) = self.inner.open(ctx, inode, flags, fuse_flags)?;
-        Ok((handle, self.open_options(opts, writable), passthrough))
+        let dev = || {
+            self.inner
+                .getattr(ctx, inode, handle)
+                .ok()
+                .map(|(st, _)| st.st_dev)
+        };
+        Ok((handle, self.open_options(opts, writable, dev), passthrough))
     }
 
     fn create(
@@ -665,7 +690,13 @@ impl FileSystem for GrantFs {
         } else {
             self.inner.create(ctx, parent, name, args)?
         };
-        Ok((entry, handle, self.open_options(opts, true), passthrough))
+        let dev = entry.attr.st_dev;
+        Ok((
+            entry,
+            handle,
+            self.open_options(opts, true, || Some(dev)),
+            passthrough,
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -534,6 +534,34 @@ fn closes_cost_no_flush_where_a_flush_would_do_nothing() {
     let fx = Fixture::new();
     let local = close_is_noop_on(&fx.host());
     let noflush = |opts: OpenOptions| opts.bits() & FOPEN_NOFLUSH != 0;
+    // A writable file on another device (something mounted inside the
+    // grant) keeps its FLUSH even when the grant root is local.
+    let mut fs = grant(&fx, GrantMode::Rwd);
+    fs.local_dev = Some(7);
+    assert!(noflush(
+        fs.open_options(OpenOptions::empty(), true, || Some(7))
+    ));
+    assert!(!noflush(fs.open_options(
+        OpenOptions::empty(),
+        true,
+        || Some(8)
+    )));
+    assert!(!noflush(fs.open_options(
+        OpenOptions::empty(),
+        true,
+        || None
+    )));
+    assert!(noflush(fs.open_options(
+        OpenOptions::empty(),
+        false,
+        || Some(8)
+    )));
+    fs.local_dev = None;
+    assert!(!noflush(fs.open_options(
+        OpenOptions::empty(),
+        true,
+        || Some(7)
+    )));
     for mode in [GrantMode::Ro, GrantMode::Rw, GrantMode::Rwd] {
         let fs = grant(&fx, mode);
         let x = ctx();
