@@ -29,11 +29,11 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_T_DISCARD,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
 };
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 use vmm::virtio::worker::{DeviceWorker, StopError, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
-    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
 
@@ -243,88 +243,81 @@ impl BlkModel {
             index: REQUEST_QUEUE,
             source,
         };
-        let mut used = false;
-        loop {
-            q.disable_notification(mem).map_err(qerr)?;
-            loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(source) => return Err(qerr(source)),
-                };
-                let Some(chain) = chain else { break };
+        let budget = &self.log_budget;
+        let stats = &self.stats;
+        let (backend, params, scratch) = (&mut self.backend, &self.params, &mut self.scratch);
+        drain(
+            q,
+            mem,
+            qerr,
+            |chain| {
                 let head = chain.head_index();
-                let c = request::serve(
-                    mem,
-                    chain,
-                    self.backend.as_mut(),
-                    &self.params,
-                    &mut self.scratch,
-                );
-                self.account(head, &c);
-                if let Err(e) = q.add_used(mem, head, c.used_len) {
-                    self.warn(format_args!("blk: cannot return chain {head}: {e}"));
-                    continue;
-                }
-                used = true;
-            }
-            if !q.enable_notification(mem).map_err(qerr)? {
-                break;
-            }
-        }
-        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+                let c = request::serve(mem, chain, backend.as_mut(), params, scratch);
+                account(stats, budget, head, &c);
+                Ok(c.used_len)
+            },
+            |head, e| {
+                warn_limited(budget, format_args!("blk: cannot return chain {head}: {e}"));
+                Ok(())
+            },
+        )
     }
+}
 
-    fn account(&self, head: u16, c: &Completion) {
-        let s = &self.stats;
-        s.requests.fetch_add(1, Ordering::Relaxed);
-        let ok = c.error.is_none();
-        if ok {
-            let data = u64::from(c.used_len.saturating_sub(1));
-            match c.kind {
-                Some(VIRTIO_BLK_T_IN) => {
-                    s.bytes_read.fetch_add(data, Ordering::Relaxed);
-                }
-                Some(VIRTIO_BLK_T_OUT) => {
-                    s.bytes_written
-                        .fetch_add(c.bytes_from_guest, Ordering::Relaxed);
-                }
-                Some(VIRTIO_BLK_T_FLUSH) => {
-                    s.flushes.fetch_add(1, Ordering::Relaxed);
-                }
-                Some(VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES) => {
-                    s.discards.fetch_add(1, Ordering::Relaxed);
-                }
-                _ => {}
+/// Counts a completed request in `s` and logs a failure (within `budget`).
+fn account(s: &BlkStats, budget: &AtomicU32, head: u16, c: &Completion) {
+    s.requests.fetch_add(1, Ordering::Relaxed);
+    let ok = c.error.is_none();
+    if ok {
+        let data = u64::from(c.used_len.saturating_sub(1));
+        match c.kind {
+            Some(VIRTIO_BLK_T_IN) => {
+                s.bytes_read.fetch_add(data, Ordering::Relaxed);
             }
-            debug!(head, kind = ?c.kind, used = c.used_len, "blk: request done");
-            return;
-        }
-        s.errors.fetch_add(1, Ordering::Relaxed);
-        let Some(e) = &c.error else { return };
-        if e.is_malformed() || c.status.is_none() {
-            s.malformed.fetch_add(1, Ordering::Relaxed);
-        }
-        match e {
-            request::RequestError::Unsupported(kind) => {
-                debug!(head, kind, "blk: unsupported request type answered UNSUPP")
+            Some(VIRTIO_BLK_T_OUT) => {
+                s.bytes_written
+                    .fetch_add(c.bytes_from_guest, Ordering::Relaxed);
             }
-            _ => self.warn(format_args!(
+            Some(VIRTIO_BLK_T_FLUSH) => {
+                s.flushes.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES) => {
+                s.discards.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        debug!(head, kind = ?c.kind, used = c.used_len, "blk: request done");
+        return;
+    }
+    s.errors.fetch_add(1, Ordering::Relaxed);
+    let Some(e) = &c.error else { return };
+    if e.is_malformed() || c.status.is_none() {
+        s.malformed.fetch_add(1, Ordering::Relaxed);
+    }
+    match e {
+        request::RequestError::Unsupported(kind) => {
+            debug!(head, kind, "blk: unsupported request type answered UNSUPP")
+        }
+        _ => warn_limited(
+            budget,
+            format_args!(
                 "blk: request {head} (type {:?}) failed, status {:?}: {e}",
                 c.kind, c.status
-            )),
-        }
+            ),
+        ),
     }
+}
 
-    fn warn(&self, msg: std::fmt::Arguments<'_>) {
-        let budget = self
-            .log_budget
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-            .is_ok();
-        if budget {
-            warn!("{msg}");
-        } else {
-            debug!("{msg}");
-        }
+/// Logs `msg` as a warning while `budget` lasts, then at debug level (a
+/// guest can make every request fail).
+fn warn_limited(budget: &AtomicU32, msg: std::fmt::Arguments<'_>) {
+    let budget = budget
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok();
+    if budget {
+        warn!("{msg}");
+    } else {
+        debug!("{msg}");
     }
 }
 

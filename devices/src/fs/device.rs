@@ -37,11 +37,11 @@ use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
 use tracing::{debug, error, info, warn};
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Address, Bytes};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
-    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
 
@@ -347,33 +347,19 @@ impl WorkerCtx {
         let index = aq.index;
         let q: &mut Queue = &mut aq.queue;
         let qerr = |source| WorkerError::Queue { index, source };
-        let mut used_any = false;
-        loop {
-            q.disable_notification(mem).map_err(qerr)?;
-            loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(source) => return Err(qerr(source)),
-                };
-                let Some(chain) = chain else { break };
-                let head = chain.head_index();
-                let len = serve_chain(
-                    &self.server,
-                    mem,
-                    chain,
-                    index,
-                    &self.stats,
-                    &self.log_budget,
-                )?;
-                q.add_used(mem, head, len).map_err(qerr)?;
-                self.stats.chains.fetch_add(1, Ordering::Relaxed);
-                used_any = true;
-            }
-            if !q.enable_notification(mem).map_err(qerr)? {
-                break;
-            }
-        }
-        if used_any && q.needs_notification(mem).map_err(qerr)? {
+        let (server, stats, budget) = (&self.server, &self.stats, &self.log_budget);
+        let notify = drain(
+            q,
+            mem,
+            qerr,
+            |chain| {
+                let len = serve_chain(server, mem, chain, index, stats, budget)?;
+                stats.chains.fetch_add(1, Ordering::Relaxed);
+                Ok(len)
+            },
+            |_, e| Err(qerr(e)),
+        )?;
+        if notify {
             if let Err(e) = self.interrupt.signal_used_queue(index) {
                 warn!("virtio-fs: cannot signal virtqueue {index}: {e}");
             }

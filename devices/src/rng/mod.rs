@@ -21,11 +21,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tracing::{debug, error, info, warn};
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestMemory};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
-    features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
+    drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
 };
 
 #[cfg(test)]
@@ -140,32 +140,23 @@ impl RngModel {
             index: REQUEST_QUEUE,
             source,
         };
-        let mut used = false;
-        loop {
-            q.disable_notification(mem).map_err(qerr)?;
-            loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(source) => return Err(qerr(source)),
-                };
-                let Some(chain) = chain else { break };
-                let head = chain.head_index();
+        drain(
+            q,
+            mem,
+            qerr,
+            |chain| {
                 let written = self.fill_chain(mem, chain)?;
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .bytes
                     .fetch_add(u64::from(written), Ordering::Relaxed);
-                if let Err(e) = q.add_used(mem, head, written) {
-                    warn!("rng: cannot return chain {head}: {e}");
-                    continue;
-                }
-                used = true;
-            }
-            if !q.enable_notification(mem).map_err(qerr)? {
-                break;
-            }
-        }
-        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+                Ok(written)
+            },
+            |head, e| {
+                warn!("rng: cannot return chain {head}: {e}");
+                Ok(())
+            },
+        )
     }
 
     /// Writes random bytes into the chain's writable buffers; returns how

@@ -28,7 +28,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemory;
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{
-    features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
+    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
 };
 
@@ -165,15 +165,11 @@ impl VsockModel {
             index: TX_QUEUE,
             source,
         };
-        let mut used = false;
-        loop {
-            q.disable_notification(mem).map_err(qerr)?;
-            loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(source) => return Err(qerr(source)),
-                };
-                let Some(chain) = chain else { break };
+        drain(
+            q,
+            mem,
+            qerr,
+            |chain| {
                 let head = chain.head_index();
                 match ChainReader::new(mem, chain) {
                     Ok(mut reader) => match reader.read_header() {
@@ -192,17 +188,13 @@ impl VsockModel {
                     Err(e) => warn!("vsock: TX chain {head} dropped: {e}"),
                 }
                 // The device writes nothing into TX buffers.
-                if let Err(e) = q.add_used(mem, head, 0) {
-                    warn!("vsock: cannot return TX chain {head}: {e}");
-                    continue;
-                }
-                used = true;
-            }
-            if !q.enable_notification(mem).map_err(qerr)? {
-                break;
-            }
-        }
-        Ok(used && q.needs_notification(mem).map_err(qerr)?)
+                Ok(0)
+            },
+            |head, e| {
+                warn!("vsock: cannot return TX chain {head}: {e}");
+                Ok(())
+            },
+        )
     }
 
     /// Fills RX chains while packets are pending. Returns whether the driver

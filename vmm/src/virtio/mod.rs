@@ -23,10 +23,12 @@ use std::sync::Arc;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
+pub mod drain;
 pub mod mmio;
 pub mod testdev;
 pub mod worker;
 
+pub use drain::drain;
 pub use mmio::{MmioTransport, MmioTransportError};
 
 /// Guest memory as handed to devices at activation (cheap to clone: the

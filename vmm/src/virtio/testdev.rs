@@ -21,11 +21,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use tracing::{debug, warn};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::Queue;
 use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
-use super::{features, read_config_bytes, write_config_bytes};
+use super::{drain, features, read_config_bytes, write_config_bytes};
 use super::{ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt};
 
 /// Device ID of the test device. Unassigned by the virtio spec, so no guest
@@ -206,16 +206,12 @@ impl WorkerCtx {
         let index = aq.index;
         let q: &mut Queue = &mut aq.queue;
         let qerr = |source| WorkerError::Queue { index, source };
-        let mut used_any = false;
-        loop {
-            q.disable_notification(mem).map_err(qerr)?;
-            loop {
-                let chain = match q.iter(mem) {
-                    Ok(mut it) => it.next(),
-                    Err(source) => return Err(qerr(source)),
-                };
-                let Some(chain) = chain else { break };
-                let head = chain.head_index();
+        let counters = &self.counters;
+        let notify = drain(
+            q,
+            mem,
+            qerr,
+            |chain| {
                 let mut written: usize = 0;
                 for desc in chain.writable() {
                     fill_pattern(mem, desc.addr(), desc.len(), seed, &mut written).map_err(
@@ -226,16 +222,12 @@ impl WorkerCtx {
                         },
                     )?;
                 }
-                let len = u32::try_from(written).unwrap_or(u32::MAX);
-                q.add_used(mem, head, len).map_err(qerr)?;
-                self.counters.completed.fetch_add(1, Ordering::SeqCst);
-                used_any = true;
-            }
-            if !q.enable_notification(mem).map_err(qerr)? {
-                break;
-            }
-        }
-        if used_any && q.needs_notification(mem).map_err(qerr)? {
+                counters.completed.fetch_add(1, Ordering::SeqCst);
+                Ok(u32::try_from(written).unwrap_or(u32::MAX))
+            },
+            |_, e| Err(qerr(e)),
+        )?;
+        if notify {
             if let Err(e) = self.interrupt.signal_used_queue(index) {
                 warn!("testdev: cannot signal queue {index}: {e}");
             }

@@ -14,6 +14,7 @@ use fuse_backend_rs::api::filesystem::ROOT_ID;
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
+use virtio_queue::QueueT;
 use vm_memory::{ByteValued, Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
