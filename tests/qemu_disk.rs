@@ -4,7 +4,9 @@
 //! vhost-user-rng), the agent formats it as ext4 and mounts it at
 //! `/sessions`, and a session's file survives `stopVM` + `startVM` in the
 //! same helper and a new helper on the same data directory; a second
-//! `createVM` with another size keeps it; the janitor measures the disk
+//! `createVM` with a larger size grows the image and the agent grows the
+//! filesystem online at the next boot, a smaller one keeps it; the janitor
+//! measures the disk
 //! and deletes the session inside the guest, and refuses (rather than
 //! falling back to a host directory) while no guest is connected. Three
 //! boots in all, one VM at a time.
@@ -321,8 +323,20 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
     assert_eq!(std::fs::metadata(&disk).unwrap().len(), 2 * GIB);
     start_vm(&pipe, "new helper").await;
     assert_eq!(read_kept(&pipe).await.as_deref(), Ok(CONTENT));
-    let (_, names, info) = disk_info(&pipe).await;
+    let (total, names, info) = disk_info(&pipe).await;
     assert!(names.iter().any(|n| n == SESSION), "{info}");
+    // The agent grew the 1 GiB filesystem to the 2 GiB disk, online.
+    assert!(
+        total > 2 * GIB * 85 / 100 && total <= 2 * GIB,
+        "totalBytes {total}: the filesystem did not grow with the disk: {info}"
+    );
+    assert!(
+        helper
+            .log_text()
+            .contains("session disk filesystem grown to the whole disk"),
+        "{}",
+        helper.log_text()
+    );
 
     // deleteSessionDirs removes the session inside the guest.
     let r = pipe

@@ -14,7 +14,11 @@
 //!    is formatted; all zeroes means blank; anything else is left alone;
 //! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
-//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev`.
+//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev`;
+//! 5. grows the filesystem online to the whole disk when the host made the
+//!    image larger (`createVM` with a bigger `diskSizeGB`): the kernel's
+//!    `EXT4_IOC_RESIZE_FS` on the mounted filesystem, as `resize2fs` does
+//!    ([`grow`]).
 //!
 //! Limits: only a disk that reads as zeroes in its first 64 KiB is ever
 //! formatted, so a disk holding another filesystem or a partition table is
@@ -22,7 +26,8 @@
 //! format interrupted after its first writes leaves such a disk, which then
 //! needs a fresh image from the host. The mount point is the default
 //! sessions root (`/sessions`), not a `--sessions-root` override. The
-//! filesystem is not grown when the host grows the image.
+//! filesystem only grows; the host never shrinks the image. A failed grow is
+//! logged and the disk stays mounted at its old size.
 
 use std::ffi::CStr;
 use std::fs::File;
@@ -58,6 +63,24 @@ pub const MKFS_TIMEOUT: Duration = Duration::from_secs(120);
 const MOUNT_DIR_MODE: u32 = 0o755;
 /// Filesystem type the disk is mounted as.
 const FSTYPE: &CStr = c"ext4";
+/// Where the ext2/3/4 superblock starts on the disk.
+const SUPERBLOCK_OFFSET: u64 = 1024;
+/// Bytes of the superblock [`fs_size`] reads (through `s_blocks_count_hi`).
+const SUPERBLOCK_READ: usize = 0x154;
+/// Superblock field offsets (`struct ext4_super_block`).
+const SB_BLOCKS_COUNT_LO: usize = 0x04;
+const SB_LOG_BLOCK_SIZE: usize = 0x18;
+const SB_FEATURE_INCOMPAT: usize = 0x60;
+const SB_BLOCKS_COUNT_HI: usize = 0x150;
+/// `EXT4_FEATURE_INCOMPAT_64BIT`: `s_blocks_count_hi` is meaningful.
+const INCOMPAT_64BIT: u32 = 0x80;
+/// Largest `s_log_block_size` (64 KiB blocks).
+const MAX_LOG_BLOCK_SIZE: u32 = 6;
+/// `EXT4_IOC_RESIZE_FS`, `_IOW('f', 16, __u64)`: grow a mounted ext4 to the
+/// given block count.
+const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
+/// `BLKGETSIZE64`, `_IOR(0x12, 114, size_t)`: a block device's size in bytes.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 /// What the start of a disk holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +120,115 @@ pub enum SessionDiskError {
         target: PathBuf,
         source: io::Error,
     },
+    #[error("cannot read the size of session disk {dev}: {source}")]
+    Size { dev: PathBuf, source: io::Error },
+    #[error("session disk {0} has no valid ext4 superblock to grow")]
+    BadSuperblock(PathBuf),
+    #[error("cannot grow the filesystem on {target} from {from} to {to} blocks: {source}")]
+    Grow {
+        target: PathBuf,
+        from: u64,
+        to: u64,
+        source: io::Error,
+    },
+}
+
+/// An ext filesystem's size: its block size and block count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSize {
+    /// Bytes per block.
+    pub block_size: u64,
+    /// Blocks in the filesystem.
+    pub blocks: u64,
+}
+
+/// Parses the size fields of an ext2/3/4 superblock (`sb` starts at the
+/// superblock, 1024 bytes into the disk). `None` when it is not one or its
+/// block size is out of range.
+pub fn parse_fs_size(sb: &[u8]) -> Option<FsSize> {
+    let u32_at = |off: usize| {
+        sb.get(off..off + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let magic = sb.get(56..58).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    if magic != Some(EXT_MAGIC) {
+        return None;
+    }
+    let log = u32_at(SB_LOG_BLOCK_SIZE)?;
+    if log > MAX_LOG_BLOCK_SIZE {
+        return None;
+    }
+    let mut blocks = u64::from(u32_at(SB_BLOCKS_COUNT_LO)?);
+    if u32_at(SB_FEATURE_INCOMPAT)? & INCOMPAT_64BIT != 0 {
+        blocks |= u64::from(u32_at(SB_BLOCKS_COUNT_HI)?) << 32;
+    }
+    Some(FsSize {
+        block_size: 1024 << log,
+        blocks,
+    })
+}
+
+/// The filesystem size recorded in `dev`'s superblock.
+pub fn fs_size(dev: &Path) -> Result<FsSize, SessionDiskError> {
+    use std::os::unix::fs::FileExt;
+    let mut sb = vec![0u8; SUPERBLOCK_READ];
+    File::open(dev)
+        .and_then(|f| f.read_exact_at(&mut sb, SUPERBLOCK_OFFSET))
+        .map_err(|source| SessionDiskError::Probe {
+            dev: dev.to_path_buf(),
+            source,
+        })?;
+    parse_fs_size(&sb).ok_or_else(|| SessionDiskError::BadSuperblock(dev.to_path_buf()))
+}
+
+/// The size of `dev` in bytes: a block device's (`BLKGETSIZE64`) or a
+/// regular file's.
+pub fn disk_bytes(dev: &Path) -> Result<u64, SessionDiskError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileTypeExt;
+    let err = |source| SessionDiskError::Size {
+        dev: dev.to_path_buf(),
+        source,
+    };
+    let f = File::open(dev).map_err(err)?;
+    let meta = f.metadata().map_err(err)?;
+    if !meta.file_type().is_block_device() {
+        return Ok(meta.len());
+    }
+    let mut bytes: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which points
+    // at a live u64; the descriptor is open for the call.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
+    if r != 0 {
+        return Err(err(io::Error::last_os_error()));
+    }
+    Ok(bytes)
+}
+
+/// Grows the ext4 filesystem of `dev`, mounted on `target`, to fill the
+/// disk. Returns the old and new block counts when it grew, `None` when the
+/// filesystem already fills the disk.
+pub fn grow(dev: &Path, target: &Path) -> Result<Option<(u64, u64)>, SessionDiskError> {
+    use std::os::fd::AsRawFd;
+    let fs = fs_size(dev)?;
+    let want = disk_bytes(dev)? / fs.block_size;
+    if want <= fs.blocks {
+        return Ok(None);
+    }
+    let fail = |source| SessionDiskError::Grow {
+        target: target.to_path_buf(),
+        from: fs.blocks,
+        to: want,
+        source,
+    };
+    let dir = File::open(target).map_err(fail)?;
+    // SAFETY: EXT4_IOC_RESIZE_FS reads one u64 through the pointer, which
+    // points at a live u64; the descriptor is the mounted filesystem's root.
+    let r = unsafe { libc::ioctl(dir.as_raw_fd(), EXT4_IOC_RESIZE_FS, &want as *const u64) };
+    if r != 0 {
+        return Err(fail(io::Error::last_os_error()));
+    }
+    Ok(Some((fs.blocks, want)))
 }
 
 /// The block device (name under `sys_block`, e.g. `vdb`) whose `serial`
@@ -260,6 +392,18 @@ pub fn prepare(
         }
     };
     mount(&dev, target)?;
+    if !formatted {
+        match grow(&dev, target) {
+            Ok(Some((from, to))) => tracing::info!(
+                dev = %dev.display(),
+                from_blocks = from,
+                to_blocks = to,
+                "session disk filesystem grown to the whole disk"
+            ),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "session disk keeps its old size"),
+        }
+    }
     Ok(if formatted {
         Prepared::Formatted(dev)
     } else {
@@ -457,5 +601,40 @@ mod tests {
         // s_feature_incompat bit 0x40 (extents): ext4, not ext2.
         let incompat = u32::from_le_bytes(head[1024 + 96..1024 + 100].try_into().unwrap());
         assert_ne!(incompat & 0x40, 0, "extents enabled");
+        // The size the grow step compares with the disk: the whole image.
+        let size = fs_size(&img).unwrap();
+        assert_eq!(size.blocks * size.block_size, 64 << 20);
+        assert_eq!(disk_bytes(&img).unwrap(), 64 << 20);
+        // After the host grows the image, the disk is larger than the fs.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(128 << 20)
+            .unwrap();
+        assert_eq!(disk_bytes(&img).unwrap() / size.block_size, 2 * size.blocks);
+    }
+
+    #[test]
+    fn superblock_sizes_are_parsed_and_garbage_refused() {
+        let mut sb = vec![0u8; SUPERBLOCK_READ];
+        sb[56..58].copy_from_slice(&EXT_MAGIC.to_le_bytes());
+        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&2u32.to_le_bytes());
+        sb[SB_BLOCKS_COUNT_LO..SB_BLOCKS_COUNT_LO + 4].copy_from_slice(&1000u32.to_le_bytes());
+        sb[SB_BLOCKS_COUNT_HI..SB_BLOCKS_COUNT_HI + 4].copy_from_slice(&1u32.to_le_bytes());
+        let size = parse_fs_size(&sb).unwrap();
+        // Without the 64bit feature the high word is ignored.
+        assert_eq!((size.block_size, size.blocks), (4096, 1000));
+        sb[SB_FEATURE_INCOMPAT..SB_FEATURE_INCOMPAT + 4]
+            .copy_from_slice(&INCOMPAT_64BIT.to_le_bytes());
+        assert_eq!(parse_fs_size(&sb).unwrap().blocks, (1 << 32) + 1000);
+        // A block size beyond 64 KiB, a wrong magic, a short buffer: refused.
+        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&7u32.to_le_bytes());
+        assert_eq!(parse_fs_size(&sb), None);
+        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&2u32.to_le_bytes());
+        assert_eq!(parse_fs_size(&sb[..0x100]), None, "64bit needs 0x154 bytes");
+        sb[56] = 0;
+        assert_eq!(parse_fs_size(&sb), None);
+        assert_eq!(parse_fs_size(&[]), None);
     }
 }
