@@ -79,7 +79,7 @@ const INNER_TIMEOUT: Duration = Duration::from_secs(240);
 const HARNESS_TIMEOUT: Duration = Duration::from_secs(300);
 /// Nested attempts: QEMU TCG's SVM emulation now and then crashes a guest
 /// that boots fine otherwise (see tests/nested_boot.rs).
-const NESTED_ATTEMPTS: u32 = 2;
+const NESTED_ATTEMPTS: u32 = 3;
 /// Thread names of a running in-process VM in the helper.
 const VM_THREADS: [&str; 6] = [
     "cowork-kvm-vm",
@@ -207,7 +207,7 @@ fn kvm_backend_end_to_end() {
 }
 
 /// Re-runs this test binary inside the nested harness (in direct mode) and
-/// checks that the body passed there; one retry for emulation faults.
+/// checks that the body passed there; up to two retries for emulation faults.
 fn nested_run() {
     let exe = std::env::current_exe().expect("the test binary's path");
     let inner = format!(
