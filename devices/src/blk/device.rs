@@ -257,7 +257,7 @@ impl BlkModel {
                 Ok(c.used_len)
             },
             |head, e| {
-                warn_limited(budget, format_args!("blk: cannot return chain {head}: {e}"));
+                vmm::guest_log!(budget, warn, "blk: cannot return chain {head}: {e}");
                 Ok(())
             },
         )
@@ -298,26 +298,13 @@ fn account(s: &BlkStats, budget: &AtomicU32, head: u16, c: &Completion) {
         request::RequestError::Unsupported(kind) => {
             debug!(head, kind, "blk: unsupported request type answered UNSUPP")
         }
-        _ => warn_limited(
+        _ => vmm::guest_log!(
             budget,
-            format_args!(
-                "blk: request {head} (type {:?}) failed, status {:?}: {e}",
-                c.kind, c.status
-            ),
+            warn,
+            "blk: request {head} (type {:?}) failed, status {:?}: {e}",
+            c.kind,
+            c.status
         ),
-    }
-}
-
-/// Logs `msg` as a warning while `budget` lasts, then at debug level (a
-/// guest can make every request fail).
-fn warn_limited(budget: &AtomicU32, msg: std::fmt::Arguments<'_>) {
-    let budget = budget
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok();
-    if budget {
-        warn!("{msg}");
-    } else {
-        debug!("{msg}");
     }
 }
 

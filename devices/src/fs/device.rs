@@ -368,13 +368,6 @@ impl WorkerCtx {
     }
 }
 
-/// Takes one message from the malformed-chain log budget.
-fn take_budget(budget: &AtomicU32) -> bool {
-    budget
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok()
-}
-
 /// Answers the FUSE request in `chain`; returns the used length (bytes
 /// written to the device-writable buffers, 0 for a malformed chain).
 pub(crate) fn serve_chain(
@@ -387,17 +380,12 @@ pub(crate) fn serve_chain(
 ) -> Result<u32, WorkerError> {
     let malformed = |what: &str, err: &dyn std::fmt::Display| {
         stats.malformed.fetch_add(1, Ordering::Relaxed);
-        if take_budget(budget) {
-            warn!(
-                queue = index,
-                "virtio-fs: malformed request ({what}): {err}"
-            );
-        } else {
-            debug!(
-                queue = index,
-                "virtio-fs: malformed request ({what}): {err}"
-            );
-        }
+        vmm::guest_log!(
+            budget,
+            warn,
+            queue = index,
+            "virtio-fs: malformed request ({what}): {err}"
+        );
         0
     };
     let reader = match Reader::from_descriptor_chain(mem, chain.clone()) {

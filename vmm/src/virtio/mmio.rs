@@ -38,6 +38,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::VirtioInterrupt;
 use super::{features, status, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice};
+use crate::guest_log;
 
 /// Offset of MagicValue (R): always [`MAGIC_VALUE`].
 pub const MAGIC: u64 = 0x000;
@@ -129,25 +130,6 @@ pub const REGISTERS_SIZE: u64 = CONFIG_SPACE;
 /// resets, device errors) a transport logs at their own level; later ones
 /// go to debug level, so a hostile guest cannot flood the host log.
 pub const GUEST_LOG_BUDGET: u32 = 32;
-
-/// Takes one message from a transport's log budget.
-fn take_log_budget(budget: &AtomicU32) -> bool {
-    budget
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        .is_ok()
-}
-
-/// Logs a guest-triggered event at `$level` while the budget lasts, then at
-/// debug level.
-macro_rules! guest_log {
-    ($budget:expr, $level:ident, $($arg:tt)+) => {
-        if take_log_budget($budget) {
-            tracing::$level!($($arg)+)
-        } else {
-            tracing::debug!($($arg)+)
-        }
-    };
-}
 
 /// Status bits a driver may write (the device owns DEVICE_NEEDS_RESET).
 const DRIVER_STATUS_BITS: u32 =

@@ -18,6 +18,7 @@
 //! [`GuestMemoryMmap`] fixed for the life of the VM (no hotplug).
 
 use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::Queue;
@@ -30,6 +31,30 @@ pub mod worker;
 
 pub use drain::drain;
 pub use mmio::{MmioTransport, MmioTransportError};
+
+/// Takes one message from a log budget for guest-triggered events: `true`
+/// while messages remain (the budget is decremented), `false` once it is
+/// spent.
+pub fn take_log_budget(budget: &AtomicU32) -> bool {
+    budget
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// Logs a guest-triggered event at `$level` while `$budget` (an
+/// `&AtomicU32`, see [`take_log_budget`]) lasts, then at debug level, so a
+/// hostile guest cannot flood the host log. The transport and the device
+/// models share it.
+#[macro_export]
+macro_rules! guest_log {
+    ($budget:expr, $level:ident, $($arg:tt)+) => {
+        if $crate::virtio::take_log_budget($budget) {
+            ::tracing::$level!($($arg)+)
+        } else {
+            ::tracing::debug!($($arg)+)
+        }
+    };
+}
 
 /// Guest memory as handed to devices at activation (cheap to clone: the
 /// regions are reference-counted).

@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::virtio::take_log_budget;
 use virtio_queue::desc::split::{Descriptor as SplitDescriptor, VirtqUsedElem};
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
