@@ -51,6 +51,26 @@ pub const SESSIONS_FS_MOUNT: &str = "/run/cowork/fs";
 /// (`devices::blk::SESSION_DISK_SERIAL` names the same string).
 pub const SESSION_DISK_SERIAL: &str = "cowork-sessions";
 
+/// Serial of our default userland disk in a VM: a whole-disk ext4 filesystem
+/// (no partition table, no journal) labelled [`ROOTFS_LABEL`], attached
+/// read-only. The agent, as init, mounts it as the read-only lower of the
+/// session userland (see `agent::userland`).
+pub const ROOTFS_SERIAL: &str = "cowork-rootfs";
+
+/// ext4 volume label of our default userland image (`mkfs.ext4 -L`); the
+/// agent checks it before trusting the disk behind [`ROOTFS_SERIAL`].
+pub const ROOTFS_LABEL: &str = "cowork-rootfs";
+
+/// Serial of the client's bundle `rootfs.img` in a VM: a GPT disk whose root
+/// is the ext4 partition labelled [`BUNDLE_ROOTFS_LABEL`], attached read-only
+/// (`VIRTIO_BLK_F_RO`). The agent prefers it over [`ROOTFS_SERIAL`] and mounts
+/// it `ro,noload` so a dirty journal is never replayed.
+pub const BUNDLE_ROOTFS_SERIAL: &str = "cowork-bundle-root";
+
+/// ext4 volume label of the root partition in the client's bundle image
+/// (Ubuntu cloud images label their root this way).
+pub const BUNDLE_ROOTFS_LABEL: &str = "cloudimg-rootfs";
+
 /// Largest frame on the agent link.
 pub const MAX_MESSAGE: usize = crate::framing::MAX_CLIENT_FRAME;
 
