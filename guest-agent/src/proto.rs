@@ -174,7 +174,7 @@ pub struct BootTimes {
 }
 
 /// First message of every agent connection.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Hello {
     pub protocol: u32,
@@ -185,6 +185,36 @@ pub struct Hello {
     pub boot: BootTimes,
     /// Kernel release (`uname -r`) as the agent sees it.
     pub kernel: String,
+    /// Which userland this boot runs sessions in, when the agent is a VM's
+    /// init (absent otherwise, and from agents that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userland: Option<UserlandInfo>,
+}
+
+/// The userland a VM's agent switched to at boot (see `agent::userland`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UserlandInfo {
+    /// [`UserlandInfo::BUNDLE`], [`UserlandInfo::DEFAULT`] or
+    /// [`UserlandInfo::INITRAMFS`]; a string so a newer agent's word does
+    /// not break an older host.
+    pub kind: String,
+    /// `PRETTY_NAME` of the userland's `os-release`, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pretty_name: Option<String>,
+    /// Why each candidate tried before the one taken was rejected, one
+    /// line each, in the order they were tried.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<String>,
+}
+
+impl UserlandInfo {
+    /// The client's bundle root ([`BUNDLE_ROOTFS_SERIAL`]).
+    pub const BUNDLE: &'static str = "bundle";
+    /// Our default userland ([`ROOTFS_SERIAL`]).
+    pub const DEFAULT: &'static str = "default";
+    /// The busybox initramfs the agent booted from (no root disk usable).
+    pub const INITRAMFS: &'static str = "initramfs";
 }
 
 /// How a session mount may be used.
@@ -478,6 +508,39 @@ mod tests {
         assert!(!shown.contains("sk-secret-value"), "{shown}");
         assert!(!shown.contains("oauth-secret-value"), "{shown}");
         assert!(shown.contains("ANTHROPIC_API_KEY"));
+    }
+
+    #[test]
+    fn hello_userland_is_optional_both_ways() {
+        // An older agent's hello (no userland) still decodes.
+        let old = r#"{"type":"hello","protocol":1,"version":"0.1.0","isInit":true,
+            "boot":{"agentStartUs":1,"initDoneUs":2,"connectedUs":3},"kernel":"6.1.0"}"#;
+        let h: AgentMessage = serde_json::from_str(old).unwrap();
+        let AgentMessage::Hello(h) = h else {
+            panic!("not a hello: {h:?}")
+        };
+        assert_eq!(h.userland, None);
+        // Without a userland nothing is sent; with one, camelCase fields.
+        let text = serde_json::to_string(&AgentMessage::Hello(h.clone())).unwrap();
+        assert!(!text.contains("userland"), "{text}");
+        let with = Hello {
+            userland: Some(UserlandInfo {
+                kind: UserlandInfo::BUNDLE.into(),
+                pretty_name: Some("Ubuntu 22.04.5 LTS".into()),
+                fallbacks: vec![],
+            }),
+            ..h
+        };
+        let v = serde_json::to_value(AgentMessage::Hello(with.clone())).unwrap();
+        assert_eq!(v["userland"]["kind"], "bundle");
+        assert_eq!(v["userland"]["prettyName"], "Ubuntu 22.04.5 LTS");
+        assert!(v["userland"].get("fallbacks").is_none());
+        let back: AgentMessage = serde_json::from_value(v).unwrap();
+        assert_eq!(back, AgentMessage::Hello(with));
+        // An unknown kind from a newer agent decodes as its word.
+        let newer = r#"{"kind":"nix","fallbacks":["cowork-rootfs: no bash"]}"#;
+        let u: UserlandInfo = serde_json::from_str(newer).unwrap();
+        assert_eq!((u.kind.as_str(), u.fallbacks.len()), ("nix", 1));
     }
 
     #[test]

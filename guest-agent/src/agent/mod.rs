@@ -374,6 +374,7 @@ impl Agent {
             is_init: self.is_init,
             boot: self.clock.times(self.is_init, sys::boottime_us()),
             kernel: sys::kernel_release(),
+            userland: None,
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,

@@ -101,6 +101,7 @@ async fn start(config: Config) -> TestAgent {
             is_init: false,
             boot: BootTimes::default(),
             kernel: String::new(),
+            userland: None,
         },
     };
     match client.recv_raw().await {
@@ -863,6 +864,7 @@ async fn guest_requests_are_routed_by_id() {
             is_init: false,
             boot: BootTimes::default(),
             kernel: String::new(),
+            userland: None,
         },
     };
     let mut answered = 0;
