@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::backend::userland::UserlandChoice;
 use crate::daemon::{Daemon, Settings};
 use crate::vm::BackendKind;
 
@@ -25,6 +26,30 @@ pub enum BackendChoice {
     Qemu,
     /// A Linux guest under the in-process VMM (needs a KVM that runs Linux).
     Kvm,
+}
+
+/// `--userland`, as typed (see [`crate::backend::userland`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum UserlandArg {
+    /// A valid client bundle, else our default userland, else the initramfs.
+    Auto,
+    /// The client bundle's rootfs.img.
+    Bundle,
+    /// Our Debian userland (the guest image's rootfs.img).
+    Default,
+    /// The busybox initramfs only.
+    Initramfs,
+}
+
+impl From<UserlandArg> for UserlandChoice {
+    fn from(a: UserlandArg) -> Self {
+        match a {
+            UserlandArg::Auto => UserlandChoice::Auto,
+            UserlandArg::Bundle => UserlandChoice::Bundle,
+            UserlandArg::Default => UserlandChoice::Default,
+            UserlandArg::Initramfs => UserlandChoice::Initramfs,
+        }
+    }
 }
 
 #[derive(Debug, Parser)]
@@ -59,6 +84,12 @@ pub struct Cli {
     /// every file (the kernel asks for `security.capability`).
     #[arg(long, env = "COWORK_FS_XATTR")]
     pub fs_xattr: bool,
+    /// Which userland sessions run in under the VM backends: `auto` prefers
+    /// the client bundle's rootfs.img when it validates, then our Debian
+    /// image's rootfs.img, then the busybox initramfs; the others force one
+    /// (startVM fails when it is unusable).
+    #[arg(long, env = "COWORK_USERLAND", value_enum, default_value = "auto")]
+    pub userland: UserlandArg,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -135,6 +166,47 @@ fn default_data_dir() -> PathBuf {
     PathBuf::from("/var/tmp/cowork-helper")
 }
 
+/// What `doctor` says about the userland the VM backends give sessions.
+fn userland_line(choice: UserlandChoice) -> String {
+    use crate::backend::image::GuestImage;
+    use crate::backend::userland::{self, UserlandKind};
+    let image = match GuestImage::locate(None) {
+        Ok(i) => i,
+        Err(e) => return format!("none: {e}"),
+    };
+    let plan = match userland::plan(choice, &image, None) {
+        Ok(p) => p,
+        Err(e) => return format!("UNUSABLE: {e}"),
+    };
+    let bundle_note = match choice {
+        UserlandChoice::Auto => {
+            "; a client bundle whose rootfs.img validates is preferred when startVM names one"
+        }
+        UserlandChoice::Bundle => {
+            "; forced: the client bundle's rootfs.img, startVM fails without a valid one"
+        }
+        _ => "",
+    };
+    match plan.disks.first() {
+        Some(disk) if disk.kind == UserlandKind::Default => {
+            let size = std::fs::metadata(&disk.path)
+                .map(|m| m.len() >> 20)
+                .unwrap_or(0);
+            format!(
+                "default (Debian, read-only {} of {size} MiB under a tmpfs overlay; sessions as their own users){bundle_note}",
+                disk.path.display()
+            )
+        }
+        _ => format!(
+            "initramfs (busybox only: no bash, python or node){}{bundle_note}",
+            plan.skipped
+                .first()
+                .map(|why| format!("; {why}"))
+                .unwrap_or_default()
+        ),
+    }
+}
+
 /// Resolves `auto` to a concrete backend, with the reason.
 ///
 /// `auto` prefers the in-process VM (`kvm`) when `/dev/kvm` can run Linux
@@ -152,7 +224,7 @@ pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
             use crate::backend::qemu;
             auto_backend(
                 qemu::find_qemu().is_ok(),
-                qemu::GuestImage::locate(None).is_ok(),
+                crate::backend::image::GuestImage::locate(None).is_ok(),
                 qemu::kvm_for_linux().is_ok(),
             )
         }
@@ -232,6 +304,7 @@ pub fn main(args: Vec<String>) -> i32 {
 fn doctor(cli: &Cli) -> i32 {
     let (kind, why) = resolve_backend(cli.backend);
     println!("auto picks: {} ({why})", kind.as_str());
+    println!("userland: {}", userland_line(cli.userland.into()));
     match crate::sandbox::probe() {
         Ok(()) => {
             println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
@@ -314,6 +387,7 @@ fn serve(cli: Cli) -> i32 {
         backend,
         helper_exe,
         fs_xattr: cli.fs_xattr,
+        userland: cli.userland.into(),
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -429,7 +503,25 @@ mod tests {
             backend: BackendKind::Qemu,
             helper_exe: "/h".into(),
             fs_xattr: cli.fs_xattr,
+            userland: cli.userland.into(),
         };
         assert!(settings.fs_options().xattr);
+    }
+
+    #[test]
+    fn userland_is_auto_unless_forced() {
+        if std::env::var_os("COWORK_USERLAND").is_none() {
+            let cli = Cli::try_parse_from(["h", "--socket", "/x"]).unwrap();
+            assert_eq!(UserlandChoice::from(cli.userland), UserlandChoice::Auto);
+        }
+        for (word, choice) in [
+            ("bundle", UserlandChoice::Bundle),
+            ("default", UserlandChoice::Default),
+            ("initramfs", UserlandChoice::Initramfs),
+        ] {
+            let cli = Cli::try_parse_from(["h", "--userland", word]).unwrap();
+            assert_eq!(UserlandChoice::from(cli.userland), choice);
+        }
+        assert!(Cli::try_parse_from(["h", "--userland", "ubuntu"]).is_err());
     }
 }

@@ -32,6 +32,8 @@ pub struct Settings {
     pub helper_exe: PathBuf,
     /// Serve extended attributes on the shared folders (`--fs-xattr`).
     pub fs_xattr: bool,
+    /// Which userland the VM backends boot into (`--userland`).
+    pub userland: crate::backend::userland::UserlandChoice,
 }
 
 impl Settings {
@@ -254,6 +256,7 @@ impl Daemon {
                     memory_gb: params.memory_gb,
                     cpu_count: params.cpu_count,
                     fs: self.settings.fs_options(),
+                    userland: self.settings.userland,
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null

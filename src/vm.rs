@@ -433,6 +433,7 @@ impl Vm {
             machine: backend_machine,
             agent,
             host_paths,
+            userland,
         } = match booted {
             Ok(b) => b,
             Err(e) => {
@@ -472,6 +473,10 @@ impl Vm {
             },
             gone = &mut machine_gone_rx => Err(VmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
         };
+        let hello = hello.and_then(|(hello, stream)| {
+            check_userland(userland.as_ref(), &hello)?;
+            Ok((hello, stream))
+        });
         let (hello, stream) = match hello {
             Ok(h) => h,
             Err(e) => {
@@ -1055,6 +1060,39 @@ fn check_sdk(sdk_subpath: &str, version: &str) -> Result<String, VmError> {
         )));
     }
     Ok(rel)
+}
+
+/// Logs the userland the agent reports against the backend's plan: why
+/// candidates were skipped on the host, which one the guest took and why it
+/// rejected others. A forced `--userland` the guest did not honour fails the
+/// start.
+fn check_userland(
+    plan: Option<&crate::backend::userland::UserlandPlan>,
+    hello: &Hello,
+) -> Result<(), VmError> {
+    let Some(plan) = plan else {
+        return Ok(());
+    };
+    for why in &plan.skipped {
+        tracing::warn!(reason = %why, "userland candidate skipped on the host");
+    }
+    let (kind, fallbacks, os) = match &hello.userland {
+        Some(u) => (
+            Some(u.kind.as_str()),
+            u.fallbacks.as_slice(),
+            u.pretty_name.as_deref(),
+        ),
+        None => (None, &[][..], None),
+    };
+    match crate::backend::userland::check_hello(plan, kind, fallbacks) {
+        Ok(line) => {
+            tracing::info!(os = os.unwrap_or("-"), "{line}");
+            Ok(())
+        }
+        Err(line) => Err(VmError::Start(format!(
+            "the guest did not boot the requested userland: {line}"
+        ))),
+    }
 }
 
 /// Reads the agent's first message, which must be its hello.

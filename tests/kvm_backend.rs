@@ -46,7 +46,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use cowork_helper::backend::qemu::{self, GuestImage};
+use cowork_helper::backend::image::{self, GuestImage};
 use cowork_helper::client::{Pipe, Subscription};
 use cowork_helper::daemon::profile_key;
 use serde_json::{json, Value};
@@ -468,7 +468,7 @@ async fn body_async() {
     std::fs::write(bogus.path().join("initramfs"), b"").unwrap();
     std::fs::write(
         bogus.path().join("image-info"),
-        format!("{}\n", qemu::IMAGE_FORMAT),
+        format!("{}\n", image::IMAGE_FORMAT),
     )
     .unwrap();
     let e = pipe

@@ -26,7 +26,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use cowork_helper::backend::qemu::{self, GuestImage};
+use cowork_helper::backend::image::GuestImage;
+use cowork_helper::backend::qemu;
 use cowork_helper::client::{Pipe, Subscription};
 use cowork_helper::daemon::profile_key;
 use serde_json::{json, Value};

@@ -69,7 +69,9 @@ use tokio::sync::oneshot;
 use super::fsgrants::SharedFolders;
 use super::guest::{agent_stream, Console, MAX_CONSOLE_LINE, QUOTED_LINES};
 pub use super::guest::{AGENT_DIAL_TIMEOUT, CONSOLE_TAIL};
-use super::qemu::{self, GuestImage, QemuError};
+use super::image::{GuestImage, NoImage};
+use super::qemu;
+use super::userland::{self, UserlandError};
 use super::{BootOptions, Booted, HostPaths, Machine};
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
@@ -104,7 +106,11 @@ pub enum KvmError {
     )]
     Unsuitable(String),
     #[error(transparent)]
-    Image(#[from] QemuError),
+    Image(#[from] NoImage),
+    #[error(transparent)]
+    Userland(#[from] UserlandError),
+    #[error("cannot open the root disk {path}: {source}")]
+    RootDisk { path: PathBuf, source: ImageError },
     #[error("cannot set up the vsock host side: {0}")]
     VsockHost(#[from] HostError),
     #[error("cannot create the vsock device: {0}")]
@@ -313,6 +319,7 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
     kvm_for_linux().map_err(KvmError::Unsuitable)?;
     let image = GuestImage::locate(opts.bundle_path.as_deref())?;
     let kernel = kernel_of(&image);
+    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
     let host_cpus = std::thread::available_parallelism()
         .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
         .unwrap_or(1);
@@ -327,6 +334,18 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
         Box::new(RawImage::open(session_disk)?),
         &BlkConfig::new(SESSION_DISK_SERIAL),
     )?;
+    // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
+    let mut root_devices = Vec::with_capacity(userland.disks.len());
+    for disk in &userland.disks {
+        let image = RawImage::open_read_only(&disk.path).map_err(|source| KvmError::RootDisk {
+            path: disk.path.clone(),
+            source,
+        })?;
+        root_devices.push(BlkDevice::new(
+            Box::new(image),
+            &BlkConfig::new(disk.serial),
+        )?);
+    }
     let console = Console::default();
 
     let mut config = vmm::Config::new(&kernel);
@@ -344,6 +363,9 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
         Box::new(blk_device),
         Box::new(RngDevice::new()),
     ];
+    for device in root_devices {
+        config.virtio_devices.push(Box::new(device));
+    }
     let (mem_mib, vcpus) = (config.mem_mib, config.vcpus);
 
     let began = Instant::now();
@@ -387,6 +409,7 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
         machine: Machine::Kvm(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
+        userland: Some(userland),
     })
 }
 
@@ -509,7 +532,7 @@ mod tests {
             d.path().join("image-info"),
             format!(
                 "{}\nKERNEL_VERSION=6.1.0-x-cloud-amd64\n",
-                qemu::IMAGE_FORMAT
+                crate::backend::image::IMAGE_FORMAT
             ),
         )
         .unwrap();

@@ -8,8 +8,10 @@
 
 pub mod fsgrants;
 mod guest;
+pub mod image;
 pub mod kvm;
 pub mod qemu;
+pub mod userland;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -127,6 +129,8 @@ pub struct Booted {
     pub machine: Machine,
     pub agent: AgentStream,
     pub host_paths: HostPaths,
+    /// The VM backends' userland plan, checked against the agent's hello.
+    pub userland: Option<userland::UserlandPlan>,
 }
 
 /// What `startVM` asks of the machine beyond the profile's static config;
@@ -142,6 +146,9 @@ pub struct BootOptions {
     /// How the VM backends serve the shared folders (the daemon's
     /// `--fs-xattr`).
     pub fs: devices::fs::SessionFsOptions,
+    /// Which userland the VM backends give the guest (the daemon's
+    /// `--userland`).
+    pub userland: userland::UserlandChoice,
 }
 
 /// Boots `cfg.backend`.
@@ -162,6 +169,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 machine: Machine::Sandbox(sandbox),
                 agent: Box::pin(async move { Ok(stream) }),
                 host_paths,
+                userland: None,
             })
         }
         BackendKind::Qemu => qemu::boot(opts, &cfg.session_disk()).await,

@@ -73,24 +73,18 @@ use tokio::process::{Child, Command};
 use super::fsgrants::SharedFolders;
 use super::guest::{agent_stream, Console, ACCEPT_POLL, MAX_CONSOLE_LINE, QUOTED_LINES};
 pub use super::guest::{AGENT_DIAL_TIMEOUT, CONSOLE_TAIL};
+use super::image::{GuestImage, NoImage};
+use super::userland::{self, RootDisk, UserlandError, UserlandPlan};
 use super::{BootOptions, Booted, HostPaths, Machine};
 
 /// Environment variable naming the QEMU binary (a path or a name in `PATH`).
 pub const QEMU_ENV: &str = "COWORK_QEMU";
 /// QEMU binary looked up in `PATH` when [`QEMU_ENV`] is unset.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
-/// Environment variable naming the guest image directory.
-pub const IMAGE_DIR_ENV: &str = "COWORK_GUEST_IMAGE_DIR";
 /// Environment variable forcing the accelerator (`kvm` or `tcg`).
 pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
 /// Environment variable whose value becomes the guest agent's `COWORK_LOG`.
 pub const GUEST_LOG_ENV: &str = "COWORK_GUEST_LOG";
-/// Directory name of the guest image next to (or above) the executable.
-pub const IMAGE_DIR_NAME: &str = "guest-image";
-/// First line of `image-info` in an image built by `scripts/mkguestimage.sh`.
-pub const IMAGE_FORMAT: &str = "cowork-guest-image/1";
-/// Files of a guest image.
-pub const IMAGE_FILES: [&str; 3] = ["vmlinuz", "initramfs", "image-info"];
 
 /// The guest's CID (each VM has its own device, so all can use the same).
 pub const GUEST_CID: u64 = 3;
@@ -123,8 +117,12 @@ const MAX_SOCKET_PATH: usize = 107;
 pub enum QemuError {
     #[error("QEMU not found: {0}; install qemu-system-x86 or set {QEMU_ENV}")]
     NoQemu(String),
-    #[error("no guest image: {0}; build one with scripts/mkguestimage.sh or set {IMAGE_DIR_ENV}")]
-    NoImage(String),
+    #[error(transparent)]
+    NoImage(#[from] NoImage),
+    #[error(transparent)]
+    Userland(#[from] UserlandError),
+    #[error("cannot open the root disk {path}: {source}")]
+    RootDisk { path: PathBuf, source: ImageError },
     #[error("{ACCEL_ENV}={0:?} is not kvm or tcg")]
     BadAccel(String),
     #[error("cannot create the VM's runtime directory {path}: {source}")]
@@ -151,87 +149,6 @@ pub enum QemuError {
         qemu: PathBuf,
         source: std::io::Error,
     },
-}
-
-/// A guest image directory of ours.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GuestImage {
-    pub dir: PathBuf,
-    pub vmlinuz: PathBuf,
-    pub initramfs: PathBuf,
-}
-
-impl GuestImage {
-    /// The image in `dir`, or why `dir` does not hold one of ours.
-    pub fn at(dir: &Path) -> Result<GuestImage, String> {
-        for f in IMAGE_FILES {
-            let p = dir.join(f);
-            if !p.is_file() {
-                return Err(format!("{} is missing", p.display()));
-            }
-        }
-        let info = std::fs::read_to_string(dir.join("image-info"))
-            .map_err(|e| format!("cannot read {}/image-info: {e}", dir.display()))?;
-        if info.lines().next() != Some(IMAGE_FORMAT) {
-            return Err(format!(
-                "{}/image-info is not a {IMAGE_FORMAT} image",
-                dir.display()
-            ));
-        }
-        Ok(GuestImage {
-            dir: dir.to_path_buf(),
-            vmlinuz: dir.join("vmlinuz"),
-            initramfs: dir.join("initramfs"),
-        })
-    }
-
-    /// Finds the image: `bundle` when it holds ours, else
-    /// `$COWORK_GUEST_IMAGE_DIR` (which must then hold one), else
-    /// `guest-image/` next to or above this executable.
-    pub fn locate(bundle: Option<&Path>) -> Result<GuestImage, QemuError> {
-        let exe = std::env::current_exe().ok();
-        Self::locate_for(exe.as_deref(), bundle)
-    }
-
-    /// [`GuestImage::locate`] as the helper executable `exe` would find it
-    /// (tests run another binary than the helper they start).
-    pub fn locate_for(exe: Option<&Path>, bundle: Option<&Path>) -> Result<GuestImage, QemuError> {
-        let mut tried = Vec::new();
-        if let Some(b) = bundle {
-            // bundlePath may come root-relative like the client's other host paths.
-            match GuestImage::at(&Path::new("/").join(b)) {
-                Ok(img) => return Ok(img),
-                Err(why) => tried.push(format!("bundlePath: {why}")),
-            }
-        }
-        if let Some(dir) = std::env::var_os(IMAGE_DIR_ENV).filter(|d| !d.is_empty()) {
-            return GuestImage::at(Path::new(&dir))
-                .map_err(|why| QemuError::NoImage(format!("{IMAGE_DIR_ENV}: {why}")));
-        }
-        for dir in exe.map(image_dirs_beside).unwrap_or_default() {
-            match GuestImage::at(&dir) {
-                Ok(img) => return Ok(img),
-                Err(why) => tried.push(why),
-            }
-        }
-        Err(QemuError::NoImage(if tried.is_empty() {
-            "no place to look".into()
-        } else {
-            tried.join("; ")
-        }))
-    }
-}
-
-/// `guest-image/` next to the executable `exe` and one level up.
-pub fn image_dirs_beside(exe: &Path) -> Vec<PathBuf> {
-    let Some(exe_dir) = exe.parent() else {
-        return Vec::new();
-    };
-    let mut dirs = vec![exe_dir.join(IMAGE_DIR_NAME)];
-    if let Some(up) = exe_dir.parent() {
-        dirs.push(up.join(IMAGE_DIR_NAME));
-    }
-    dirs
 }
 
 /// The QEMU binary: `$COWORK_QEMU` (a path, or a name looked up in `PATH`)
@@ -315,8 +232,17 @@ pub struct QemuPlan {
     pub rng_socket: PathBuf,
     /// The session disk image, served read-write on [`Self::blk_socket`].
     pub session_disk: PathBuf,
+    /// Read-only root disks (the userland), each on its own vhost-user socket.
+    pub root_disks: Vec<RootDiskSocket>,
     /// Extra kernel command-line words (`COWORK_LOG=...`).
     pub extra_cmdline: Vec<String>,
+}
+
+/// A read-only root disk and the vhost-user socket it is served on.
+#[derive(Clone, Debug)]
+pub struct RootDiskSocket {
+    pub disk: RootDisk,
+    pub socket: PathBuf,
 }
 
 impl QemuPlan {
@@ -403,6 +329,21 @@ impl QemuPlan {
             ),
         );
         push("-device", "vhost-user-rng-pci,chardev=rng0".into());
+        for (i, root) in self.root_disks.iter().enumerate() {
+            push(
+                "-chardev",
+                format!(
+                    "socket,id=root{i},path={}",
+                    qemu_opt_escape(&root.socket.to_string_lossy())
+                ),
+            );
+            // Read-only comes from the backend (VIRTIO_BLK_F_RO), the serial
+            // from its GET_ID answer.
+            push(
+                "-device",
+                format!("vhost-user-blk-pci,chardev=root{i},num-queues=1"),
+            );
+        }
         a.push("-kernel".into());
         a.push(self.image.vmlinuz.clone().into());
         a.push("-initrd".into());
@@ -606,7 +547,12 @@ struct SingleQueueThreads {
     /// The entropy device's server thread.
     rng: Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>,
     rng_socket: PathBuf,
+    /// The read-only root disks' server threads and sockets.
+    roots: Vec<(VhostThread, PathBuf)>,
 }
+
+/// A vhost-user single-queue server thread, until joined.
+type VhostThread = Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>;
 
 /// A running QEMU guest.
 pub struct QemuMachine {
@@ -737,6 +683,14 @@ impl QemuMachine {
             }
             join_vhost_thread(handle, "virtio-rng").await;
         }
+        for (thread, socket) in &mut sq.roots {
+            if let Some(handle) = thread.take() {
+                if !handle.is_finished() {
+                    let _ = std::os::unix::net::UnixStream::connect(&*socket);
+                }
+                join_vhost_thread(handle, "virtio-blk (root)").await;
+            }
+        }
     }
 }
 
@@ -774,7 +728,7 @@ where
 pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
     let plan_parts = (
         find_qemu(),
-        GuestImage::locate(opts.bundle_path.as_deref()),
+        GuestImage::locate(opts.bundle_path.as_deref()).map_err(QemuError::from),
         choose_accel(),
     );
     let (qemu, image, (accel, accel_why)) = match plan_parts {
@@ -791,7 +745,18 @@ pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, Str
     let host_cpus = std::thread::available_parallelism()
         .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
         .unwrap_or(1);
+    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())
+        .map_err(|e| e.to_string())?;
     let run_dir = RunDir::create().map_err(|e| e.to_string())?;
+    let root_disks = userland
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, disk)| RootDiskSocket {
+            disk: disk.clone(),
+            socket: run_dir.0.join(format!("root{i}.sock")),
+        })
+        .collect();
     let plan = QemuPlan {
         qemu,
         image,
@@ -803,11 +768,12 @@ pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, Str
         blk_socket: run_dir.0.join("blk.sock"),
         rng_socket: run_dir.0.join("rng.sock"),
         session_disk: session_disk.to_path_buf(),
+        root_disks,
         extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
             .into_iter()
             .collect(),
     };
-    start(plan, run_dir, &accel_why, opts.fs)
+    start(plan, run_dir, &accel_why, opts.fs, userland)
         .await
         .map_err(|e| e.to_string())
 }
@@ -817,6 +783,7 @@ async fn start(
     run_dir: RunDir,
     accel_why: &str,
     fs_options: SessionFsOptions,
+    userland: UserlandPlan,
 ) -> Result<Booted, QemuError> {
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
@@ -837,6 +804,21 @@ async fn start(
     )?;
     let blk_stats = blk_server.stats();
     let rng_server = VhostUserRngServer::bind(&plan.rng_socket)?;
+    // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
+    let mut root_servers = Vec::with_capacity(plan.root_disks.len());
+    for root in &plan.root_disks {
+        let image =
+            RawImage::open_read_only(&root.disk.path).map_err(|source| QemuError::RootDisk {
+                path: root.disk.path.clone(),
+                source,
+            })?;
+        let server = VhostUserBlkServer::bind(
+            &root.socket,
+            Box::new(image),
+            &BlkConfig::new(root.disk.serial),
+        )?;
+        root_servers.push((server, root.socket.clone()));
+    }
     let vhost = server.spawn().map_err(QemuError::Thread)?;
     let fs_canceller = fs_server.canceller();
     let vhost_fs = match fs_server.spawn() {
@@ -866,6 +848,21 @@ async fn start(
             return Err(QemuError::Thread(e));
         }
     };
+    let mut roots = Vec::with_capacity(root_servers.len());
+    for (server, socket) in root_servers {
+        match server.spawn() {
+            Ok(t) => roots.push((Some(t), socket)),
+            Err(e) => {
+                end_vsock_fs(vhost, vhost_fs);
+                end_unconnected(&plan.blk_socket, Some(vhost_blk));
+                end_unconnected(&plan.rng_socket, Some(vhost_rng));
+                for (t, socket) in roots {
+                    end_unconnected(&socket, t);
+                }
+                return Err(QemuError::Thread(e));
+            }
+        }
+    }
 
     let mut cmd = Command::new(&plan.qemu);
     cmd.args(plan.args())
@@ -897,6 +894,9 @@ async fn start(
             end_vsock_fs(vhost, vhost_fs);
             end_unconnected(&plan.blk_socket, Some(vhost_blk));
             end_unconnected(&plan.rng_socket, Some(vhost_rng));
+            for (t, socket) in roots {
+                end_unconnected(&socket, t);
+            }
             return Err(QemuError::Spawn {
                 qemu: plan.qemu.clone(),
                 source,
@@ -940,6 +940,7 @@ async fn start(
             blk_stats,
             rng: Some(vhost_rng),
             rng_socket: plan.rng_socket.clone(),
+            roots,
         }),
         _host: host,
         ended: None,
@@ -949,6 +950,7 @@ async fn start(
         machine: Machine::Qemu(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
+        userland: Some(userland),
     })
 }
 
@@ -966,33 +968,13 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn image_dir(format_line: &str) -> tempfile::TempDir {
-        let d = tempfile::tempdir().unwrap();
-        std::fs::write(d.path().join("vmlinuz"), b"kernel").unwrap();
-        std::fs::write(d.path().join("initramfs"), b"initramfs").unwrap();
-        std::fs::write(
-            d.path().join("image-info"),
-            format!("{format_line}\nKERNEL_VERSION=6.1.0-x-cloud-amd64\n"),
-        )
-        .unwrap();
-        d
-    }
-
-    #[test]
-    fn recognises_our_images_only() {
-        let ours = image_dir(IMAGE_FORMAT);
-        let img = GuestImage::at(ours.path()).unwrap();
-        assert_eq!(img.vmlinuz, ours.path().join("vmlinuz"));
-        assert_eq!(img.initramfs, ours.path().join("initramfs"));
-        // A bundle of ours wins over every other place.
-        assert_eq!(GuestImage::locate(Some(ours.path())).unwrap(), img);
-
-        let other = image_dir("something-else/2");
-        let e = GuestImage::at(other.path()).unwrap_err();
-        assert!(e.contains("is not a cowork-guest-image/1 image"), "{e}");
-        std::fs::remove_file(other.path().join("initramfs")).unwrap();
-        let e = GuestImage::at(other.path()).unwrap_err();
-        assert!(e.contains("initramfs is missing"), "{e}");
+    fn no_userland() -> UserlandPlan {
+        UserlandPlan {
+            disks: Vec::new(),
+            expected: userland::UserlandKind::Initramfs,
+            strict: false,
+            skipped: Vec::new(),
+        }
     }
 
     fn plan(accel: Accel, socket: &str) -> QemuPlan {
@@ -1002,6 +984,7 @@ mod tests {
                 dir: "/img".into(),
                 vmlinuz: "/img/vmlinuz".into(),
                 initramfs: "/img/initramfs".into(),
+                rootfs: None,
             },
             accel,
             memory_mib: 1024,
@@ -1011,6 +994,7 @@ mod tests {
             blk_socket: Path::new(socket).with_file_name("blk.sock"),
             rng_socket: Path::new(socket).with_file_name("rng.sock"),
             session_disk: "/data/sessiondata.img".into(),
+            root_disks: Vec::new(),
             extra_cmdline: vec!["COWORK_LOG=debug".into()],
         }
     }
@@ -1072,6 +1056,34 @@ mod tests {
         let k = plan(Accel::Kvm, "/s").args();
         assert_eq!(values(&k, "-accel"), ["kvm"]);
         assert_eq!(values(&k, "-cpu"), ["host"]);
+
+        // Root disks follow the fixed devices, each on its own socket; the
+        // image path never reaches QEMU (our server opens it read-only).
+        let mut with_roots = plan(Accel::Tcg, "/run/x/vsock.sock");
+        for (i, serial) in [userland::BUNDLE_ROOTFS_SERIAL, userland::ROOTFS_SERIAL]
+            .into_iter()
+            .enumerate()
+        {
+            with_roots.root_disks.push(RootDiskSocket {
+                disk: RootDisk {
+                    path: format!("/bundle/rootfs{i}.img").into(),
+                    serial,
+                    kind: userland::UserlandKind::Default,
+                },
+                socket: format!("/run/x/root{i}.sock").into(),
+            });
+        }
+        let r = with_roots.args();
+        let devices = values(&r, "-device");
+        assert_eq!(
+            devices[4..],
+            [
+                "vhost-user-blk-pci,chardev=root0,num-queues=1",
+                "vhost-user-blk-pci,chardev=root1,num-queues=1"
+            ]
+        );
+        assert!(values(&r, "-chardev").contains(&"socket,id=root1,path=/run/x/root1.sock"));
+        assert!(!r.iter().any(|x| x.to_string_lossy().contains("rootfs")));
     }
 
     #[test]
@@ -1176,6 +1188,7 @@ mod tests {
             run_dir,
             "test",
             SessionFsOptions::default(),
+            no_userland(),
         )
         .await
         .unwrap();
@@ -1224,6 +1237,7 @@ mod tests {
             run_dir,
             "test",
             SessionFsOptions::default(),
+            no_userland(),
         )
         .await
         .unwrap();
@@ -1277,6 +1291,7 @@ mod tests {
             run_dir,
             "test",
             SessionFsOptions::default(),
+            no_userland(),
         )
         .await
         {
@@ -1294,6 +1309,7 @@ mod tests {
             run_dir,
             "test",
             SessionFsOptions::default(),
+            no_userland(),
         )
         .await
         {
@@ -1308,7 +1324,15 @@ mod tests {
     async fn a_missing_qemu_binary_is_a_clear_error() {
         let run_dir = RunDir::create().unwrap();
         let plan = fake_plan("/nonexistent/qemu-system-x86_64".into(), &run_dir);
-        match start(plan, run_dir, "test", SessionFsOptions::default()).await {
+        match start(
+            plan,
+            run_dir,
+            "test",
+            SessionFsOptions::default(),
+            no_userland(),
+        )
+        .await
+        {
             Err(QemuError::Spawn { qemu, .. }) => {
                 assert_eq!(qemu, PathBuf::from("/nonexistent/qemu-system-x86_64"))
             }

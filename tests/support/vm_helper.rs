@@ -14,8 +14,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// The guest image the helper binary `exe` will use, or why there is none.
-pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::qemu::GuestImage, String> {
-    cowork_helper::backend::qemu::GuestImage::locate_for(Some(exe), None).map_err(|e| e.to_string())
+pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::image::GuestImage, String> {
+    cowork_helper::backend::image::GuestImage::locate_for(Some(exe), None)
+        .map_err(|e| e.to_string())
 }
 
 /// How long a stopping helper gets after SIGTERM before it is killed.
