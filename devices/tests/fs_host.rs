@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use devices::fs::fusedev::HostMount;
-use devices::fs::{GrantMode, SessionFs, SessionFsOptions, GRANT_ENTRY_TTL, VIRTUAL_DIR_TTL};
+use devices::fs::{
+    GrantMode, GrantOwner, SessionFs, SessionFsOptions, GRANT_ENTRY_TTL, VIRTUAL_DIR_TTL,
+};
 
 /// Worker threads per test mount.
 const WORKERS: usize = 2;
@@ -54,6 +56,18 @@ impl Env {
     }
 
     fn with_options(opts: SessionFsOptions) -> Self {
+        Self::build(opts, None)
+    }
+
+    /// The grants presenting `owner` as the owner of their files, mounted
+    /// for every host user (`allow_other`) on a mount point they can reach,
+    /// so programs can run as the owner's uid the way a session runs in a
+    /// guest. The granted host directories are root-owned, mode 0755.
+    fn with_owner(owner: GrantOwner) -> Self {
+        Self::build(SessionFsOptions::default(), Some(owner))
+    }
+
+    fn build(opts: SessionFsOptions, owner: Option<GrantOwner>) -> Self {
         let data = tempfile::tempdir().unwrap();
         for g in ["ro", "rw", "rwd"] {
             let d = data.path().join(g);
@@ -64,17 +78,29 @@ impl Env {
         std::fs::create_dir(data.path().join("outside")).unwrap();
         std::fs::write(data.path().join("outside/secret.txt"), b"secret\n").unwrap();
         let fs = Arc::new(SessionFs::new(opts));
-        fs.add_grant("s", "ro", &data.path().join("ro"), GrantMode::Ro)
-            .unwrap();
-        fs.add_grant("s", "rw", &data.path().join("rw"), GrantMode::Rw)
-            .unwrap();
-        fs.add_grant("s", "rwd", &data.path().join("rwd"), GrantMode::Rwd)
-            .unwrap();
+        for (g, mode) in [
+            ("ro", GrantMode::Ro),
+            ("rw", GrantMode::Rw),
+            ("rwd", GrantMode::Rwd),
+        ] {
+            let host = data.path().join(g);
+            if owner.is_some() {
+                std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            fs.add_grant_with_owner("s", g, &host, mode, owner).unwrap();
+        }
         // The mount point lives in its own temp dir: nothing of the data
         // dir is reachable from it through the host's own `..`.
         let mnt_dir = tempfile::tempdir().unwrap();
-        let mount = HostMount::mount(fs.clone(), mnt_dir.path(), WORKERS)
-            .expect("mounting over /dev/fuse needs root and /dev/fuse (CI runs as root)");
+        let mount = if owner.is_some() {
+            // Other users must be able to reach the mount point.
+            std::fs::set_permissions(mnt_dir.path(), std::fs::Permissions::from_mode(0o755))
+                .unwrap();
+            HostMount::mount_for_everyone(fs.clone(), mnt_dir.path(), WORKERS)
+        } else {
+            HostMount::mount(fs.clone(), mnt_dir.path(), WORKERS)
+        }
+        .expect("mounting over /dev/fuse needs root and /dev/fuse (CI runs as root)");
         Self {
             data,
             _mnt_dir: mnt_dir,
@@ -117,13 +143,16 @@ impl Drop for Env {
 
 /// Runs `script` with `sh -e` in `cwd`; returns (success, stdout, stderr).
 fn sh(cwd: &Path, script: &str) -> (bool, String, String) {
-    let out = Command::new("sh")
-        .arg("-ec")
-        .arg(script)
+    run(Command::new("sh").arg("-ec").arg(script), cwd)
+}
+
+/// Runs `cmd` in `cwd`; returns (success, stdout, stderr).
+fn run(cmd: &mut Command, cwd: &Path) -> (bool, String, String) {
+    let out = cmd
         .current_dir(cwd)
         .env("LC_ALL", "C")
         .output()
-        .expect("run sh");
+        .expect("run a command");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -642,4 +671,172 @@ fn writes_and_truncations_clear_set_id_bits_on_the_host() {
     ok(&env.mnt(), "cat s/rwd/dir/inner.txt >/dev/null");
     assert_eq!(std::fs::metadata(&host).unwrap().mode() & 0o7777, 0o4755);
     env.assert_outside_untouched();
+}
+
+/// The uid (and gid) of the session user in the ownership tests: neither
+/// root nor a user the host is likely to have.
+const SESSION_ID: u32 = 43_210;
+
+/// Runs `script` with `sh -e` in `cwd` as user and group `id`, without
+/// supplementary groups or capabilities (as a session process in a guest).
+fn sh_as(id: u32, cwd: &Path, script: &str) -> (bool, String, String) {
+    run(
+        Command::new("setpriv")
+            .arg(format!("--reuid={id}"))
+            .arg(format!("--regid={id}"))
+            .arg("--clear-groups")
+            .arg("--inh-caps=-all")
+            .args(["sh", "-ec", script])
+            .env("HOME", "/"),
+        cwd,
+    )
+}
+
+/// [`sh_as`], which must succeed; returns its stdout.
+fn ok_as(id: u32, cwd: &Path, script: &str) -> String {
+    let (success, stdout, stderr) = sh_as(id, cwd, script);
+    assert!(success, "`{script}` as {id} failed: {stderr}");
+    stdout
+}
+
+/// [`sh_as`], which must fail with `message` on stderr.
+fn fails_as(id: u32, cwd: &Path, script: &str, message: &str) {
+    let (success, _, stderr) = sh_as(id, cwd, script);
+    assert!(!success, "`{script}` as {id} succeeded");
+    assert!(
+        stderr.contains(message),
+        "`{script}` as {id}: expected {message:?}, got {stderr:?}"
+    );
+}
+
+#[test]
+fn a_session_user_uses_grants_presented_as_its_own() {
+    let id = SESSION_ID;
+    let env = Env::with_owner(GrantOwner::same(id));
+    let me = std::fs::metadata(env.data.path()).unwrap();
+    let helper = (me.uid(), me.gid());
+    assert_ne!(helper.0, id);
+    for g in ["ro", "rw", "rwd"] {
+        let host = std::fs::metadata(env.host(g)).unwrap();
+        assert_eq!((host.uid(), host.mode() & 0o777), (helper.0, 0o755));
+    }
+    let shown = format!("{id}:{id}");
+    // Everyone sees the presented owner on the grants, and root on the
+    // virtual directories.
+    assert_eq!(
+        ok(&env.m(""), "stat -c %u:%g rw ro/pre.txt rwd/dir/inner.txt"),
+        format!("{shown}\n{shown}\n{shown}\n")
+    );
+    assert_eq!(ok(&env.mnt(), "stat -c %u:%g:%a s"), "0:0:555\n");
+
+    // The session user writes in rw (a 0755 directory of another host
+    // user), and sees its own ids on everything it lists and creates.
+    let rw = env.m("rw");
+    ok_as(
+        id,
+        &rw,
+        "echo new > new.txt
+         echo more >> pre.txt
+         mkdir d
+         ln -s new.txt d/l
+         ln new.txt d/h
+         mkfifo d/f
+         cp -p new.txt copy.txt
+         touch -d @86400 new.txt
+         chmod 600 copy.txt
+         chown $(id -u) new.txt
+         chgrp $(id -g) new.txt
+         chown -h $(id -u):$(id -g) d/l
+         chown -R $(id -u):$(id -g) d",
+    );
+    let listed = ok_as(id, &rw, "ls -lnA . d | awk 'NF > 4 { print $3 \":\" $4 }'");
+    assert_eq!(listed.lines().count(), 8, "{listed}");
+    assert!(listed.lines().all(|l| l == shown), "{listed}");
+    assert_eq!(
+        ok_as(id, &rw, "stat -c %u:%g:%a new.txt copy.txt d"),
+        format!("{shown}:644\n{shown}:600\n{shown}:755\n")
+    );
+    // Other owners are refused: by the host kernel for the session user,
+    // by the server for root (which the kernel would let through).
+    fails_as(id, &rw, "chown 0 new.txt", "Operation not permitted");
+    fails(&rw, "chown 4242 new.txt", "Operation not permitted");
+    fails(&rw, "chgrp 4242 new.txt", "Operation not permitted");
+    ok(&rw, &format!("chown {shown} new.txt"));
+    // Root keeps owners when archiving and extracting (a chown to the
+    // presented owner).
+    ok(
+        &rw,
+        "tar -cf a.tar new.txt d && mkdir x && tar -C x -xpf a.tar --same-owner && cp -a d y",
+    );
+    assert_eq!(
+        ok(&rw, "stat -c %u:%g x/new.txt x/d y"),
+        format!("{shown}\n{shown}\n{shown}\n")
+    );
+    // On the host, what the session made belongs to the helper's user and
+    // the pre-existing file kept its owner.
+    for p in [
+        "new.txt",
+        "copy.txt",
+        "d",
+        "d/l",
+        "d/f",
+        "x/new.txt",
+        "pre.txt",
+    ] {
+        let m = std::fs::symlink_metadata(env.host("rw").join(p)).unwrap();
+        assert_eq!((m.uid(), m.gid()), helper, "host owner of {p}");
+    }
+    assert_eq!(
+        std::fs::read(env.host("rw/pre.txt")).unwrap(),
+        b"rw pre-existing\nmore\n"
+    );
+    // rw still keeps pre-existing entries; rwd lets the user delete them.
+    fails_as(id, &rw, "rm pre.txt", "Operation not permitted");
+    ok_as(id, &rw, "rm new.txt copy.txt && rm -r d");
+    ok_as(id, &env.m("rwd"), "rm pre.txt && rm -r dir && echo x > y");
+
+    // The read-only grant reads but refuses every write.
+    let ro = env.m("ro");
+    assert_eq!(ok_as(id, &ro, "cat pre.txt"), "ro pre-existing\n");
+    let rofs = "Read-only file system";
+    fails_as(id, &ro, "echo x > new.txt", rofs);
+    fails_as(id, &ro, "echo x >> pre.txt", rofs);
+    fails_as(id, &ro, "mkdir d", rofs);
+    fails_as(id, &ro, "chmod 600 pre.txt", rofs);
+    fails_as(id, &ro, "chown $(id -u) pre.txt", rofs);
+    // The virtual directories stay read-only for the session user.
+    fails_as(id, &env.m(""), "mkdir x", "Permission denied");
+    assert_eq!(std::fs::read_dir(env.host("ro")).unwrap().count(), 2);
+    env.assert_outside_untouched();
+}
+
+#[test]
+fn a_root_owned_read_only_grant_runs_for_a_session_user() {
+    // How the SDK is granted: read-only, presented as root's, its binary
+    // mode 0755 on the host.
+    let data = tempfile::tempdir().unwrap();
+    let bin = data.path().join("tool");
+    std::fs::write(&bin, b"#!/bin/sh\necho ran as $(id -u)\n").unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    fs.add_grant_with_owner(
+        ".sdk",
+        "current",
+        data.path(),
+        GrantMode::Ro,
+        Some(GrantOwner::same(0)),
+    )
+    .unwrap();
+    let mnt_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(mnt_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mount = HostMount::mount_for_everyone(fs, mnt_dir.path(), WORKERS)
+        .expect("mounting over /dev/fuse needs root and /dev/fuse (CI runs as root)");
+    let dir = mount.mountpoint().join(".sdk/current");
+    let id = SESSION_ID;
+    assert_eq!(ok_as(id, &dir, "./tool"), format!("ran as {id}\n"));
+    assert_eq!(ok_as(id, &dir, "stat -c %u:%g:%a tool"), "0:0:755\n");
+    fails_as(id, &dir, "echo x >> tool", "Permission denied");
+    fails_as(id, &dir, "chown $(id -u) tool", "Operation not permitted");
+    mount.unmount().unwrap();
 }

@@ -10,7 +10,11 @@
 //! Limits: mounting needs root (or a user namespace with its own mount
 //! namespace); `fusermount3` is only tried when the direct `mount(2)` is
 //! refused. A host mount is checked with `default_permissions` by the host
-//! kernel, so host permission bits apply on top of the grant policy.
+//! kernel, so host permission bits (as the server presents them, see
+//! [`super::GrantOwner`]) apply on top of the grant policy. Only the
+//! mounting user may use a mount made by [`HostMount::mount`];
+//! [`HostMount::mount_for_everyone`] lets other users in (`allow_other`), so
+//! tests can run programs as a session's uid the way a guest does.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,11 +68,32 @@ pub struct HostMount {
 
 impl HostMount {
     /// Mounts `fs` on `mountpoint` (an existing directory) and serves it
-    /// with `workers` threads.
+    /// with `workers` threads; only the mounting user may use it.
     pub fn mount(
         fs: Arc<SessionFs>,
         mountpoint: &Path,
         workers: usize,
+    ) -> Result<Self, HostMountError> {
+        Self::mount_with(fs, mountpoint, workers, false)
+    }
+
+    /// [`Self::mount`] with `allow_other`: every user may use the mount,
+    /// subject to the mode bits and owners the server presents (checked by
+    /// the host kernel with `default_permissions`). Needs root (or
+    /// `user_allow_other` in `/etc/fuse.conf`).
+    pub fn mount_for_everyone(
+        fs: Arc<SessionFs>,
+        mountpoint: &Path,
+        workers: usize,
+    ) -> Result<Self, HostMountError> {
+        Self::mount_with(fs, mountpoint, workers, true)
+    }
+
+    fn mount_with(
+        fs: Arc<SessionFs>,
+        mountpoint: &Path,
+        workers: usize,
+        allow_other: bool,
     ) -> Result<Self, HostMountError> {
         if workers == 0 || workers > MAX_WORKERS {
             return Err(HostMountError::Workers(workers));
@@ -78,7 +103,7 @@ impl HostMount {
             reason: e.to_string(),
         };
         let mut session = FuseSession::new(mountpoint, FSNAME, "", false).map_err(mount_err)?;
-        session.set_allow_other(false);
+        session.set_allow_other(allow_other);
         session.mount().map_err(mount_err)?;
         let mut mount = Self {
             mountpoint: session.mountpoint().to_path_buf(),
@@ -95,7 +120,7 @@ impl HostMount {
                 .map_err(HostMountError::Worker)?;
             mount.workers.push(handle);
         }
-        info!(mountpoint = %mount.mountpoint.display(), workers, "virtio-fs: filesystem mounted on the host");
+        info!(mountpoint = %mount.mountpoint.display(), workers, allow_other, "virtio-fs: filesystem mounted on the host");
         Ok(mount)
     }
 

@@ -51,6 +51,41 @@
 //!   the server does it, so the guest does not ask for
 //!   `security.capability` before every write).
 //!
+//! Ownership the guest sees: the guest mounts the share with
+//! `default_permissions`, so its kernel checks every access against the
+//! mode bits and the owner this server reports, while sessions run as their
+//! own unprivileged users. Host files belong to host users (the helper's
+//! user, root, anyone), so a session user would be "other" everywhere and
+//! could not write even an `rw` grant. A grant may therefore carry a
+//! guest-facing owner ([`GrantOwner`], [`SessionFs::add_grant_with_owner`]):
+//!
+//! * every attribute reply for an inode of that grant (the entries of
+//!   lookup, create, mkdir, mknod, symlink and link, getattr, setattr,
+//!   readdirplus, and the grant root as its virtual parent lists it) reports
+//!   that uid and gid instead of the host's; mode bits, sizes and times stay
+//!   the host's;
+//! * a chown or chgrp from the guest to the presented owner (or `-1`) is a
+//!   successful no-op, so `cp -p`, `tar`, git and rsync work; any other uid
+//!   or gid fails with `EPERM`. The host file's owner never changes. `ro`
+//!   grants still answer `EROFS` to every change, chown included;
+//! * without an owner, the host's uid and gid are reported and chown goes
+//!   to the host as before;
+//! * the virtual directories stay owned by root (uid and gid 0).
+//!
+//! Limits of the presentation: it is a view, not a permission system. Every
+//! file in the grant shows the one owner, including files another host user
+//! owns (whose content the helper's user may still be unable to read or
+//! write: the host answers `EACCES` then). The guest kernel's checks against
+//! the presented owner are a convenience; the boundary is the host policy
+//! (grant mode, the helper's own host permissions). POSIX ACLs and other
+//! extended attributes are passed through unchanged when xattrs are served
+//! ([`SessionFsOptions::xattr`]), so an ACL naming host uids means nothing
+//! useful in the guest. Files the guest creates belong, on the host, to the
+//! helper's user ([`Credentials::Helper`]); with [`Credentials::Guest`] the
+//! owner is the guest's uid as before, whatever is presented. A set-ID
+//! bit on a host file is shown as it is, so in a guest that honours it the
+//! program would run as the presented owner, never as the host's.
+//!
 //! Round trips per operation are what the guest pays for (a few hundred
 //! microseconds each under QEMU TCG, tens under KVM), so the server avoids
 //! the ones it can: `FOPEN_NOFLUSH` where a `FLUSH` would do nothing
@@ -84,6 +119,31 @@ pub(crate) mod testutil;
 use std::time::Duration;
 
 pub use session::{Credentials, GrantId, GrantInfo, SessionFs, SessionFsError, SessionFsOptions};
+
+/// The owner a grant presents to the guest in place of the host's (see the
+/// module docs): every attribute reply for an inode of the grant shows this
+/// uid and gid, and chown/chgrp to them is accepted as a no-op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GrantOwner {
+    /// User id the guest sees as the owner.
+    pub uid: u32,
+    /// Group id the guest sees as the group.
+    pub gid: u32,
+}
+
+impl GrantOwner {
+    /// An owner with user and group id both `id` (a per-session user whose
+    /// group has its own id).
+    pub fn same(id: u32) -> Self {
+        Self { uid: id, gid: id }
+    }
+}
+
+impl std::fmt::Display for GrantOwner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.uid, self.gid)
+    }
+}
 
 /// Most grants a [`SessionFs`] holds at once: the `Vfs` keeps filesystem
 /// index 0 for its virtual directories and has 255 others.

@@ -24,6 +24,14 @@
 //!   a pre-existing file is therefore not removable either.
 //! * `rwd`: no mode restriction.
 //!
+//! Presented owner ([`GrantFs::with_owner`], see the parent module): every
+//! `stat` this layer returns (entries of lookup, create, mkdir, mknod,
+//! symlink and link, getattr, setattr, readdirplus, the root entry given to
+//! the `Vfs` at mount) carries the owner's uid and gid; a setattr changing
+//! the uid or gid succeeds without touching the host when the new ids are
+//! the presented ones (or `-1`) and fails with `EPERM` otherwise. Checks
+//! made on host attributes (deletion tracking, file type) use the real ones.
+//!
 //! In every mode: `.` and `..` lookups are refused (`EINVAL`; the Linux
 //! client only sends them for NFS export, which we do not offer), device
 //! nodes cannot be created (`EPERM`), set-user-ID and set-group-ID bits are
@@ -78,7 +86,10 @@ use fuse_backend_rs::api::{BackendFileSystem, VFS_MAX_INO};
 use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
 use tracing::debug;
 
-use super::{GrantMode, GRANT_ATTR_TTL, GRANT_ENTRY_TTL};
+use super::{GrantMode, GrantOwner, GRANT_ATTR_TTL, GRANT_ENTRY_TTL};
+
+/// The id a chown request uses for "leave unchanged" (`(uid_t)-1`).
+const UNCHANGED_ID: u32 = u32::MAX;
 
 /// Mode bits the guest may never set on a non-directory.
 const SETID_BITS: u32 = libc::S_ISUID | libc::S_ISGID;
@@ -258,6 +269,8 @@ pub struct GrantFs {
     /// writable opens of files on that device get `FOPEN_NOFLUSH` too (see
     /// the module doc).
     local_dev: Option<u64>,
+    /// The owner every reply presents instead of the host's, if any.
+    owner: Option<GrantOwner>,
 }
 
 impl GrantFs {
@@ -308,7 +321,52 @@ impl GrantFs {
             created: Mutex::new(HashSet::new()),
             deletion: Mutex::new(()),
             local_dev: local_fs_dev(root),
+            owner: None,
         })
+    }
+
+    /// This grant presenting `owner` (if `Some`) as the owner of every file
+    /// in it, with the chown rule of the module docs.
+    pub fn with_owner(mut self, owner: Option<GrantOwner>) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// The owner the grant presents, if any.
+    pub fn owner(&self) -> Option<GrantOwner> {
+        self.owner
+    }
+
+    /// Rewrites the owner of `attr` to the presented one, if any.
+    fn present(&self, attr: &mut stat64) {
+        if let Some(o) = self.owner {
+            attr.st_uid = o.uid;
+            attr.st_gid = o.gid;
+        }
+    }
+
+    /// [`Self::present`] for an entry reply.
+    fn present_entry(&self, mut e: Entry) -> Entry {
+        self.present(&mut e.attr);
+        e
+    }
+
+    /// Applies the chown rule to a setattr: with a presented owner, a uid or
+    /// gid change to that owner (or `-1`) is dropped from `valid` (a no-op),
+    /// any other one is refused with `EPERM`. Without an owner, `valid` is
+    /// left alone (the host decides).
+    fn owner_change(&self, attr: &stat64, valid: SetattrValid) -> io::Result<SetattrValid> {
+        let Some(o) = self.owner else {
+            return Ok(valid);
+        };
+        let ok = |wanted: u32, presented: u32| wanted == presented || wanted == UNCHANGED_ID;
+        if valid.contains(SetattrValid::UID) && !ok(attr.st_uid, o.uid) {
+            return Err(self.refuse("chown", libc::EPERM, "uid other than the presented owner"));
+        }
+        if valid.contains(SetattrValid::GID) && !ok(attr.st_gid, o.gid) {
+            return Err(self.refuse("chgrp", libc::EPERM, "gid other than the presented group"));
+        }
+        Ok(valid - (SetattrValid::UID | SetattrValid::GID))
     }
 
     /// The grant's mode.
@@ -460,7 +518,8 @@ impl BackendFileSystem for GrantFs {
     /// The grant's root entry. Unlike `PassthroughFs::mount` this works for
     /// a granted regular file too (it does not look up `.` under the root).
     fn mount(&self) -> io::Result<(Entry, u64)> {
-        let (attr, _) = self.inner.getattr(&Context::new(), ROOT_ID, None)?;
+        let (mut attr, _) = self.inner.getattr(&Context::new(), ROOT_ID, None)?;
+        self.present(&mut attr);
         let entry = Entry {
             inode: ROOT_ID,
             generation: 0,
@@ -492,7 +551,9 @@ impl FileSystem for GrantFs {
 
     fn lookup(&self, ctx: &Context, parent: u64, name: &CStr) -> io::Result<Entry> {
         self.check_name("lookup", name)?;
-        self.inner.lookup(ctx, parent, name)
+        self.inner
+            .lookup(ctx, parent, name)
+            .map(|e| self.present_entry(e))
     }
 
     fn forget(&self, ctx: &Context, inode: u64, count: u64) {
@@ -509,7 +570,9 @@ impl FileSystem for GrantFs {
         inode: u64,
         handle: Option<u64>,
     ) -> io::Result<(stat64, Duration)> {
-        self.inner.getattr(ctx, inode, handle)
+        let (mut attr, ttl) = self.inner.getattr(ctx, inode, handle)?;
+        self.present(&mut attr);
+        Ok((attr, ttl))
     }
 
     fn setattr(
@@ -521,6 +584,11 @@ impl FileSystem for GrantFs {
         valid: SetattrValid,
     ) -> io::Result<(stat64, Duration)> {
         self.check_writable("setattr")?;
+        let valid = self.owner_change(&attr, valid)?;
+        if valid.is_empty() {
+            // A chown to the presented owner and nothing else.
+            return self.getattr(ctx, inode, handle);
+        }
         let mut attr = attr;
         if valid.contains(SetattrValid::MODE) {
             // The file type comes from the host, not from the request.
@@ -531,7 +599,9 @@ impl FileSystem for GrantFs {
             }
             attr.st_mode = file_type | sanitize_mode(file_type, attr.st_mode & 0o7777);
         }
-        self.inner.setattr(ctx, inode, attr, handle, valid)
+        let (mut out, ttl) = self.inner.setattr(ctx, inode, attr, handle, valid)?;
+        self.present(&mut out);
+        Ok((out, ttl))
     }
 
     fn readlink(&self, ctx: &Context, inode: u64) -> io::Result<Vec<u8>> {
@@ -548,7 +618,7 @@ impl FileSystem for GrantFs {
         self.check_writable("symlink")?;
         let entry = self.inner.symlink(ctx, linkname, parent, name)?;
         self.record_created(&entry);
-        Ok(entry)
+        Ok(self.present_entry(entry))
     }
 
     fn mknod(
@@ -569,7 +639,7 @@ impl FileSystem for GrantFs {
         let mode = file_type | sanitize_mode(file_type, mode & 0o7777);
         let entry = self.inner.mknod(ctx, parent, name, mode, 0, umask)?;
         self.record_created(&entry);
-        Ok(entry)
+        Ok(self.present_entry(entry))
     }
 
     fn mkdir(
@@ -584,7 +654,7 @@ impl FileSystem for GrantFs {
         let mode = sanitize_mode(libc::S_IFDIR, mode & 0o7777);
         let entry = self.inner.mkdir(ctx, parent, name, mode, umask)?;
         self.record_created(&entry);
-        Ok(entry)
+        Ok(self.present_entry(entry))
     }
 
     fn unlink(&self, ctx: &Context, parent: u64, name: &CStr) -> io::Result<()> {
@@ -647,7 +717,9 @@ impl FileSystem for GrantFs {
 
     fn link(&self, ctx: &Context, inode: u64, newparent: u64, newname: &CStr) -> io::Result<Entry> {
         self.check_writable("link")?;
-        self.inner.link(ctx, inode, newparent, newname)
+        self.inner
+            .link(ctx, inode, newparent, newname)
+            .map(|e| self.present_entry(e))
     }
 
     fn open(
@@ -692,7 +764,7 @@ impl FileSystem for GrantFs {
         };
         let dev = entry.attr.st_dev;
         Ok((
-            entry,
+            self.present_entry(entry),
             handle,
             self.open_options(opts, true, || Some(dev)),
             passthrough,
@@ -852,8 +924,15 @@ impl FileSystem for GrantFs {
         offset: u64,
         add_entry: &mut dyn FnMut(DirEntry, Entry) -> io::Result<usize>,
     ) -> io::Result<()> {
+        if self.owner.is_none() {
+            return self
+                .inner
+                .readdirplus(ctx, inode, handle, size, offset, add_entry);
+        }
         self.inner
-            .readdirplus(ctx, inode, handle, size, offset, add_entry)
+            .readdirplus(ctx, inode, handle, size, offset, &mut |d, e| {
+                add_entry(d, self.present_entry(e))
+            })
     }
 
     fn fsyncdir(&self, ctx: &Context, inode: u64, datasync: bool, handle: u64) -> io::Result<()> {

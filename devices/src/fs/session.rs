@@ -21,6 +21,8 @@
 //! * refreshes the attributes of a grant root on lookup (the `Vfs` returns
 //!   the ones captured when the grant was mounted);
 //! * refuses `.` and `..` lookups;
+//! * gives each grant its presented owner ([`GrantOwner`], applied by
+//!   [`GrantFs`]) and keeps the virtual directories owned by root;
 //! * maps credentials ([`Credentials`]);
 //! * re-initializes cleanly when a driver sends FUSE INIT again (guest
 //!   reboot or driver reload without DESTROY).
@@ -55,13 +57,20 @@ use fuse_backend_rs::api::{Vfs, VfsIndex, VfsOptions, VFS_MAX_INO};
 use tracing::{debug, info, warn};
 
 use super::policy::{GrantFs, GrantFsError};
-use super::{GrantMode, MAX_GRANTS, MAX_MOUNT_NAME, MAX_NAME_COMPONENT, VIRTUAL_DIR_TTL};
+use super::{
+    GrantMode, GrantOwner, MAX_GRANTS, MAX_MOUNT_NAME, MAX_NAME_COMPONENT, VIRTUAL_DIR_TTL,
+};
 
 /// Bit position of the grant's filesystem index in a `Vfs` inode number.
 const FS_INDEX_SHIFT: u32 = VFS_MAX_INO.count_ones();
 
 /// Permission bits the virtual directories show (read and search only).
 const VIRTUAL_DIR_PERMS: u32 = 0o555;
+
+/// Owner (uid and gid) the virtual directories show: root, whatever the
+/// grants below them present. Nothing in them is writable anyway, and
+/// session processes never see them (the agent binds grants elsewhere).
+const VIRTUAL_DIR_OWNER: u32 = 0;
 
 /// Whether `ino` is a virtual directory (filesystem index 0).
 fn is_virtual(ino: u64) -> bool {
@@ -137,6 +146,8 @@ pub struct GrantInfo {
     pub mode: GrantMode,
     /// Where it appears in the exported tree: `/<session>/<mount name>`.
     pub guest_path: String,
+    /// The owner it presents to the guest; `None` shows the host's.
+    pub owner: Option<GrantOwner>,
 }
 
 /// Why a grant could not be added or removed.
@@ -223,6 +234,7 @@ struct GrantRecord {
     mount_name: String,
     host_path: PathBuf,
     mode: GrantMode,
+    owner: Option<GrantOwner>,
     /// `/<session>/<mount name>`.
     vfs_path: String,
     fs_index: VfsIndex,
@@ -237,6 +249,7 @@ impl GrantRecord {
             host_path: self.host_path.clone(),
             mode: self.mode,
             guest_path: self.vfs_path.clone(),
+            owner: self.owner,
         }
     }
 }
@@ -301,6 +314,8 @@ fn vfs_parent(path: &str) -> &str {
 fn present_virtual(attr: &mut stat64) {
     attr.st_mode = libc::S_IFDIR | VIRTUAL_DIR_PERMS;
     attr.st_nlink = 2;
+    attr.st_uid = VIRTUAL_DIR_OWNER;
+    attr.st_gid = VIRTUAL_DIR_OWNER;
 }
 
 fn present_virtual_entry(e: &mut Entry) {
@@ -365,7 +380,9 @@ impl SessionFs {
     /// Grants `host_path` (a directory or regular file; symlinks in it are
     /// resolved now, once) to `session` at `mount_name`, in `mode`. It
     /// appears at `/<session>/<mount_name>` at once, while the filesystem
-    /// is being served. A grant already at that name is replaced.
+    /// is being served. A grant already at that name is replaced. Files in
+    /// it show their host owners ([`Self::add_grant_with_owner`] presents
+    /// another).
     ///
     /// The caller must trust `host_path`: in particular a path below another
     /// writable grant can be turned into a symlink by the guest before it
@@ -376,6 +393,20 @@ impl SessionFs {
         mount_name: &str,
         host_path: &Path,
         mode: GrantMode,
+    ) -> Result<GrantId, SessionFsError> {
+        self.add_grant_with_owner(session, mount_name, host_path, mode, None)
+    }
+
+    /// [`Self::add_grant`], presenting `owner` (when `Some`) as the owner of
+    /// every file in the grant, with chown to it accepted as a no-op (see
+    /// the module docs of [`super`]).
+    pub fn add_grant_with_owner(
+        &self,
+        session: &str,
+        mount_name: &str,
+        host_path: &Path,
+        mode: GrantMode,
+        owner: Option<GrantOwner>,
     ) -> Result<GrantId, SessionFsError> {
         check_session(session)?;
         check_mount_name(mount_name)?;
@@ -403,7 +434,8 @@ impl SessionFs {
             mode,
             self.opts.xattr,
             format!("{session}/{mount_name}"),
-        )?;
+        )?
+        .with_owner(owner);
 
         let mut table = self.table();
         let mut replaced = None;
@@ -449,6 +481,7 @@ impl SessionFs {
             mount_name,
             host_path = %canonical.display(),
             %mode,
+            owner = %owner.map_or_else(|| "host".to_string(), |o| o.to_string()),
             fs_index,
             "virtio-fs grant added"
         );
@@ -459,6 +492,7 @@ impl SessionFs {
                 mount_name: mount_name.to_string(),
                 host_path: canonical,
                 mode,
+                owner,
                 vfs_path,
                 fs_index,
             },

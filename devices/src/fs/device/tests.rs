@@ -7,10 +7,10 @@ use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
 
 use fuse_backend_rs::abi::fuse_abi::{
-    EntryOut, ForgetIn, InHeader, InitIn, Opcode, OpenIn, OpenOut, OutHeader, ReadIn,
-    KERNEL_MINOR_VERSION, KERNEL_VERSION,
+    AttrOut, EntryOut, ForgetIn, InHeader, InitIn, Opcode, OpenIn, OpenOut, OutHeader, ReadIn,
+    SetattrIn, KERNEL_MINOR_VERSION, KERNEL_VERSION,
 };
-use fuse_backend_rs::api::filesystem::ROOT_ID;
+use fuse_backend_rs::api::filesystem::{SetattrValid, ROOT_ID};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
@@ -20,7 +20,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
 use crate::fs::testutil::{Fixture, PRE};
-use crate::fs::{GrantMode, SessionFsOptions};
+use crate::fs::{GrantMode, GrantOwner, SessionFsOptions};
 
 /// Guest memory size.
 const MEM_SIZE: u64 = 32 << 20;
@@ -406,6 +406,56 @@ fn serves_fuse_requests_from_guest_memory() {
     assert_eq!(stats.malformed.load(Ordering::SeqCst), 0);
     assert_eq!(stats.needs_reset.load(Ordering::SeqCst), 0);
     h.getattr_root_works();
+}
+
+#[test]
+fn a_presented_owner_reaches_the_driver() {
+    const OWNER: GrantOwner = GrantOwner {
+        uid: 4321,
+        gid: 4322,
+    };
+    let mut h = Harness::new();
+    h.init();
+    let host = h._fx.host();
+    let real_uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&host).unwrap());
+    assert_ne!(real_uid, OWNER.uid);
+    h.dev
+        .fs()
+        .add_grant_with_owner("s", "owned", &host, GrantMode::Rw, Some(OWNER))
+        .unwrap();
+    let s = h.lookup(ROOT_ID, "s").unwrap();
+    assert_eq!((s.attr.uid, s.attr.gid), (0, 0), "virtual directories");
+    let owned = h.lookup(s.nodeid, "owned").unwrap();
+    assert_eq!((owned.attr.uid, owned.attr.gid), (OWNER.uid, OWNER.gid));
+    let pre = h.lookup(owned.nodeid, "pre.txt").unwrap();
+    assert_eq!((pre.attr.uid, pre.attr.gid), (OWNER.uid, OWNER.gid));
+    // The grant without an owner next to it shows the host's.
+    let m = h.lookup(s.nodeid, "m").unwrap();
+    assert_eq!(m.attr.uid, real_uid);
+    let (hdr, reply) = h.call(Opcode::Getattr, pre.nodeid, &[0u8; 16]);
+    assert_eq!(hdr.error, 0);
+    let attr = AttrOut::from_slice(&reply[..std::mem::size_of::<AttrOut>()])
+        .unwrap()
+        .attr;
+    assert_eq!((attr.uid, attr.gid), (OWNER.uid, OWNER.gid));
+    // SETATTR: chown to the presented owner is a no-op, to root refused.
+    let chown = |uid: u32| SetattrIn {
+        valid: (SetattrValid::UID | SetattrValid::GID).bits(),
+        uid,
+        gid: OWNER.gid,
+        ..SetattrIn::default()
+    };
+    let (hdr, reply) = h.call(Opcode::Setattr, pre.nodeid, chown(OWNER.uid).as_slice());
+    assert_eq!(hdr.error, 0);
+    let attr = AttrOut::from_slice(&reply[..std::mem::size_of::<AttrOut>()])
+        .unwrap()
+        .attr;
+    assert_eq!((attr.uid, attr.gid), (OWNER.uid, OWNER.gid));
+    let (hdr, _) = h.call(Opcode::Setattr, pre.nodeid, chown(0).as_slice());
+    assert_eq!(hdr.error, -libc::EPERM);
+    let host_uid =
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(host.join("pre.txt")).unwrap());
+    assert_eq!(host_uid, real_uid, "the host file keeps its owner");
 }
 
 #[test]

@@ -594,3 +594,212 @@ fn closes_cost_no_flush_where_a_flush_would_do_nothing() {
             .unwrap();
     }
 }
+
+/// Owner presented by the owner tests: not the test's own uid or gid.
+const SHOWN: GrantOwner = GrantOwner {
+    uid: 4321,
+    gid: 4322,
+};
+
+/// A setattr request changing only the owner to `uid` and/or `gid`.
+fn chown(
+    fs: &GrantFs,
+    inode: u64,
+    uid: Option<u32>,
+    gid: Option<u32>,
+) -> io::Result<(stat64, Duration)> {
+    // SAFETY: stat64 is plain data; all-zero is a valid value.
+    let mut attr: stat64 = unsafe { std::mem::zeroed() };
+    let mut valid = SetattrValid::empty();
+    if let Some(uid) = uid {
+        attr.st_uid = uid;
+        valid |= SetattrValid::UID;
+    }
+    if let Some(gid) = gid {
+        attr.st_gid = gid;
+        valid |= SetattrValid::GID;
+    }
+    fs.setattr(&ctx(), inode, attr, None, valid)
+}
+
+fn owner_of(attr: &stat64) -> (u32, u32) {
+    (attr.st_uid, attr.st_gid)
+}
+
+fn host_owner(p: &Path) -> (u32, u32) {
+    let m = std::fs::symlink_metadata(p).unwrap();
+    (m.uid(), m.gid())
+}
+
+#[test]
+fn a_presented_owner_is_on_every_reply() {
+    let fx = Fixture::new();
+    let host = fx.host();
+    let real = host_owner(&host.join("pre.txt"));
+    assert_ne!(real, (SHOWN.uid, SHOWN.gid), "pick another test owner");
+    let shown = (SHOWN.uid, SHOWN.gid);
+    for mode in [GrantMode::Rw, GrantMode::Rwd] {
+        let fs = grant(&fx, mode).with_owner(Some(SHOWN));
+        assert_eq!(fs.owner(), Some(SHOWN));
+        let x = ctx();
+        let (root, _) = fs.mount().unwrap();
+        assert_eq!(owner_of(&root.attr), shown, "{mode}: mount entry");
+        let pre = lookup(&fs, ROOT_ID, "pre.txt").unwrap();
+        assert_eq!(owner_of(&pre.attr), shown, "{mode}: lookup");
+        let (attr, _) = fs.getattr(&x, pre.inode, None).unwrap();
+        assert_eq!(owner_of(&attr), shown, "{mode}: getattr");
+        // The mode bits stay the host's.
+        let host_mode = std::fs::metadata(host.join("pre.txt")).unwrap().mode();
+        assert_eq!(attr.st_mode, host_mode, "{mode}: mode bits");
+        let (attr, _) = set_mode(&fs, pre.inode, libc::S_IFREG | 0o640).unwrap();
+        assert_eq!(owner_of(&attr), shown, "{mode}: setattr");
+        assert_eq!(attr.st_mode & 0o7777, 0o640);
+
+        let name = format!("created-{mode}");
+        let (e, h) = create(&fs, ROOT_ID, &name).unwrap();
+        assert_eq!(owner_of(&e.attr), shown, "{mode}: create");
+        fs.release(&x, e.inode, 0, h, false, false, None).unwrap();
+        // Creating an existing name without O_EXCL opens it (the rw
+        // tracking path) and is presented too.
+        let (e, h) = create(&fs, ROOT_ID, &name).unwrap();
+        assert_eq!(
+            owner_of(&e.attr),
+            shown,
+            "{mode}: create of an existing name"
+        );
+        fs.release(&x, e.inode, 0, h, false, false, None).unwrap();
+        let dir = format!("dir-{mode}");
+        let d = fs.mkdir(&x, ROOT_ID, &c(&dir), 0o755, 0).unwrap();
+        assert_eq!(owner_of(&d.attr), shown, "{mode}: mkdir");
+        let f = fs
+            .mknod(&x, d.inode, &c("fifo"), libc::S_IFIFO | 0o644, 0, 0)
+            .unwrap();
+        assert_eq!(owner_of(&f.attr), shown, "{mode}: mknod");
+        let l = fs.symlink(&x, &c("../pre.txt"), d.inode, &c("l")).unwrap();
+        assert_eq!(owner_of(&l.attr), shown, "{mode}: symlink");
+        let hard = fs.link(&x, e.inode, d.inode, &c("hard")).unwrap();
+        assert_eq!(owner_of(&hard.attr), shown, "{mode}: link");
+
+        // READDIRPLUS entries, of the root and of a new directory.
+        for (dir_ino, expected) in [(ROOT_ID, 6), (d.inode, 3)] {
+            let (h, _) = fs.opendir(&x, dir_ino, 0).unwrap();
+            let h = h.unwrap_or(0);
+            let mut seen = Vec::new();
+            fs.readdirplus(&x, dir_ino, h, 4096, 0, &mut |de, e| {
+                seen.push((String::from_utf8_lossy(de.name).into_owned(), e));
+                Ok(1)
+            })
+            .unwrap();
+            fs.releasedir(&x, dir_ino, 0, h).unwrap();
+            seen.retain(|(n, _)| n != "." && n != "..");
+            assert!(seen.len() >= expected, "{mode}: {seen:?}");
+            for (n, e) in &seen {
+                assert_eq!(owner_of(&e.attr), shown, "{mode}: readdirplus {n}");
+            }
+        }
+
+        // On the host, everything still belongs to whoever made it: the
+        // helper's user (this test's), and the pre-existing file its owner.
+        let me = host_owner(fx.dir.path());
+        for p in [&name, &dir, &format!("{dir}/fifo"), &format!("{dir}/l")] {
+            assert_eq!(host_owner(&host.join(p)), me, "{mode}: host owner of {p}");
+        }
+        assert_eq!(host_owner(&host.join("pre.txt")), real);
+        // What the guest created it may still delete (tracking uses the
+        // host's identity, not the presented attributes).
+        fs.unlink(&x, d.inode, &c("hard")).unwrap();
+        fs.unlink(&x, ROOT_ID, &c(&name)).unwrap();
+    }
+    // Without an owner the host's ids are shown.
+    let fs = grant(&fx, GrantMode::Rwd);
+    assert_eq!(fs.owner(), None);
+    assert_eq!(
+        owner_of(&lookup(&fs, ROOT_ID, "pre.txt").unwrap().attr),
+        real
+    );
+    assert_eq!(owner_of(&fs.mount().unwrap().0.attr), host_owner(&host));
+    fx.assert_outside_untouched();
+}
+
+#[test]
+fn chown_to_the_presented_owner_is_a_no_op_and_others_are_refused() {
+    let fx = Fixture::new();
+    let host = fx.host();
+    let real = host_owner(&host.join("pre.txt"));
+    let shown = (SHOWN.uid, SHOWN.gid);
+    let unchanged = u32::MAX;
+    for mode in [GrantMode::Rw, GrantMode::Rwd] {
+        let fs = grant(&fx, mode).with_owner(Some(SHOWN));
+        let pre = ino(&fs, ROOT_ID, "pre.txt");
+        let link = ino(&fs, ROOT_ID, "rel_out");
+        for target in [pre, link, ROOT_ID] {
+            for (uid, gid) in [
+                (Some(SHOWN.uid), Some(SHOWN.gid)),
+                (Some(SHOWN.uid), None),
+                (None, Some(SHOWN.gid)),
+                (Some(unchanged), Some(SHOWN.gid)),
+                (Some(SHOWN.uid), Some(unchanged)),
+            ] {
+                let (attr, _) = chown(&fs, target, uid, gid).unwrap();
+                assert_eq!(owner_of(&attr), shown, "{mode}: chown {uid:?}:{gid:?}");
+            }
+            for (uid, gid) in [
+                (Some(0), None),
+                (None, Some(0)),
+                (Some(real.0 + 1), None),
+                (Some(SHOWN.uid), Some(SHOWN.gid + 1)),
+                (Some(SHOWN.gid), Some(SHOWN.uid)),
+            ] {
+                assert_eq!(
+                    errno_of(chown(&fs, target, uid, gid)),
+                    libc::EPERM,
+                    "{mode}: chown {uid:?}:{gid:?}"
+                );
+            }
+        }
+        // A chown combined with another change applies the other change.
+        // SAFETY: stat64 is plain data.
+        let mut attr: stat64 = unsafe { std::mem::zeroed() };
+        attr.st_uid = SHOWN.uid;
+        attr.st_mode = libc::S_IFREG | 0o600;
+        let (out, _) = fs
+            .setattr(
+                &ctx(),
+                pre,
+                attr,
+                None,
+                SetattrValid::UID | SetattrValid::MODE,
+            )
+            .unwrap();
+        assert_eq!(out.st_mode & 0o7777, 0o600);
+        assert_eq!(owner_of(&out), shown);
+        assert_eq!(
+            std::fs::metadata(host.join("pre.txt")).unwrap().mode() & 0o7777,
+            0o600
+        );
+        // The host owners never changed.
+        assert_eq!(host_owner(&host.join("pre.txt")), real);
+        assert_eq!(host_owner(&host.join("rel_out")), real);
+    }
+    // A read-only grant refuses even the no-op.
+    let fs = grant(&fx, GrantMode::Ro).with_owner(Some(SHOWN));
+    let pre = ino(&fs, ROOT_ID, "pre.txt");
+    assert_eq!(owner_of(&fs.getattr(&ctx(), pre, None).unwrap().0), shown);
+    assert_eq!(
+        errno_of(chown(&fs, pre, Some(SHOWN.uid), Some(SHOWN.gid))),
+        libc::EROFS
+    );
+    // Without an owner, chown goes to the host as before (the test runs as
+    // root in CI; unprivileged, the host refuses with EPERM).
+    let fs = grant(&fx, GrantMode::Rwd);
+    let sub = ino(&fs, ROOT_ID, "sub");
+    let target = real.0 + 7;
+    match chown(&fs, sub, Some(target), None) {
+        Ok((attr, _)) => {
+            assert_eq!(attr.st_uid, target);
+            assert_eq!(host_owner(&host.join("sub")).0, target);
+        }
+        Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EPERM)),
+    }
+    fx.assert_outside_untouched();
+}

@@ -515,3 +515,115 @@ fn negotiated_options_keep_the_server_in_control() {
     // over /dev/fuse in devices/tests/fs_host.rs).
     assert!(opts.contains(FsOptions::HANDLE_KILLPRIV_V2));
 }
+
+#[test]
+fn grants_present_their_owner_and_the_virtual_tree_stays_roots() {
+    use std::os::unix::fs::MetadataExt;
+    let fx = Fixture::new();
+    let fs = session_fs();
+    let a = GrantOwner::same(4321);
+    let b = GrantOwner {
+        uid: 5001,
+        gid: 5002,
+    };
+    let real = std::fs::metadata(fx.host()).unwrap();
+    let real = (real.uid(), real.gid());
+    let id = fs
+        .add_grant_with_owner("s1", "proj", &fx.host(), GrantMode::Rw, Some(a))
+        .unwrap();
+    fs.add_grant_with_owner(
+        "s1",
+        "deep/notes.txt",
+        &fx.host().join("pre.txt"),
+        GrantMode::Ro,
+        Some(a),
+    )
+    .unwrap();
+    fs.add_grant_with_owner("s2", "sub", &fx.host().join("sub"), GrantMode::Rwd, Some(b))
+        .unwrap();
+    fs.add_grant("s3", "plain", &fx.host(), GrantMode::Ro)
+        .unwrap();
+    let info = fs.grants().into_iter().find(|g| g.id == id).unwrap();
+    assert_eq!(info.owner, Some(a));
+    let owner = |attr: &stat64| (attr.st_uid, attr.st_gid);
+    let ids = |o: GrantOwner| (o.uid, o.gid);
+
+    // Virtual directories: root, by lookup, getattr and readdirplus.
+    for path in ["s1", "s1/deep", "s2", "s3"] {
+        let e = walk(&fs, path).unwrap();
+        assert_eq!(owner(&e.attr), (0, 0), "{path}");
+        assert_eq!(owner(&fs.getattr(&ctx(), e.inode, None).unwrap().0), (0, 0));
+    }
+    assert_eq!(owner(&fs.getattr(&ctx(), ROOT_ID, None).unwrap().0), (0, 0));
+    // Grant roots as their virtual parents show them, then inside.
+    for (path, o) in [
+        ("s1/proj", ids(a)),
+        ("s1/deep/notes.txt", ids(a)),
+        ("s2/sub", ids(b)),
+        ("s1/proj/pre.txt", ids(a)),
+        ("s1/proj/sub/inner.txt", ids(a)),
+        ("s2/sub/inner.txt", ids(b)),
+        ("s3/plain", real),
+        ("s3/plain/pre.txt", real),
+    ] {
+        let e = walk(&fs, path).unwrap();
+        assert_eq!(owner(&e.attr), o, "lookup {path}");
+        assert_eq!(
+            owner(&fs.getattr(&ctx(), e.inode, None).unwrap().0),
+            o,
+            "getattr {path}"
+        );
+    }
+    let s1 = walk(&fs, "s1").unwrap();
+    let mut seen = Vec::new();
+    fs.readdirplus(&ctx(), s1.inode, 0, 4096, 0, &mut |d, e| {
+        seen.push((String::from_utf8_lossy(d.name).into_owned(), owner(&e.attr)));
+        Ok(1)
+    })
+    .unwrap();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [("deep".to_string(), (0, 0)), ("proj".to_string(), ids(a))]
+    );
+    // Entry replies through the SessionFs (create, mkdir, symlink, link,
+    // mknod) and setattr replies carry the owner; chown follows the rule.
+    let x = ctx();
+    let proj = walk(&fs, "s1/proj").unwrap().inode;
+    let (e, h, _, _) = fs
+        .create(&x, proj, &c("new"), create_args(libc::O_RDWR, 0o644))
+        .unwrap();
+    assert_eq!(owner(&e.attr), ids(a));
+    fs.release(&x, e.inode, 0, h.unwrap(), false, false, None)
+        .unwrap();
+    let d = fs.mkdir(&x, proj, &c("d"), 0o755, 0).unwrap();
+    assert_eq!(owner(&d.attr), ids(a));
+    let l = fs.symlink(&x, &c("new"), proj, &c("l")).unwrap();
+    assert_eq!(owner(&l.attr), ids(a));
+    let n = fs
+        .mknod(&x, d.inode, &c("fifo"), libc::S_IFIFO | 0o600, 0, 0)
+        .unwrap();
+    assert_eq!(owner(&n.attr), ids(a));
+    let hard = fs.link(&x, e.inode, d.inode, &c("hard")).unwrap();
+    assert_eq!(owner(&hard.attr), ids(a));
+    // SAFETY: stat64 is plain data; all-zero is a valid value.
+    let mut attr: stat64 = unsafe { std::mem::zeroed() };
+    attr.st_uid = a.uid;
+    let (out, _) = fs
+        .setattr(&x, e.inode, attr, None, SetattrValid::UID)
+        .unwrap();
+    assert_eq!(owner(&out), ids(a));
+    attr.st_uid = b.uid;
+    assert_eq!(
+        errno_of(fs.setattr(&x, e.inode, attr, None, SetattrValid::UID)),
+        libc::EPERM
+    );
+    assert_eq!(
+        std::fs::metadata(fx.host().join("new")).unwrap().uid(),
+        real.0
+    );
+    // Replacing a grant replaces its owner.
+    fs.add_grant("s1", "proj", &fx.host(), GrantMode::Rw)
+        .unwrap();
+    assert_eq!(owner(&walk(&fs, "s1/proj/pre.txt").unwrap().attr), real);
+}
