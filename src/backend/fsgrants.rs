@@ -15,6 +15,16 @@
 //! release, at the mount name [`SDK_MOUNT`]: the directory holding the CLI
 //! binary, whose file the agent binds to its install path.
 //!
+//! Owners: sessions run in the guest as their own users
+//! ([`guest_agent::proto::session_uid`]) and the guest checks file modes
+//! against the owners the share reports, so a session's grants present
+//! that user (uid and gid) as the owner of every file in them; `rw`/`rwd`
+//! grants are then writable by the session whoever owns the host files (the
+//! share still enforces the mode). The SDK grant presents root
+//! ([`SDK_OWNER`]), like any `/usr/local/bin` install: every session may
+//! run the binary when its host mode lets others read and execute it (a
+//! warning is logged when it does not).
+//!
 //! Limits: a grant is resolved on the host when it is made. A client path
 //! that leads through a symlink the guest planted in another writable grant
 //! therefore grants the symlink's target (the client chose that path; the
@@ -25,8 +35,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use devices::fs::{GrantMode, SessionFs};
-use guest_agent::proto::{MountMode, SESSIONS_FS_MOUNT};
+use devices::fs::{GrantMode, GrantOwner, SessionFs};
+use guest_agent::proto::{session_uid, MountMode, SESSIONS_FS_MOUNT};
 
 /// Session name the SDK install is granted under. `guest_agent::names`
 /// accepts it as a client session name, so [`SharedFolders`] refuses client
@@ -36,6 +46,14 @@ pub const SDK_SESSION: &str = ".cowork-sdk";
 /// Mount name of the SDK directory under [`SDK_SESSION`] (one at a time:
 /// installing another version replaces it).
 pub const SDK_MOUNT: &str = "current";
+
+/// Owner the SDK grant presents: root (uid and gid 0), as for a binary
+/// installed in `/usr/local/bin`; no session owns it.
+pub const SDK_OWNER: GrantOwner = GrantOwner { uid: 0, gid: 0 };
+
+/// Mode bits a binary needs for users other than its owner to run it: read
+/// (the CLI reads its own file) and execute for "other".
+const OTHERS_READ_EXECUTE: u32 = 0o005;
 
 /// Why a grant could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +127,7 @@ impl SharedFolders {
             mount_name,
             &Path::new("/").join(host_rel),
             grant_mode(mode),
+            GrantOwner::same(session_uid(session)),
         )
     }
 
@@ -122,7 +141,8 @@ impl SharedFolders {
         let name = name
             .to_str()
             .ok_or_else(|| GrantError::SdkName(binary.clone()))?;
-        let root = self.grant_once(SDK_SESSION, SDK_MOUNT, dir, GrantMode::Ro)?;
+        warn_unless_others_can_run(&binary);
+        let root = self.grant_once(SDK_SESSION, SDK_MOUNT, dir, GrantMode::Ro, SDK_OWNER)?;
         Ok(format!("{root}/{name}"))
     }
 
@@ -136,13 +156,15 @@ impl SharedFolders {
         self.fs.remove_session(session)
     }
 
-    /// Adds the grant unless the same one exists; returns the agent path.
+    /// Adds the grant (presenting `owner`) unless the same one exists;
+    /// returns the agent path.
     fn grant_once(
         &self,
         session: &str,
         mount_name: &str,
         host: &Path,
         mode: GrantMode,
+        owner: GrantOwner,
     ) -> Result<String, GrantError> {
         let agent_path = format!("{}/{session}/{mount_name}", self.agent_root);
         let canonical = std::fs::canonicalize(host).ok();
@@ -150,14 +172,36 @@ impl SharedFolders {
             g.session == session
                 && g.mount_name == mount_name
                 && g.mode == mode
+                && g.owner == Some(owner)
                 && Some(&g.host_path) == canonical.as_ref()
         });
         if let Some(g) = existing {
             tracing::debug!(grant = %g.id, session, mount_name, "virtio-fs grant reused");
             return Ok(agent_path);
         }
-        self.fs.add_grant(session, mount_name, host, mode)?;
+        self.fs
+            .add_grant_with_owner(session, mount_name, host, mode, Some(owner))?;
         Ok(agent_path)
+    }
+}
+
+/// Logs a warning when `binary`'s host mode does not let users other than
+/// its owner read and execute it: sessions run as their own users and could
+/// not start it.
+fn warn_unless_others_can_run(binary: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::metadata(binary) {
+        Ok(m) if m.permissions().mode() & OTHERS_READ_EXECUTE != OTHERS_READ_EXECUTE => {
+            tracing::warn!(
+                path = %binary.display(),
+                mode = format!("{:o}", m.permissions().mode() & 0o7777),
+                "SDK binary is not readable and executable by others; sessions (non-root users in the VM) cannot run it: chmod o+rx it"
+            );
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(path = %binary.display(), "cannot check the SDK binary's mode: {e}")
+        }
     }
 }
 
@@ -186,6 +230,8 @@ mod tests {
         assert_eq!(g.len(), 1);
         assert_eq!(g[0].mode, GrantMode::Rw);
         assert_eq!(g[0].host_path, std::fs::canonicalize(d.path()).unwrap());
+        // The session's user owns the grant, as the guest sees it.
+        assert_eq!(g[0].owner, Some(GrantOwner::same(session_uid("sess"))));
         // The same grant again is reused (same id), another mode replaces it.
         s.grant("sess", ".claude/skills", &rel(d.path()), MountMode::Rw)
             .unwrap();
@@ -210,8 +256,8 @@ mod tests {
         );
         let g = s.fs().grants();
         assert_eq!(
-            (g[0].session.as_str(), g[0].mode),
-            (SDK_SESSION, GrantMode::Ro)
+            (g[0].session.as_str(), g[0].mode, g[0].owner),
+            (SDK_SESSION, GrantMode::Ro, Some(SDK_OWNER))
         );
         assert!(matches!(
             s.grant(SDK_SESSION, "x", &rel(d.path()), MountMode::Ro),
@@ -236,6 +282,8 @@ mod tests {
         let left = s.fs().grants();
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].session, "b");
+        assert_eq!(left[0].owner, Some(GrantOwner::same(session_uid("b"))));
+        assert_ne!(session_uid("a"), session_uid("b"));
         assert_eq!(s.release_session("a"), 0);
     }
 
