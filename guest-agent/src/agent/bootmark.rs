@@ -50,12 +50,15 @@ pub enum BootMarkError {
 pub enum Milestone {
     /// The agent's `main` started (PID 1 entered).
     AgentStart = 0xA1,
-    /// Early init (mounts, modules, clock, loopback) is done.
+    /// Early init (mounts, modules, clock, loopback, userland) is done.
     InitDone = 0xA2,
     /// The host link is established.
     Connected = 0xA3,
     /// The hello went out.
     HelloSent = 0xA4,
+    /// The root was switched to a userland disk (`agent::userland`); absent
+    /// when the VM stays on its initramfs.
+    UserlandSwitched = 0xA5,
     /// The machine is about to power off.
     PowerOff = 0xAF,
 }
@@ -163,6 +166,7 @@ mod tests {
         assert_eq!(encode(Milestone::AgentStart, 0), 0xA100_0000);
         assert_eq!(encode(Milestone::Connected, 2_345_678), 0xA300_0000 | 2345);
         assert_eq!(encode(Milestone::InitDone, u64::MAX), 0xA2FF_FFFF);
+        assert_eq!(encode(Milestone::UserlandSwitched, 1_000), 0xA500_0001);
         assert_eq!(
             encode(Milestone::PowerOff, (MAX_STAMP_MS as u64 + 5) * 1000),
             0xAFFF_FFFF

@@ -11,8 +11,10 @@
 //! [`run_machine_init`] (`--init`, or PID 1 started by the kernel without
 //! arguments) does everything a VM's init must before the agent dials the
 //! host: the mounts, the kernel modules ([`super::modules`]), the clock
-//! ([`super::clock`]), the loopback interface and the host's session share.
-//! Powering off at the end is [`super::power`].
+//! ([`super::clock`]), the loopback interface, the session userland and
+//! session disk ([`super::userland`], which may switch the root away from
+//! the initramfs and sets up host name, `/etc` and limits) and the host's
+//! session share. Powering off at the end is [`super::power`].
 //!
 //! The session share ([`mount_sessions_share`]): when the machine has a
 //! virtio-fs device, the tag [`proto::SESSIONS_FS_TAG`] is mounted at
@@ -21,8 +23,7 @@
 //! source; the agent hides the share itself from session processes (it
 //! becomes a private path, see [`super::child`]).
 //!
-//! Limits: no network beyond `lo` (the host link is vsock); no hostname,
-//! users or `/etc` setup. Hiding the share is a convenience, not a
+//! Limits: no network beyond `lo` (the host link is vsock). Hiding the share is a convenience, not a
 //! boundary: a guest process with `CAP_SYS_ADMIN` can mount the tag again;
 //! what it may read and write there is enforced by the host.
 
@@ -33,7 +34,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use super::sys;
-use super::{clock, modules, sessiondisk};
+use super::{clock, modules, userland};
 use crate::proto;
 
 /// `statfs` magic of devtmpfs (it reports tmpfs's).
@@ -266,11 +267,22 @@ pub fn mount_sessions_share(tag: &'static str, target: &Path) -> Result<(), Init
     .map_err(fail)
 }
 
+/// What [`run_machine_init`] set up that the agent needs later.
+#[derive(Debug)]
+pub struct MachineInit {
+    /// Paths session processes must not see: the session share (when
+    /// mounted) and the userland's layers.
+    pub private_paths: Vec<PathBuf>,
+    /// When the switch to a userland disk finished (`CLOCK_BOOTTIME` µs),
+    /// if there was one.
+    pub userland_switched_us: Option<u64>,
+}
+
 /// Everything a VM's init does before the agent dials the host: mounts,
-/// kernel modules, clock, loopback, the session disk ([`sessiondisk`]), the
-/// session share. Each step logs its own outcome; none stops the others.
-/// Returns where the session share is mounted, if it is.
-pub fn run_machine_init() -> Option<PathBuf> {
+/// kernel modules, clock, loopback, the session userland and session disk
+/// ([`userland::boot`]), the session share. Each step logs its own outcome;
+/// none stops the others.
+pub fn run_machine_init() -> MachineInit {
     run_early_init();
     modules::load_all();
     clock::set_clock();
@@ -278,7 +290,17 @@ pub fn run_machine_init() -> Option<PathBuf> {
         Ok(()) => tracing::debug!("loopback up"),
         Err(e) => tracing::warn!(error = %e, "loopback not up"),
     }
-    sessiondisk::mount_session_disk();
+    let booted = userland::boot();
+    let mut private_paths = booted.private_paths;
+    private_paths.extend(mount_share());
+    MachineInit {
+        private_paths,
+        userland_switched_us: booted.switched_us,
+    }
+}
+
+/// Mounts the session share when there is a virtio-fs device; returns where.
+fn mount_share() -> Option<PathBuf> {
     if !virtiofs_device_present(Path::new(VIRTIOFS_DRIVER_DIR)) {
         tracing::info!("no virtio-fs device; host folders cannot be mounted in this VM");
         return None;

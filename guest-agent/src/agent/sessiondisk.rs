@@ -14,7 +14,10 @@
 //!    is formatted; all zeroes means blank; anything else is left alone;
 //! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
-//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev`;
+//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
+//!    userland's new root before the agent switches to it, see
+//!    `agent::userland`, so a blank disk is formatted with the initramfs's
+//!    `mkfs.ext4`);
 //! 5. grows the filesystem online to the whole disk when the host made the
 //!    image larger (`createVM` with a bigger `diskSizeGB`): the kernel's
 //!    `EXT4_IOC_RESIZE_FS` on the mounted filesystem, as `resize2fs` does
@@ -37,7 +40,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::cli::DEFAULT_SESSIONS_ROOT;
 use super::sys;
 use crate::proto;
 
@@ -411,10 +413,11 @@ pub fn prepare(
     })
 }
 
-/// [`prepare`] for the running VM, logging the outcome; failures leave
-/// `/sessions` on the root filesystem.
-pub fn mount_session_disk() {
-    let target = Path::new(DEFAULT_SESSIONS_ROOT);
+/// [`prepare`] for the running VM, mounting on `target` (`/sessions` of the
+/// root the sessions will see: the initramfs's, or the new root's before
+/// the agent switches to it), logging the outcome; failures leave the
+/// sessions on the root filesystem.
+pub fn mount_session_disk(target: &Path) {
     match prepare(
         Path::new(SYS_BLOCK),
         Path::new(DEV_DIR),

@@ -1,0 +1,334 @@
+//! The session userland: which root filesystem a VM's sessions run in, and
+//! switching to it at boot while the agent stays PID 1.
+//!
+//! The agent boots from a busybox initramfs, which cannot run Claude Code
+//! sessions (no GNU bash, no glibc). As the VM's init, after the kernel
+//! modules are loaded, [`boot`] looks for a userland disk the host attached
+//! read-only, in order of preference ([`CANDIDATES`]):
+//!
+//! 1. **bundle**: the client's `rootfs.img` (serial
+//!    [`proto::BUNDLE_ROOTFS_SERIAL`]; a GPT disk whose root is the ext4
+//!    partition labelled [`proto::BUNDLE_ROOTFS_LABEL`]);
+//! 2. **default**: our Debian image (serial [`proto::ROOTFS_SERIAL`]; a
+//!    whole-disk ext4 labelled [`proto::ROOTFS_LABEL`]).
+//!
+//! A candidate whose disk is not attached is skipped silently (the host
+//! decides what to attach). One that is attached is found by label
+//! ([`disk`]), mounted read-only without replaying a journal
+//! ([`switch::mount_lower`]) at [`LOWER_DIR`] and checked ([`root`]: GNU
+//! bash and the dynamic loader); on any failure the reason is logged and
+//! kept for the hello ([`proto::UserlandInfo::fallbacks`]), and the next is
+//! tried. The first good one becomes the lower layer of an overlay whose
+//! upper is a bounded tmpfs ([`USERLAND_DIR`], [`switch::upper_size`]); the
+//! session disk is mounted at `/sessions` inside it (while the initramfs's
+//! `mkfs.ext4` can still format a blank disk), and the agent switches root
+//! to it ([`switch::switch_root`]) and frees the initramfs. With no good
+//! candidate the agent stays on the initramfs, as before userland disks
+//! existed. Either way [`etc`] then sets up what an init system would
+//! (`/dev/fd`, host name, `/etc/resolv.conf`, open-file limit).
+//!
+//! What survives `stopVM`: the session disk (`/sessions`). Everything else
+//! written to `/` lands in the tmpfs upper and is gone at the next boot;
+//! the image itself is never written (read-only device and mount).
+//!
+//! The layers stay mounted under [`USERLAND_DIR`] (root-only, mode 0700) for
+//! the overlay's life; [`Booted::private_paths`] names it so session
+//! processes get it detached from their mount namespace.
+//!
+//! Limits: the agent never execs the userland's init (systemd) or any of
+//! its services (the bundle's `sdk-daemon` would dial the host like the
+//! agent), so nothing of the image's boot sequence runs; kernel modules
+//! come only from the initramfs (the images carry none for our kernel).
+
+pub mod disk;
+pub mod etc;
+pub mod root;
+pub mod switch;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use super::cli::DEFAULT_SESSIONS_ROOT;
+use super::sessiondisk;
+use super::sys;
+use crate::proto::{self, UserlandInfo};
+
+/// tmpfs holding the overlay's writable layer ([`UPPER_DIR`], [`WORK_DIR`])
+/// and the read-only image's mount ([`LOWER_DIR`]); hidden from sessions.
+pub const USERLAND_DIR: &str = "/run/cowork/userland";
+
+/// Where the read-only image is mounted (the overlay's lower layer).
+pub const LOWER_DIR: &str = "/run/cowork/userland/lower";
+
+/// The overlay's upper layer: everything written to `/`.
+pub const UPPER_DIR: &str = "/run/cowork/userland/upper";
+
+/// The overlay's work directory (same filesystem as the upper).
+pub const WORK_DIR: &str = "/run/cowork/userland/work";
+
+/// Mode of [`USERLAND_DIR`]'s root: only the agent looks inside.
+pub const USERLAND_DIR_MODE: u32 = 0o700;
+
+/// Where the new root is assembled on the initramfs before the switch (not
+/// under `/run`, which is moved into it).
+pub const NEWROOT: &str = "/.cowork-newroot";
+
+/// Mounts moved from the initramfs into the new root, with everything below
+/// them (`/dev/pts`, `/dev/shm`, `/sys/fs/cgroup`, the layers in `/run`).
+pub const API_MOUNTS: [&str; 4] = ["dev", "proc", "sys", "run"];
+
+/// One userland disk the agent may switch to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// What the hello reports ([`UserlandInfo::kind`]).
+    pub kind: &'static str,
+    /// virtio-blk serial of its disk.
+    pub serial: &'static str,
+    /// ext4 label of its root filesystem (on the disk or a partition).
+    pub label: &'static str,
+}
+
+/// The userland disks, preferred first.
+pub const CANDIDATES: [Candidate; 2] = [
+    Candidate {
+        kind: UserlandInfo::BUNDLE,
+        serial: proto::BUNDLE_ROOTFS_SERIAL,
+        label: proto::BUNDLE_ROOTFS_LABEL,
+    },
+    Candidate {
+        kind: UserlandInfo::DEFAULT,
+        serial: proto::ROOTFS_SERIAL,
+        label: proto::ROOTFS_LABEL,
+    },
+];
+
+/// Errors of entering a chosen userland (selection failures are
+/// [`disk::DiskError`], [`switch::SwitchError`] and [`root::RootError`]).
+#[derive(Debug, thiserror::Error)]
+pub enum UserlandError {
+    #[error(transparent)]
+    Disk(#[from] disk::DiskError),
+    #[error(transparent)]
+    Switch(#[from] switch::SwitchError),
+    #[error("{dev}: {source}")]
+    Root {
+        dev: PathBuf,
+        source: root::RootError,
+    },
+}
+
+/// What [`boot`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Booted {
+    /// What the hello reports.
+    pub info: UserlandInfo,
+    /// Paths session processes must not see (the layers).
+    pub private_paths: Vec<PathBuf>,
+    /// When the switch finished (`CLOCK_BOOTTIME` µs), if there was one.
+    pub switched_us: Option<u64>,
+}
+
+/// What this boot got, once [`boot`] ran (for the hello).
+static BOOTED: OnceLock<UserlandInfo> = OnceLock::new();
+
+/// The userland this boot switched to; `None` when the agent is not a VM's
+/// init (or [`boot`] has not run).
+pub fn booted() -> Option<UserlandInfo> {
+    BOOTED.get().cloned()
+}
+
+/// A validated candidate, its image mounted at [`LOWER_DIR`].
+struct Chosen {
+    candidate: Candidate,
+    dev: PathBuf,
+    pretty_name: Option<String>,
+}
+
+/// Picks the userland, switches to it (or stays on the initramfs), mounts
+/// the session disk, sets the machine up ([`etc`]); logs each step. For the
+/// VM's init, after the modules are loaded and before the session share is
+/// mounted.
+pub fn boot() -> Booted {
+    let mut fallbacks = Vec::new();
+    let upper_bytes = switch::total_ram()
+        .map(switch::upper_size)
+        .unwrap_or(switch::UPPER_MIN_BYTES);
+    let mut booted = match choose(upper_bytes, &mut fallbacks) {
+        Some(chosen) => match enter(&chosen) {
+            Ok(switched_us) => Booted {
+                info: UserlandInfo {
+                    kind: chosen.candidate.kind.to_string(),
+                    pretty_name: chosen.pretty_name.clone(),
+                    fallbacks: Vec::new(),
+                },
+                private_paths: vec![PathBuf::from(USERLAND_DIR)],
+                switched_us: Some(switched_us),
+            },
+            Err(e) => {
+                tracing::warn!(userland = chosen.candidate.kind, error = %e, "cannot switch to the userland; staying on the initramfs");
+                fallbacks.push(format!("{}: {e}", chosen.candidate.kind));
+                release_layers();
+                stay_on_initramfs()
+            }
+        },
+        None => {
+            release_layers();
+            stay_on_initramfs()
+        }
+    };
+    booted.info.fallbacks = fallbacks;
+    etc::prepare_machine();
+    let _ = BOOTED.set(booted.info.clone());
+    booted
+}
+
+/// The first candidate whose disk holds a valid root, mounted at
+/// [`LOWER_DIR`] (with [`USERLAND_DIR`]'s tmpfs of `upper_bytes` under it).
+/// Rejections are logged and appended to `fallbacks`.
+fn choose(upper_bytes: u64, fallbacks: &mut Vec<String>) -> Option<Chosen> {
+    let sys_block = Path::new(sessiondisk::SYS_BLOCK);
+    let dev_dir = Path::new(sessiondisk::DEV_DIR);
+    let layers = Path::new(USERLAND_DIR);
+    for candidate in CANDIDATES {
+        let Some(disk) = sessiondisk::find_disk_by_serial(sys_block, candidate.serial) else {
+            tracing::debug!(serial = candidate.serial, "no such userland disk");
+            continue;
+        };
+        let reject = |fallbacks: &mut Vec<String>, e: UserlandError| {
+            tracing::warn!(userland = candidate.kind, serial = candidate.serial, error = %e, "userland rejected");
+            fallbacks.push(format!("{}: {e}", candidate.kind));
+        };
+        if !sys::is_mount_point(layers).unwrap_or(false) {
+            if let Err(e) = switch::mount_tmpfs(layers, upper_bytes, USERLAND_DIR_MODE) {
+                reject(fallbacks, e.into());
+                return None;
+            }
+        }
+        let dev = match disk::find_labelled(sys_block, dev_dir, &disk, candidate.label) {
+            Ok(dev) => dev,
+            Err(e) => {
+                reject(fallbacks, e.into());
+                continue;
+            }
+        };
+        let lower = Path::new(LOWER_DIR);
+        if let Err(e) = switch::mount_lower(&dev, lower) {
+            reject(fallbacks, e.into());
+            continue;
+        }
+        if let Err(source) = root::validate(lower) {
+            unmount(lower);
+            reject(fallbacks, UserlandError::Root { dev, source });
+            continue;
+        }
+        return Some(Chosen {
+            candidate,
+            pretty_name: root::pretty_name(lower),
+            dev,
+        });
+    }
+    None
+}
+
+/// Builds the overlay on [`NEWROOT`], mounts the session disk in it and
+/// switches root. Returns when the switch finished. On error the agent is
+/// still on the initramfs (the caller releases the layers).
+fn enter(chosen: &Chosen) -> Result<u64, UserlandError> {
+    let newroot = Path::new(NEWROOT);
+    let redirect_dir = switch::mount_overlay(
+        Path::new(LOWER_DIR),
+        Path::new(UPPER_DIR),
+        Path::new(WORK_DIR),
+        newroot,
+    )?;
+    let sessions_in_newroot = newroot.join(DEFAULT_SESSIONS_ROOT.trim_start_matches('/'));
+    sessiondisk::mount_session_disk(&sessions_in_newroot);
+    let switched = match switch::switch_root(newroot, &API_MOUNTS) {
+        Ok(s) => s,
+        Err(e) => {
+            unmount(&sessions_in_newroot);
+            unmount(newroot);
+            return Err(e.into());
+        }
+    };
+    let at = sys::boottime_us();
+    if let Err(e) = &switched.tmp {
+        tracing::warn!(error = %e, "no fresh /tmp; /tmp is on the writable layer");
+    }
+    match &switched.freed {
+        Ok(f) => tracing::info!(
+            files = f.files,
+            dirs = f.dirs,
+            bytes = f.bytes,
+            kept = f.kept,
+            "initramfs freed"
+        ),
+        Err(e) => tracing::warn!(error = %e, "initramfs not freed"),
+    }
+    tracing::info!(
+        userland = chosen.candidate.kind,
+        os = chosen.pretty_name.as_deref().unwrap_or("unknown"),
+        dev = %chosen.dev.display(),
+        redirect_dir,
+        "switched root to the session userland"
+    );
+    Ok(at)
+}
+
+/// Unmounts the image and the layers' tmpfs if mounted (after a failure).
+fn release_layers() {
+    for dir in [LOWER_DIR, USERLAND_DIR] {
+        unmount(Path::new(dir));
+    }
+}
+
+/// Detaches the mount at `dir` if there is one; failures are logged.
+fn unmount(dir: &Path) {
+    if !sys::is_mount_point(dir).unwrap_or(false) {
+        return;
+    }
+    if let Err(e) = sys::cstring(dir).and_then(|c| sys::umount2(&c, libc::MNT_DETACH)) {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot unmount");
+    }
+}
+
+/// The initramfs userland: the session disk at `/sessions` on it.
+fn stay_on_initramfs() -> Booted {
+    sessiondisk::mount_session_disk(Path::new(DEFAULT_SESSIONS_ROOT));
+    tracing::info!("sessions run in the initramfs (busybox) userland");
+    Booted {
+        info: UserlandInfo {
+            kind: UserlandInfo::INITRAMFS.to_string(),
+            pretty_name: root::pretty_name(Path::new("/")),
+            fallbacks: Vec::new(),
+        },
+        private_paths: Vec::new(),
+        switched_us: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundle_is_preferred_and_every_path_is_where_the_docs_say() {
+        assert_eq!(CANDIDATES[0].kind, "bundle");
+        assert_eq!(CANDIDATES[0].serial, "cowork-bundle-root");
+        assert_eq!(CANDIDATES[0].label, "cloudimg-rootfs");
+        assert_eq!(CANDIDATES[1].kind, "default");
+        assert_eq!(CANDIDATES[1].serial, "cowork-rootfs");
+        assert_eq!(CANDIDATES[1].label, "cowork-rootfs");
+        // The layers live in one private tmpfs below /run (moved with it).
+        for p in [LOWER_DIR, UPPER_DIR, WORK_DIR] {
+            assert_eq!(Path::new(p).parent(), Some(Path::new(USERLAND_DIR)));
+        }
+        assert!(Path::new(USERLAND_DIR).starts_with("/run"));
+        assert!(API_MOUNTS.contains(&"run"));
+        // The new root is assembled outside every moved mount.
+        assert!(API_MOUNTS
+            .iter()
+            .all(|m| !Path::new(NEWROOT).starts_with(Path::new("/").join(m))));
+        assert_eq!(booted(), None, "not a VM's init");
+    }
+}
