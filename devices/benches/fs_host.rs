@@ -21,7 +21,9 @@
 //! `FS_BENCH_DIR` (where the scratch directory and mount point go),
 //! `FS_BENCH_WORKERS` (server threads, default 2), `FS_BENCH_MODE` (the
 //! grant's mode, `rwd` by default; `rw` adds the server's "created by the
-//! guest" check to every unlink).
+//! guest" check to every unlink), `FS_BENCH_OWNER` (a uid: the grant
+//! presents it as owner and group of its files, as session grants do; the
+//! benchmark still runs as root).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -31,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devices::fs::fusedev::HostMount;
-use devices::fs::{GrantMode, SessionFs, SessionFsOptions};
+use devices::fs::{GrantMode, GrantOwner, SessionFs, SessionFsOptions};
 
 /// Rounds per figure; the best is reported.
 const ROUNDS: usize = 3;
@@ -159,6 +161,15 @@ fn main() {
     let files = env_usize("FS_BENCH_FILES", DEFAULT_FILES);
     let workers = env_usize("FS_BENCH_WORKERS", DEFAULT_WORKERS);
     let mode = env_mode();
+    let owner = std::env::var("FS_BENCH_OWNER")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .map(|v| {
+            GrantOwner::same(
+                v.parse()
+                    .unwrap_or_else(|_| panic!("FS_BENCH_OWNER must be a uid, not {v:?}")),
+            )
+        });
     let base = std::env::var_os("FS_BENCH_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
@@ -174,7 +185,7 @@ fn main() {
     let host = measure(scratch.path(), mib, files, false);
 
     let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
-    fs.add_grant("bench", "data", scratch.path(), mode)
+    fs.add_grant_with_owner("bench", "data", scratch.path(), mode, owner)
         .expect("grant the scratch dir");
     let mount =
         HostMount::mount(fs, mnt.path(), workers).expect("mount over /dev/fuse (run as root)");
@@ -183,8 +194,9 @@ fn main() {
     mount.unmount().expect("unmount");
 
     println!(
-        "virtio-fs server over /dev/fuse vs the host filesystem ({} grant, {} workers, best of {ROUNDS}, scratch in {})",
+        "virtio-fs server over /dev/fuse vs the host filesystem ({} grant, owner {}, {} workers, best of {ROUNDS}, scratch in {})",
         mode,
+        owner.map_or_else(|| "host".to_string(), |o| o.to_string()),
         workers,
         base.display()
     );
