@@ -48,7 +48,7 @@ pub mod process;
 pub mod reaper;
 pub mod sessiondisk;
 pub(crate) mod sys;
-pub mod userland;
+pub mod users;
 
 #[cfg(test)]
 mod tests;
@@ -195,15 +195,12 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
         kernel = %sys::kernel_release(),
         "agent starting as the VM's init"
     );
-    let machine = init::run_machine_init();
-    // Session processes see their binds, never the whole share or the
-    // userland's layers.
-    config.private_paths.extend(machine.private_paths);
+    if let Some(share) = init::run_machine_init() {
+        // Session processes see their binds, never the whole share.
+        config.private_paths.push(share);
+    }
     let marks = BootMarks::detect();
     marks.mark(Milestone::AgentStart, clock_start);
-    if let Some(at) = machine.userland_switched_us {
-        marks.mark(Milestone::UserlandSwitched, at);
-    }
     let code = std::panic::catch_unwind(move || run_agent(config, clock_start, marks));
     let reason = match code {
         Ok(EXIT_OK) => power::Reason::HostDone,
@@ -212,6 +209,26 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
     };
     marks.mark(Milestone::PowerOff, sys::boottime_us());
     power::power_off(reason)
+}
+
+/// Per-session users, for the VM's init only: the sandbox backend runs the
+/// agent in a user namespace that maps no other uid, and a plain agent
+/// (tests) keeps running processes as itself.
+fn session_users(config: &Config) -> Option<users::UserDb> {
+    if !config.init {
+        return None;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        tracing::warn!("not root: session processes run as the agent's user");
+        return None;
+    }
+    let db = users::UserDb::system();
+    tracing::info!(
+        shell = users::login_shell(),
+        "each session runs as its own user"
+    );
+    Some(db)
 }
 
 /// Connects to the host and serves it; returns the process exit code.
@@ -347,6 +364,9 @@ impl Agent {
                 private_paths,
                 drop_caps: config.drop_caps,
                 cgroups,
+                skel_dir: Some(PathBuf::from(users::ETC_DIR).join(users::SKEL_SUBDIR)),
+                users: session_users(&config),
+                shell: users::bash().map(String::from),
             },
             reaper,
             outbox.clone(),
@@ -378,7 +398,7 @@ impl Agent {
             is_init: self.is_init,
             boot: self.clock.times(self.is_init, sys::boottime_us()),
             kernel: sys::kernel_release(),
-            userland: userland::booted(),
+            userland: None,
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,
@@ -512,6 +532,10 @@ impl Agent {
             }
             Op::Mount(spec) => {
                 self.in_background(id, move || {
+                    // The home (and user) exist before anything is mounted in it.
+                    procs
+                        .prepare_session(&spec.session)
+                        .map_err(|e| e.to_string())?;
                     mounts::mount_session(&root, &spec)
                         .map(|()| (json!({}), Vec::new()))
                         .map_err(|e| e.to_string())

@@ -13,6 +13,11 @@
 //! flags of the source mount (a remount of nested mounts is then not
 //! recursive: a documented limit of the fallback).
 //!
+//! The session's home and its `mnt/` normally exist already (made by
+//! [`super::users::prepare`], `mnt/` owned by the agent); a `mnt` the agent
+//! does not own (a session renamed the real one away and made its own) is
+//! refused, so a session cannot choose where its mount points are created.
+//!
 //! A mount already present at the target is detached first, so repeating a
 //! mount replaces it. `rw` and `rwd` are the same here: the agent cannot
 //! forbid deletion on a bind mount.
@@ -22,12 +27,12 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::sys;
+use super::{sys, users};
 use crate::names;
 use crate::proto::MountSpec;
 
@@ -95,7 +100,9 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Creates (if needed) and opens `<root>/<session>` and `<root>/<session>/mnt`,
-/// refusing symlinks. Returns descriptors of both.
+/// refusing symlinks and a `mnt` the agent does not own. Returns descriptors
+/// of both. (Homes are normally made by [`super::users::prepare`] first; what
+/// is created here has the same modes and belongs to the agent.)
 pub fn ensure_session_dir(root: &Path, session: &str) -> Result<(OwnedFd, OwnedFd), MountError> {
     names::session_name(session)?;
     let dir = root.join(session);
@@ -106,7 +113,7 @@ pub fn ensure_session_dir(root: &Path, session: &str) -> Result<(OwnedFd, OwnedF
     std::fs::create_dir_all(root).map_err(err)?;
     let rootfd = sys::open(root, libc::O_PATH | libc::O_DIRECTORY).map_err(err)?;
     let name = sys::cstring(session).map_err(err)?;
-    sys::mkdirat_exist_ok(rootfd.as_fd(), &name, DIR_MODE).map_err(err)?;
+    sys::mkdirat_exist_ok(rootfd.as_fd(), &name, users::HOME_MODE).map_err(err)?;
     let sfd = sys::openat(
         rootfd.as_fd(),
         &name,
@@ -114,14 +121,29 @@ pub fn ensure_session_dir(root: &Path, session: &str) -> Result<(OwnedFd, OwnedF
         0,
     )
     .map_err(err)?;
-    sys::mkdirat_exist_ok(sfd.as_fd(), c"mnt", DIR_MODE).map_err(err)?;
+    sys::mkdirat_exist_ok(sfd.as_fd(), c"mnt", users::MNT_MODE).map_err(err)?;
+    let unsafe_mnt = || MountError::UnsafeTarget {
+        name: users::MNT_DIR.to_string(),
+        path: dir.join(users::MNT_DIR).display().to_string(),
+    };
     let mfd = sys::openat(
         sfd.as_fd(),
         c"mnt",
         libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
         0,
     )
-    .map_err(err)?;
+    .map_err(|e| match sys::errno_of(&e) {
+        libc::ELOOP | libc::ENOTDIR => unsafe_mnt(),
+        _ => err(e),
+    })?;
+    // SAFETY: stat is plain data; all-zero is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat of a descriptor we own (O_PATH is fine) into a valid out-pointer.
+    sys::cvt(unsafe { libc::fstat(mfd.as_raw_fd(), &mut st) }).map_err(err)?;
+    // SAFETY: geteuid has no preconditions.
+    if st.st_uid != unsafe { libc::geteuid() } {
+        return Err(unsafe_mnt());
+    }
     Ok((sfd, mfd))
 }
 

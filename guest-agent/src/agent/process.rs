@@ -11,13 +11,18 @@
 //! Stdin is written by a per-process task from an ordered queue, so a slow
 //! reader never blocks the agent. Records of exited processes are kept for
 //! `ProcessStatus` (the newest [`MAX_EXITED_RECORDS`]).
+//!
+//! Before a spawn the session's home is prepared ([`users::prepare`]); with
+//! [`ProcessConfig::users`] (a VM) the session's user is created too and the
+//! process runs as it, without capabilities ([`super::child`]). The process
+//! environment is the client's plus defaults ([`build_env`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -26,14 +31,15 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 use super::cgroup::{Cgroups, ProcCgroup};
-use super::child::ChildSetup;
+use super::child::{ChildSetup, Credentials};
 use super::fdio::FdIo;
 use super::mounts;
 use super::outbox::Outbox;
 use super::reaper::{ExitStatus, Reaper};
 use super::sys;
+use super::users::{self, Home, UserDb};
 use crate::proto::{self, AgentMessage, SpawnSpec};
-use crate::{names, signal};
+use crate::{janitor, names, signal};
 
 /// How long after the reap the agent waits for the pipes to reach EOF.
 pub const EOF_GRACE: Duration = Duration::from_secs(2);
@@ -53,6 +59,10 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 /// The environment variable that carries the OAuth token.
 const OAUTH_VAR: &str = "CLAUDE_CODE_OAUTH_TOKEN";
 
+/// `LANG` of spawned processes whose environment names none: UTF-8 without
+/// depending on generated locales (glibc has C.UTF-8 built in since 2.35).
+const DEFAULT_LANG: &str = "C.UTF-8";
+
 /// Errors of process operations; their messages go to the user.
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
@@ -70,6 +80,8 @@ pub enum ProcessError {
     Spawn { command: String, source: io::Error },
     #[error("cannot prepare the session directory: {0}")]
     Session(#[from] mounts::MountError),
+    #[error(transparent)]
+    User(#[from] users::UserError),
     #[error("no process with id {0}")]
     Unknown(String),
     #[error("process {0} is not running")]
@@ -92,6 +104,25 @@ pub struct ProcessConfig {
     pub private_paths: Vec<CString>,
     pub drop_caps: bool,
     pub cgroups: Option<Cgroups>,
+    /// Copied into every new home (`/etc/skel`).
+    pub skel_dir: Option<PathBuf>,
+    /// Per-session users: each session's processes run as its own user
+    /// (the VM's init only; needs root). `None`: they run as the agent's
+    /// user (the sandbox backend, tests).
+    pub users: Option<UserDb>,
+    /// `SHELL` of spawned processes whose environment names none.
+    pub shell: Option<String>,
+}
+
+/// Defaults of a session's process environment (the client's env wins).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionEnv {
+    /// `HOME`; `TMPDIR` is its `tmp/`.
+    pub home: PathBuf,
+    /// `USER` and `LOGNAME`, when the session has its own user.
+    pub user: Option<String>,
+    /// `SHELL`.
+    pub shell: Option<String>,
 }
 
 enum StdinCmd {
@@ -139,6 +170,8 @@ struct Forked {
     cgroup: Option<ProcCgroup>,
     /// Names of the spawn's mounts that failed.
     failed: Vec<String>,
+    /// The session user it runs as, if any.
+    uid: Option<u32>,
 }
 
 /// A process that was started and whose response must be sent before its
@@ -158,9 +191,11 @@ pub struct Started {
 }
 
 /// The environment of a spawned process: the client's, without empty
-/// values, plus the OAuth token when no credential is set, `HOME` (the
-/// session directory) and a default `PATH` when missing.
-pub fn build_env(spec: &SpawnSpec, session_dir: &Path) -> BTreeMap<String, String> {
+/// values, plus the OAuth token when no credential is set, and where the
+/// client's environment does not set them: `HOME` (the session directory),
+/// `TMPDIR` (its `tmp/`), `PATH`, `LANG`, and from `defaults` `USER` and
+/// `LOGNAME` (the session user's login name) and `SHELL`.
+pub fn build_env(spec: &SpawnSpec, defaults: &SessionEnv) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = spec
         .env
         .iter()
@@ -179,10 +214,23 @@ pub fn build_env(spec: &SpawnSpec, session_dir: &Path) -> BTreeMap<String, Strin
             env.insert(OAUTH_VAR.to_string(), token.0.clone());
         }
     }
-    env.entry("HOME".to_string())
-        .or_insert_with(|| session_dir.display().to_string());
-    env.entry("PATH".to_string())
-        .or_insert_with(|| DEFAULT_PATH.to_string());
+    let mut default = |k: &str, v: String| {
+        env.entry(k.to_string()).or_insert(v);
+    };
+    default("HOME", defaults.home.display().to_string());
+    default(
+        "TMPDIR",
+        defaults.home.join(janitor::TMP_DIR).display().to_string(),
+    );
+    default("PATH", DEFAULT_PATH.to_string());
+    default("LANG", DEFAULT_LANG.to_string());
+    if let Some(user) = &defaults.user {
+        default("USER", user.clone());
+        default("LOGNAME", user.clone());
+    }
+    if let Some(shell) = &defaults.shell {
+        default("SHELL", shell.clone());
+    }
     env
 }
 
@@ -231,10 +279,21 @@ impl Processes {
         self.register(forked)
     }
 
+    /// Creates (if needed) the session's home, and its user when sessions
+    /// have their own users. Every spawn and mount of a session comes here first.
+    pub fn prepare_session(&self, session: &str) -> Result<Home, ProcessError> {
+        Ok(users::prepare(
+            &self.cfg.sessions_root,
+            session,
+            self.cfg.skel_dir.as_deref(),
+            self.cfg.users.as_ref(),
+        )?)
+    }
+
     fn spawn_blocking(&self, spec: SpawnSpec) -> Result<Forked, ProcessError> {
         let root = &self.cfg.sessions_root;
-        mounts::ensure_session_dir(root, &spec.name)?;
-        let session_dir = root.join(&spec.name);
+        let home = self.prepare_session(&spec.name)?;
+        let session_dir = home.dir;
         let mut failed = Vec::new();
         for m in &spec.mounts {
             if let Err(e) = mounts::mount_session(root, m) {
@@ -249,7 +308,20 @@ impl Processes {
         if !cwd.is_dir() {
             return Err(ProcessError::NoCwd(cwd.display().to_string()));
         }
-        let env = build_env(&spec, &session_dir);
+        let defaults = SessionEnv {
+            home: session_dir.clone(),
+            user: home.user.as_ref().map(|u| u.login.clone()),
+            shell: self.cfg.shell.clone(),
+        };
+        let env = build_env(&spec, &defaults);
+        // A session user enters its working directory itself, after the
+        // switch, so its own permissions apply (not the agent's).
+        let child_cwd = match &home.user {
+            Some(_) => Some(
+                sys::cstring(&cwd).map_err(|_| ProcessError::NoCwd(cwd.display().to_string()))?,
+            ),
+            None => None,
+        };
         let (cgroup, cgroup_procs) = match &self.cfg.cgroups {
             Some(cgs) => match cgs.create() {
                 Ok((cg, fd)) => (Some(cg), Some(fd)),
@@ -264,12 +336,19 @@ impl Processes {
             cgroup_procs,
             private_paths: self.cfg.private_paths.clone(),
             drop_caps: self.cfg.drop_caps,
+            user: home.user.as_ref().map(|u| Credentials {
+                uid: u.uid,
+                gid: u.gid,
+            }),
+            cwd: child_cwd,
         };
         let mut cmd = Command::new(&spec.command);
+        if setup.cwd.is_none() {
+            cmd.current_dir(&cwd);
+        }
         cmd.args(&spec.args)
             .env_clear()
             .envs(&env)
-            .current_dir(&cwd)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -286,6 +365,7 @@ impl Processes {
                 status,
                 cgroup,
                 failed,
+                uid: home.user.map(|u| u.uid),
             }),
             Err(e) => {
                 if let (Some(cgs), Some(cg)) = (&self.cfg.cgroups, cgroup) {
@@ -310,6 +390,7 @@ impl Processes {
             status,
             cgroup,
             failed,
+            uid,
         } = forked;
         let pid = child.id() as libc::pid_t;
         let pipes = (|| -> io::Result<(FdIo, FdIo, FdIo)> {
@@ -355,7 +436,7 @@ impl Processes {
             },
         );
         drop(table);
-        tracing::info!(id = %spec.id, session = %spec.name, command = %spec.command, pid, "process started");
+        tracing::info!(id = %spec.id, session = %spec.name, command = %spec.command, pid, uid, "process started");
         Ok(Started {
             procs: self.clone(),
             id: spec.id,
@@ -641,6 +722,7 @@ async fn supervise(
 
 #[cfg(test)]
 mod tests {
+    use super::super::fdio::FdIo;
     use super::*;
     use crate::proto::Secret;
 
@@ -664,9 +746,17 @@ mod tests {
         }
     }
 
+    fn defaults(home: &str) -> SessionEnv {
+        SessionEnv {
+            home: home.into(),
+            user: None,
+            shell: None,
+        }
+    }
+
     #[test]
     fn oauth_rule_and_empty_values() {
-        let dir = Path::new("/sessions/s");
+        let dir = &defaults("/sessions/s");
         let env = build_env(&spec(&[("A", ""), ("B", "x")], Some("tok")), dir);
         assert_eq!(
             env.get("CLAUDE_CODE_OAUTH_TOKEN").map(String::as_str),
@@ -691,5 +781,174 @@ mod tests {
         assert_eq!(env["HOME"], "/home/u");
         assert!(!env.contains_key(OAUTH_VAR));
         assert!(!env.contains_key("BAD=KEY"));
+    }
+
+    #[test]
+    fn session_defaults_fill_only_what_the_client_left_out() {
+        let full = SessionEnv {
+            home: "/sessions/s".into(),
+            user: Some("s".into()),
+            shell: Some("/bin/bash".into()),
+        };
+        let env = build_env(&spec(&[], None), &full);
+        let want = [
+            ("HOME", "/sessions/s"),
+            ("TMPDIR", "/sessions/s/tmp"),
+            ("PATH", DEFAULT_PATH),
+            ("LANG", "C.UTF-8"),
+            ("USER", "s"),
+            ("LOGNAME", "s"),
+            ("SHELL", "/bin/bash"),
+        ];
+        let got: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let mut want_sorted = want.to_vec();
+        want_sorted.sort();
+        assert_eq!(got, want_sorted);
+        assert!(DEFAULT_PATH.split(':').any(|d| d == "/usr/local/bin"));
+        // The client's values win, each one separately.
+        for (k, _) in want {
+            let env = build_env(&spec(&[(k, "mine")], None), &full);
+            assert_eq!(env[k], "mine", "{k}");
+            assert_eq!(env.len(), want.len(), "{k}");
+        }
+        // Without a session user or bash, no USER, LOGNAME or SHELL is made up.
+        let env = build_env(&spec(&[], None), &defaults("/sessions/s"));
+        for k in ["USER", "LOGNAME", "SHELL"] {
+            assert!(!env.contains_key(k), "{k}");
+        }
+        assert_eq!(env["TMPDIR"], "/sessions/s/tmp");
+    }
+
+    /// Runs `script` with `sh -c` as a process of `session`; returns its
+    /// stdout, stderr and exit code.
+    async fn run_sh(
+        procs: &Processes,
+        link: &mut tokio::io::BufReader<tokio::net::UnixStream>,
+        id: &str,
+        session: &str,
+        script: &str,
+    ) -> (String, String, Option<i32>) {
+        let mut s = spec(&[], None);
+        s.id = id.into();
+        s.name = session.into();
+        s.command = "sh".into();
+        s.args = vec!["-c".into(), script.into()];
+        procs.spawn(s).await.expect("spawn").run();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut buf = Vec::new();
+        loop {
+            let more = crate::framing::read_frame(link, proto::MAX_MESSAGE, &mut buf)
+                .await
+                .unwrap();
+            assert!(more, "link closed");
+            let env: proto::Envelope<AgentMessage> =
+                proto::decode(std::mem::take(&mut buf)).unwrap();
+            match env.header {
+                AgentMessage::Stdout { id: i } if i == id => out.extend(env.payload),
+                AgentMessage::Stderr { id: i } if i == id => err.extend(env.payload),
+                AgentMessage::Exit {
+                    id: i, exit_code, ..
+                } if i == id => {
+                    let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+                    return (text(out), text(err), exit_code);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn session_processes_run_as_their_own_users() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: per-session users need root");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        // Session users must be able to walk down to their homes.
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let etc = t.path().join("etc");
+        std::fs::create_dir_all(etc.join("skel")).unwrap();
+        std::fs::write(etc.join("skel/.profile"), b"# profile\n").unwrap();
+        std::fs::write(etc.join("passwd"), b"root:x:0:0:root:/root:/bin/sh\n").unwrap();
+        std::fs::write(etc.join("group"), b"root:x:0:\n").unwrap();
+        let root = t.path().join("sessions");
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (outbox, _writer) = Outbox::start(FdIo::new(a.into()).unwrap());
+        b.set_nonblocking(true).unwrap();
+        let mut link = tokio::io::BufReader::new(tokio::net::UnixStream::from_std(b).unwrap());
+        let procs = Processes::new(
+            ProcessConfig {
+                sessions_root: root.clone(),
+                skel_dir: Some(etc.join("skel")),
+                users: Some(UserDb::new(&etc, "/bin/sh")),
+                shell: Some("/bin/bash".into()),
+                ..ProcessConfig::default()
+            },
+            Reaper::start(super::super::reaper::ReapMode::Own).unwrap(),
+            outbox,
+        );
+        let (uid1, uid2) = (proto::session_uid("s1"), proto::session_uid("s2"));
+        let (_, err, code) = run_sh(
+            &procs,
+            &mut link,
+            "w",
+            "s2",
+            "echo secret > \"$HOME/secret\" && chmod 644 \"$HOME/secret\"",
+        )
+        .await;
+        assert_eq!(code, Some(0), "{err}");
+        let secret = root.join("s2/secret");
+        assert_eq!(std::fs::metadata(&secret).unwrap().uid(), uid2);
+        let script = format!(
+            "cat /proc/self/status; echo \"cwd=$(pwd)\"; env; \
+             touch \"$TMPDIR/t\" && echo tmp-ok; \
+             cat {} || echo other-denied; \
+             touch mnt/x || echo mnt-denied; \
+             echo x >> {} || echo passwd-denied",
+            secret.display(),
+            etc.join("passwd").display()
+        );
+        let (out, _, code) = run_sh(&procs, &mut link, "r", "s1", &script).await;
+        assert_eq!(code, Some(0), "{out}");
+        let line = |key: &str| {
+            out.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in {out}"))
+                .trim()
+                .to_string()
+        };
+        let ids = format!("{uid1}\t{uid1}\t{uid1}\t{uid1}");
+        assert_eq!(line("Uid:"), ids);
+        assert_eq!(line("Gid:"), ids);
+        assert_eq!(line("Groups:"), uid1.to_string());
+        for cap in ["CapPrm:", "CapEff:", "CapBnd:", "CapAmb:", "CapInh:"] {
+            assert_eq!(u64::from_str_radix(&line(cap), 16).unwrap(), 0, "{cap}");
+        }
+        assert_eq!(line("NoNewPrivs:"), "1");
+        let home = root.join("s1");
+        assert_eq!(line("cwd="), home.display().to_string());
+        assert_eq!(line("HOME="), home.display().to_string());
+        assert_eq!(line("TMPDIR="), home.join("tmp").display().to_string());
+        assert_eq!(line("USER="), "s1");
+        assert_eq!(line("LOGNAME="), "s1");
+        assert_eq!(line("SHELL="), "/bin/bash");
+        assert_eq!(line("LANG="), "C.UTF-8");
+        for marker in ["tmp-ok", "other-denied", "mnt-denied", "passwd-denied"] {
+            assert!(out.lines().any(|l| l == marker), "{marker}: {out}");
+        }
+        assert!(
+            !out.contains("secret\n"),
+            "read another session's file: {out}"
+        );
+        // The home came with /etc/skel, and the account files with the users.
+        assert_eq!(
+            std::fs::read(home.join(".profile")).unwrap(),
+            b"# profile\n"
+        );
+        let passwd = std::fs::read_to_string(etc.join("passwd")).unwrap();
+        assert!(passwd.contains(&format!("s1:x:{uid1}:{uid1}:")), "{passwd}");
+        assert!(passwd.contains(&format!("s2:x:{uid2}:{uid2}:")), "{passwd}");
     }
 }
