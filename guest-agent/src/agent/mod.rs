@@ -48,6 +48,7 @@ pub mod process;
 pub mod reaper;
 pub mod sessiondisk;
 pub(crate) mod sys;
+pub mod userland;
 pub mod users;
 
 #[cfg(test)]
@@ -195,12 +196,15 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
         kernel = %sys::kernel_release(),
         "agent starting as the VM's init"
     );
-    if let Some(share) = init::run_machine_init() {
-        // Session processes see their binds, never the whole share.
-        config.private_paths.push(share);
-    }
+    let machine = init::run_machine_init();
+    // Session processes see their binds, never the whole share or the
+    // userland's layers.
+    config.private_paths.extend(machine.private_paths);
     let marks = BootMarks::detect();
     marks.mark(Milestone::AgentStart, clock_start);
+    if let Some(at) = machine.userland_switched_us {
+        marks.mark(Milestone::UserlandSwitched, at);
+    }
     let code = std::panic::catch_unwind(move || run_agent(config, clock_start, marks));
     let reason = match code {
         Ok(EXIT_OK) => power::Reason::HostDone,
@@ -398,7 +402,7 @@ impl Agent {
             is_init: self.is_init,
             boot: self.clock.times(self.is_init, sys::boottime_us()),
             kernel: sys::kernel_release(),
-            userland: None,
+            userland: userland::booted(),
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,
