@@ -154,7 +154,7 @@ pub fn boot() -> Booted {
         .map(switch::upper_size)
         .unwrap_or(switch::UPPER_MIN_BYTES);
     let mut booted = match choose(upper_bytes, &mut fallbacks) {
-        Some(chosen) => match enter(&chosen) {
+        Some(chosen) => match enter(&chosen, upper_bytes) {
             Ok(switched_us) => Booted {
                 info: UserlandInfo {
                     kind: chosen.candidate.kind.to_string(),
@@ -231,9 +231,10 @@ fn choose(upper_bytes: u64, fallbacks: &mut Vec<String>) -> Option<Chosen> {
 }
 
 /// Builds the overlay on [`NEWROOT`], mounts the session disk in it and
-/// switches root. Returns when the switch finished. On error the agent is
+/// switches root (`upper_bytes`: the writable layer's bound, for the log).
+/// Returns when the switch finished. On error the agent is
 /// still on the initramfs (the caller releases the layers).
-fn enter(chosen: &Chosen) -> Result<u64, UserlandError> {
+fn enter(chosen: &Chosen, upper_bytes: u64) -> Result<u64, UserlandError> {
     let newroot = Path::new(NEWROOT);
     let redirect_dir = switch::mount_overlay(
         Path::new(LOWER_DIR),
@@ -255,6 +256,14 @@ fn enter(chosen: &Chosen) -> Result<u64, UserlandError> {
     if let Err(e) = &switched.tmp {
         tracing::warn!(error = %e, "no fresh /tmp; /tmp is on the writable layer");
     }
+    tracing::info!(
+        userland = chosen.candidate.kind,
+        os = chosen.pretty_name.as_deref().unwrap_or("unknown"),
+        dev = %chosen.dev.display(),
+        writable_bytes = upper_bytes,
+        redirect_dir,
+        "switched root to the session userland"
+    );
     match &switched.freed {
         Ok(f) => tracing::info!(
             files = f.files,
@@ -265,13 +274,6 @@ fn enter(chosen: &Chosen) -> Result<u64, UserlandError> {
         ),
         Err(e) => tracing::warn!(error = %e, "initramfs not freed"),
     }
-    tracing::info!(
-        userland = chosen.candidate.kind,
-        os = chosen.pretty_name.as_deref().unwrap_or("unknown"),
-        dev = %chosen.dev.display(),
-        redirect_dir,
-        "switched root to the session userland"
-    );
     Ok(at)
 }
 
