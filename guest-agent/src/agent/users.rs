@@ -363,6 +363,13 @@ fn rewrite(path: &Path, contents: &[u8], mode: u32, gid: u32) -> io::Result<()> 
     tmp_name.push(name);
     tmp_name.push(NEW_SUFFIX);
     let tmp = path.with_file_name(tmp_name);
+    if let Some(dir) = path.parent().filter(|d| !d.is_dir()) {
+        // A bare initramfs may have no /etc at all.
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(ROOT_MODE)
+            .create(dir)?;
+    }
     match fs::remove_file(&tmp) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
         _ => {}
@@ -910,8 +917,8 @@ mod tests {
     #[test]
     fn missing_account_files_are_created_with_root() {
         let t = tempfile::tempdir().unwrap();
+        // Not even the directory exists (a bare initramfs).
         let etc = t.path().join("etc");
-        fs::create_dir_all(&etc).unwrap();
         let db = UserDb::new(&etc, "/bin/sh");
         let u = prepare(&t.path().join("s"), "s1", None, Some(&db))
             .unwrap()
