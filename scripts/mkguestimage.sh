@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build the cowork guest image: Debian's cloud kernel (vmlinuz) and an initramfs whose /init is the
-# statically linked guest agent, with busybox and the kernel modules the guest needs. Offline once
-# the kernel is cached and the agent's crates are in cargo's cache.
+# Build the cowork guest image: Debian's cloud kernel (vmlinuz), an initramfs whose /init is the
+# statically linked guest agent, with busybox and the kernel modules the guest needs, and the
+# default userland disk rootfs.img (scripts/mkrootfs.sh). Offline once the kernel and the userland
+# are cached and the agent's crates are in cargo's cache.
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
@@ -17,7 +18,7 @@ IMAGE_FORMAT=cowork-guest-image/1
 
 usage() {
 	cat <<USAGE
-Usage: $COWORK_SCRIPT_NAME [--output DIR] [--agent PATH] [--cache DIR] [--quiet]
+Usage: $COWORK_SCRIPT_NAME [--output DIR] [--agent PATH] [--cache DIR] [--no-rootfs] [--quiet]
 
 Builds, into the output directory:
 
@@ -29,10 +30,15 @@ Builds, into the output directory:
                them from in dependency order; e2fsprogs' mke2fs as /sbin/mkfs.ext4
                with its shared libraries and loader (the agent formats a blank session
                disk with it; busybox's mke2fs only makes ext2)
-  image-info   $IMAGE_FORMAT, kernel version and the agent's SHA-256
+  rootfs.img   the default session userland: a read-only ext4 Debian tree without a journal,
+               label cowork-rootfs (scripts/mkrootfs.sh; built once into the cache, a few
+               minutes, then linked or copied from there)
+  rootfs-info  what mkrootfs.sh recorded about it (suite, packages, sizes, build time)
+  image-info   $IMAGE_FORMAT, kernel version, the agent's SHA-256 and, with a rootfs,
+               ROOTFS_SHA256 and ROOTFS_SUITE
 
 On success prints shell-style assignments on stdout:
-  IMAGE_DIR=... VMLINUZ=... INITRAMFS=... KERNEL_VERSION=...
+  IMAGE_DIR=... VMLINUZ=... INITRAMFS=... KERNEL_VERSION=... [ROOTFS=...]
 
 Options:
   --output DIR   output directory (default: \$COWORK_GUEST_IMAGE_DIR, else
@@ -40,8 +46,10 @@ Options:
   --agent PATH   use this static agent binary instead of building it with
                  RUSTFLAGS='-C target-feature=+crt-static' cargo build --release
                  -p guest-agent --target $AGENT_TARGET
-  --cache DIR    kernel cache directory, passed to fetch-kernel.sh (default:
+  --cache DIR    cache directory, passed to fetch-kernel.sh and mkrootfs.sh (default:
                  $(guest_cache_dir))
+  --no-rootfs    no userland disk: an initramfs-only image (quick to build; sessions then
+                 get the busybox userland); removes a rootfs.img left in DIR
   --quiet        no progress messages on stderr
   -h, --help     this text
 USAGE
@@ -50,11 +58,13 @@ USAGE
 output="${COWORK_GUEST_IMAGE_DIR:-$COWORK_REPO_ROOT/target/guest-image}"
 agent=""
 cache_args=()
+rootfs=1
 while (($#)); do
 	case "$1" in
 	--output) output="${2:?--output needs a directory}"; shift 2 ;;
 	--agent) agent="${2:?--agent needs a path}"; shift 2 ;;
 	--cache) cache_args=(--cache "${2:?--cache needs a directory}"); shift 2 ;;
+	--no-rootfs) rootfs=0; shift ;;
 	--quiet) COWORK_QUIET=1; export COWORK_QUIET; shift ;;
 	-h | --help) usage; exit 0 ;;
 	*) usage >&2; die "unknown argument '$1'" ;;
@@ -79,6 +89,25 @@ while IFS='=' read -r key value; do
 done <<<"$kernel_vars"
 [[ -n "$KERNEL_VERSION" && -f "$VMLINUZ" && -d "$MODULES_DIR" ]] ||
 	die "fetch-kernel.sh did not report a kernel, vmlinuz and module tree"
+
+# --- default userland --------------------------------------------------------------------------
+# Built (or found in the cache) before the agent, so a first run does its downloads up front.
+ROOTFS="" ROOTFS_SHA256="" ROOTFS_SUITE=""
+mkdir -p "$output"
+if ((rootfs)); then
+	rootfs_vars="$("$SCRIPTS_DIR/mkrootfs.sh" --output "$output" "${cache_args[@]}" "${quiet_args[@]}")" ||
+		die "building the default userland failed (see above; --no-rootfs builds without it)"
+	while IFS='=' read -r key value; do
+		case "$key" in
+		ROOTFS) ROOTFS="$value" ;;
+		ROOTFS_SHA256) ROOTFS_SHA256="$value" ;;
+		ROOTFS_SUITE) ROOTFS_SUITE="$value" ;;
+		esac
+	done <<<"$rootfs_vars"
+	[[ -f "$ROOTFS" && -n "$ROOTFS_SHA256" ]] || die "mkrootfs.sh did not report an image and its SHA-256"
+else
+	rm -f "$output/rootfs.img" "$output/rootfs-info"
+fi
 
 # --- agent ---------------------------------------------------------------------------------
 if [[ -z "$agent" ]]; then
@@ -111,7 +140,6 @@ done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\
 [[ -f /etc/mke2fs.conf ]] && mkfs_adds+=(--add /etc/mke2fs.conf:/etc/mke2fs.conf)
 
 # --- image ---------------------------------------------------------------------------------
-mkdir -p "$output"
 note "building the initramfs ($KERNEL_VERSION)"
 "$SCRIPTS_DIR/mkinitramfs.sh" --output "$output/initramfs" --init "$agent" \
 	--module-set guest --modules-dir "$MODULES_DIR" "${mkfs_adds[@]}" ||
@@ -122,6 +150,10 @@ mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"
 	printf '%s\n' "$IMAGE_FORMAT"
 	printf 'KERNEL_VERSION=%s\n' "$KERNEL_VERSION"
 	printf 'AGENT_SHA256=%s\n' "$(sha256sum "$agent" | cut -d' ' -f1)"
+	if [[ -n "$ROOTFS" ]]; then
+		printf 'ROOTFS_SHA256=%s\n' "$ROOTFS_SHA256"
+		printf 'ROOTFS_SUITE=%s\n' "$ROOTFS_SUITE"
+	fi
 } >"$output/image-info.tmp"
 mv -f "$output/image-info.tmp" "$output/image-info"
 
@@ -129,3 +161,4 @@ printf 'IMAGE_DIR=%s\n' "$output"
 printf 'VMLINUZ=%s\n' "$output/vmlinuz"
 printf 'INITRAMFS=%s\n' "$output/initramfs"
 printf 'KERNEL_VERSION=%s\n' "$KERNEL_VERSION"
+[[ -z "$ROOTFS" ]] || printf 'ROOTFS=%s\n' "$ROOTFS"
