@@ -85,6 +85,8 @@ pub enum MountError {
     Mount { name: String, source: io::Error },
     #[error("session directory {path}: {source}")]
     SessionDir { path: String, source: io::Error },
+    #[error("{path} does not belong to the agent (a session process replaced it); remove it and the next spawn or mount recreates it")]
+    ForeignMountDir { path: String },
     #[error("SDK binary {0} does not exist")]
     SdkMissing(String),
     #[error("SDK binary {0} is not a regular file")]
@@ -122,9 +124,10 @@ pub fn ensure_session_dir(root: &Path, session: &str) -> Result<(OwnedFd, OwnedF
     )
     .map_err(err)?;
     sys::mkdirat_exist_ok(sfd.as_fd(), c"mnt", users::MNT_MODE).map_err(err)?;
+    let mnt_path = || dir.join(users::MNT_DIR).display().to_string();
     let unsafe_mnt = || MountError::UnsafeTarget {
         name: users::MNT_DIR.to_string(),
-        path: dir.join(users::MNT_DIR).display().to_string(),
+        path: mnt_path(),
     };
     let mfd = sys::openat(
         sfd.as_fd(),
@@ -142,7 +145,7 @@ pub fn ensure_session_dir(root: &Path, session: &str) -> Result<(OwnedFd, OwnedF
     sys::cvt(unsafe { libc::fstat(mfd.as_raw_fd(), &mut st) }).map_err(err)?;
     // SAFETY: geteuid has no preconditions.
     if st.st_uid != unsafe { libc::geteuid() } {
-        return Err(unsafe_mnt());
+        return Err(MountError::ForeignMountDir { path: mnt_path() });
     }
     Ok((sfd, mfd))
 }
@@ -595,5 +598,37 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, MountError::SdkMissing(_)), "{err}");
+    }
+
+    #[test]
+    fn a_mount_directory_the_session_replaced_is_refused() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        ensure_session_dir(r, "s").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&r.join("s")), users::HOME_MODE);
+        assert_eq!(mode(&r.join("s/mnt")), users::MNT_MODE);
+        // Renamed away and replaced by a symlink: refused, not followed.
+        std::fs::rename(r.join("s/mnt"), r.join("s/old")).unwrap();
+        std::os::unix::fs::symlink(r, r.join("s/mnt")).unwrap();
+        let err = ensure_session_dir(r, "s").unwrap_err();
+        assert!(matches!(err, MountError::UnsafeTarget { .. }), "{err}");
+        std::fs::remove_file(r.join("s/mnt")).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED the foreign-owner part: needs root to chown");
+            return;
+        }
+        // Replaced by a directory of the session's own.
+        std::fs::create_dir(r.join("s/mnt")).unwrap();
+        std::os::unix::fs::chown(r.join("s/mnt"), Some(1_500_000_009), None).unwrap();
+        let err = ensure_session_dir(r, "s").unwrap_err();
+        assert!(matches!(err, MountError::ForeignMountDir { .. }), "{err}");
+        assert!(err.to_string().contains("remove it"), "{err}");
+        // Once it is gone, the agent makes its own again.
+        std::fs::remove_dir(r.join("s/mnt")).unwrap();
+        ensure_session_dir(r, "s").unwrap();
+        assert_eq!(std::fs::metadata(r.join("s/mnt")).unwrap().uid(), 0);
     }
 }
