@@ -44,6 +44,8 @@ pub mod disk;
 pub mod etc;
 pub mod root;
 pub mod switch;
+#[cfg(test)]
+mod testns;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -153,7 +155,7 @@ pub fn boot() -> Booted {
     let upper_bytes = switch::total_ram()
         .map(switch::upper_size)
         .unwrap_or(switch::UPPER_MIN_BYTES);
-    let mut booted = match choose(upper_bytes, &mut fallbacks) {
+    let mut booted = match choose(&Layout::machine(), &CANDIDATES, upper_bytes, &mut fallbacks) {
         Some(chosen) => match enter(&chosen, upper_bytes) {
             Ok(switched_us) => Booted {
                 info: UserlandInfo {
@@ -182,15 +184,41 @@ pub fn boot() -> Booted {
     booted
 }
 
-/// The first candidate whose disk holds a valid root, mounted at
-/// [`LOWER_DIR`] (with [`USERLAND_DIR`]'s tmpfs of `upper_bytes` under it).
+/// Where [`choose`] looks and mounts (the machine's paths in production).
+struct Layout<'a> {
+    /// `/sys/block`.
+    sys_block: &'a Path,
+    /// `/dev`.
+    dev_dir: &'a Path,
+    /// [`USERLAND_DIR`].
+    layers: &'a Path,
+    /// [`LOWER_DIR`].
+    lower: &'a Path,
+}
+
+impl Layout<'static> {
+    /// The running machine's.
+    fn machine() -> Self {
+        Layout {
+            sys_block: Path::new(sessiondisk::SYS_BLOCK),
+            dev_dir: Path::new(sessiondisk::DEV_DIR),
+            layers: Path::new(USERLAND_DIR),
+            lower: Path::new(LOWER_DIR),
+        }
+    }
+}
+
+/// The first of `candidates` whose disk holds a valid root, mounted at
+/// `at.lower` (with a tmpfs of `upper_bytes` on `at.layers` under it).
 /// Rejections are logged and appended to `fallbacks`.
-fn choose(upper_bytes: u64, fallbacks: &mut Vec<String>) -> Option<Chosen> {
-    let sys_block = Path::new(sessiondisk::SYS_BLOCK);
-    let dev_dir = Path::new(sessiondisk::DEV_DIR);
-    let layers = Path::new(USERLAND_DIR);
-    for candidate in CANDIDATES {
-        let Some(disk) = sessiondisk::find_disk_by_serial(sys_block, candidate.serial) else {
+fn choose(
+    at: &Layout<'_>,
+    candidates: &[Candidate],
+    upper_bytes: u64,
+    fallbacks: &mut Vec<String>,
+) -> Option<Chosen> {
+    for &candidate in candidates {
+        let Some(disk) = sessiondisk::find_disk_by_serial(at.sys_block, candidate.serial) else {
             tracing::debug!(serial = candidate.serial, "no such userland disk");
             continue;
         };
@@ -198,32 +226,31 @@ fn choose(upper_bytes: u64, fallbacks: &mut Vec<String>) -> Option<Chosen> {
             tracing::warn!(userland = candidate.kind, serial = candidate.serial, error = %e, "userland rejected");
             fallbacks.push(format!("{}: {e}", candidate.kind));
         };
-        if !sys::is_mount_point(layers).unwrap_or(false) {
-            if let Err(e) = switch::mount_tmpfs(layers, upper_bytes, USERLAND_DIR_MODE) {
+        if !sys::is_mount_point(at.layers).unwrap_or(false) {
+            if let Err(e) = switch::mount_tmpfs(at.layers, upper_bytes, USERLAND_DIR_MODE) {
                 reject(fallbacks, e.into());
                 return None;
             }
         }
-        let dev = match disk::find_labelled(sys_block, dev_dir, &disk, candidate.label) {
+        let dev = match disk::find_labelled(at.sys_block, at.dev_dir, &disk, candidate.label) {
             Ok(dev) => dev,
             Err(e) => {
                 reject(fallbacks, e.into());
                 continue;
             }
         };
-        let lower = Path::new(LOWER_DIR);
-        if let Err(e) = switch::mount_lower(&dev, lower) {
+        if let Err(e) = switch::mount_lower(&dev, at.lower) {
             reject(fallbacks, e.into());
             continue;
         }
-        if let Err(source) = root::validate(lower) {
-            unmount(lower);
+        if let Err(source) = root::validate(at.lower) {
+            unmount(at.lower);
             reject(fallbacks, UserlandError::Root { dev, source });
             continue;
         }
         return Some(Chosen {
             candidate,
-            pretty_name: root::pretty_name(lower),
+            pretty_name: root::pretty_name(at.lower),
             dev,
         });
     }
@@ -312,6 +339,8 @@ fn stay_on_initramfs() -> Booted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::Command;
 
     #[test]
     fn the_bundle_is_preferred_and_every_path_is_where_the_docs_say() {
@@ -332,5 +361,154 @@ mod tests {
             .iter()
             .all(|m| !Path::new(NEWROOT).starts_with(Path::new("/").join(m))));
         assert_eq!(booted(), None, "not a VM's init");
+    }
+
+    /// A loop device attached read-only, detached on drop.
+    struct Loop(PathBuf);
+
+    impl Loop {
+        fn attach(image: &Path) -> Option<Loop> {
+            let out = Command::new("losetup")
+                .args(["--read-only", "--find", "--show"])
+                .arg(image)
+                .output()
+                .ok()?;
+            let dev = String::from_utf8(out.stdout).ok()?.trim().to_string();
+            (out.status.success() && dev.starts_with("/dev/loop")).then(|| Loop(dev.into()))
+        }
+        fn name(&self) -> &str {
+            self.0.file_name().and_then(|n| n.to_str()).unwrap()
+        }
+    }
+
+    impl Drop for Loop {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+        }
+    }
+
+    /// Runs `cmd`, true when it succeeded.
+    fn runs(cmd: &mut Command) -> bool {
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// An ext4 image (with a journal) of `tree`, labelled `label`.
+    fn ext4_image(path: &Path, label: &str, tree: &Path) -> bool {
+        runs(
+            Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-L", label, "-d"])
+                .arg(tree)
+                .arg(path)
+                .arg("16M"),
+        )
+    }
+
+    /// The real machine's disks: `choose` on loop devices (read-only, like
+    /// the VM's disks) behind a fake `/sys/block` that gives them serials.
+    /// The bundle lacks bash and is rejected with a reason; the default
+    /// image's journal is marked as needing recovery and still mounts,
+    /// read-only, and neither image changes.
+    #[test]
+    fn ns_root_choose_rejects_with_reasons_and_mounts_a_dirty_image_read_only() {
+        // SAFETY: geteuid has no preconditions.
+        if std::env::var_os(testns::NS_DIR_ENV).is_none() && unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipping: loop devices and ext4 mounts need real root");
+            return;
+        }
+        let outer = tempfile::tempdir().unwrap();
+        let Some(dir) = testns::in_namespaces(
+            "agent::userland::tests::ns_root_choose_rejects_with_reasons_and_mounts_a_dirty_image_read_only",
+            &["-m"],
+            outer.path(),
+        ) else {
+            return;
+        };
+        // The trees: GNU bash and the loader from this machine.
+        let (Ok(bash), Ok(loader)) = (
+            std::fs::canonicalize("/bin/bash"),
+            std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2"),
+        ) else {
+            eprintln!("skipping: no GNU bash or x86-64 loader on this host");
+            return;
+        };
+        let good = dir.join("good");
+        let bad = dir.join("bad");
+        for tree in [&good, &bad] {
+            std::fs::create_dir_all(tree.join("usr/bin")).unwrap();
+            std::fs::create_dir_all(tree.join("lib64")).unwrap();
+            std::fs::create_dir_all(tree.join("etc")).unwrap();
+            std::fs::copy(&loader, tree.join("lib64/ld-linux-x86-64.so.2")).unwrap();
+            std::os::unix::fs::symlink("usr/bin", tree.join("bin")).unwrap();
+        }
+        std::fs::copy(&bash, good.join("usr/bin/bash")).unwrap();
+        std::fs::write(good.join("etc/os-release"), "PRETTY_NAME=\"Test OS 1\"\n").unwrap();
+        let bundle = dir.join("bundle.img");
+        let default = dir.join("default.img");
+        if !ext4_image(&bundle, proto::BUNDLE_ROOTFS_LABEL, &bad)
+            || !ext4_image(&default, proto::ROOTFS_LABEL, &good)
+        {
+            eprintln!("skipping: mkfs.ext4 -d failed (e2fsprogs 1.43 or later needed)");
+            return;
+        }
+        // A journal that needs recovery: mounting without noload would
+        // replay it, which a read-only device refuses.
+        let spec = format!("{}", default.display());
+        if !runs(Command::new("debugfs").args(["-w", "-R", "feature needs_recovery", &spec])) {
+            eprintln!("skipping: no debugfs to mark the journal dirty");
+            return;
+        }
+        let before = [
+            std::fs::read(&bundle).unwrap(),
+            std::fs::read(&default).unwrap(),
+        ];
+        let (Some(lb), Some(ld)) = (Loop::attach(&bundle), Loop::attach(&default)) else {
+            eprintln!("skipping: no loop devices");
+            return;
+        };
+        let sys_block = dir.join("sys-block");
+        for (lo, serial) in [
+            (&lb, proto::BUNDLE_ROOTFS_SERIAL),
+            (&ld, proto::ROOTFS_SERIAL),
+        ] {
+            std::fs::create_dir_all(sys_block.join(lo.name())).unwrap();
+            std::fs::write(sys_block.join(lo.name()).join("serial"), serial).unwrap();
+        }
+        let layers = dir.join("layers");
+        let lower = layers.join("lower");
+        let at = Layout {
+            sys_block: &sys_block,
+            dev_dir: Path::new("/dev"),
+            layers: &layers,
+            lower: &lower,
+        };
+        let mut fallbacks = Vec::new();
+        let chosen = choose(&at, &CANDIDATES, 32 << 20, &mut fallbacks).expect("default chosen");
+        assert_eq!(chosen.candidate.kind, UserlandInfo::DEFAULT);
+        assert_eq!(chosen.dev, ld.0);
+        assert_eq!(chosen.pretty_name.as_deref(), Some("Test OS 1"));
+        assert_eq!(fallbacks.len(), 1, "{fallbacks:?}");
+        assert!(
+            fallbacks[0].starts_with(&format!("bundle: {}: has no GNU bash", lb.0.display())),
+            "{fallbacks:?}"
+        );
+        // Mounted read-only, the layers' tmpfs private and bounded.
+        assert!(lower.join("usr/bin/bash").is_file());
+        let err = std::fs::write(lower.join("x"), b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+        let (total, _, _) = sys::statvfs(&layers).unwrap();
+        assert_eq!(total, 32 << 20);
+        let mode = std::fs::metadata(&layers).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, USERLAND_DIR_MODE);
+        unmount(&lower);
+        unmount(&layers);
+        drop((lb, ld));
+        let after = [
+            std::fs::read(&bundle).unwrap(),
+            std::fs::read(&default).unwrap(),
+        ];
+        assert!(before == after, "an image changed");
     }
 }

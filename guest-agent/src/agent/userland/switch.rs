@@ -431,40 +431,10 @@ mod tests {
     use std::os::fd::OwnedFd;
     use std::os::unix::fs::{symlink, PermissionsExt};
 
+    use crate::agent::userland::testns::{in_namespaces, NS_DIR_ENV};
+
     /// `statfs` magic of overlayfs.
     const OVERLAYFS_MAGIC: u64 = 0x794c_7630;
-
-    /// Environment variable telling a re-executed test it runs inside its
-    /// namespaces, and naming the directory its outer half made for it.
-    const NS_DIR_ENV: &str = "GUEST_AGENT_USERLAND_NS_DIR";
-
-    /// Re-runs test `name` under `unshare <flags>` with `dir` as its
-    /// scratch directory and returns `None`; inside, returns the directory.
-    fn in_namespaces(name: &str, flags: &[&str], dir: &Path) -> Option<PathBuf> {
-        if let Some(d) = std::env::var_os(NS_DIR_ENV) {
-            return Some(PathBuf::from(d));
-        }
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new("unshare")
-            .args(flags)
-            .arg("--")
-            .arg(exe)
-            .args([name, "--exact", "--nocapture", "--test-threads=1"])
-            .env(NS_DIR_ENV, dir)
-            .output()
-            .expect("unshare(1) from util-linux runs");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "{name} failed inside namespaces:\n{stdout}\n{stderr}"
-        );
-        assert!(
-            stdout.contains("1 passed"),
-            "{name} did not run inside namespaces:\n{stdout}\n{stderr}"
-        );
-        None
-    }
 
     fn put(path: &Path, bytes: &[u8]) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
