@@ -39,6 +39,13 @@
 //! its services (the bundle's `sdk-daemon` would dial the host like the
 //! agent), so nothing of the image's boot sequence runs; kernel modules
 //! come only from the initramfs (the images carry none for our kernel).
+//! Only the choice falls back from one candidate to the next: when the
+//! overlay or the switch itself fails for the chosen one (not expected
+//! short of a missing `overlay` module), the agent stays on the initramfs
+//! and says why. Renaming a directory that comes from the image works
+//! (`redirect_dir=on`); without `xino`, files on `/` report their layer's
+//! device number rather than the overlay's (tools that compare `st_dev`,
+//! like `find -xdev`, may stop at them; sessions work under `/sessions`).
 
 pub mod disk;
 pub mod etc;
