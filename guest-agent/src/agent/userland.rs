@@ -43,9 +43,10 @@
 //! overlay or the switch itself fails for the chosen one (not expected
 //! short of a missing `overlay` module), the agent stays on the initramfs
 //! and says why. Renaming a directory that comes from the image works
-//! (`redirect_dir=on`); without `xino`, files on `/` report their layer's
-//! device number rather than the overlay's (tools that compare `st_dev`,
-//! like `find -xdev`, may stop at them; sessions work under `/sessions`).
+//! (`redirect_dir=on`). Files on `/` report their layer's device number,
+//! directories the overlay's (no `xino`: it would unify them but give
+//! inode numbers above 2^53, which JavaScript's `fs.stat` cannot hold
+//! exactly); sessions work under `/sessions`, which is plain ext4.
 
 pub mod disk;
 pub mod etc;
