@@ -191,8 +191,31 @@ fn clear_capability_sets() -> io::Result<()> {
     Ok(())
 }
 
+/// Hands the pipes on descriptors 0–2 to `user`. The agent made them as
+/// root, and a pipe's inode is its creator's with mode 0600, so reopening
+/// one through `/dev/stdout` (`/proc/self/fd/1`) would fail for the user.
+/// Only pipes are changed: they were made for this process alone, whereas a
+/// terminal or file on these descriptors is not the user's to take.
+/// Async-signal-safe.
+fn give_stdio_pipes(user: Credentials) -> io::Result<()> {
+    for fd in 0..=2 {
+        // SAFETY: stat is plain data; all-zero is a valid value.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat into a valid out-pointer; a closed descriptor is an error.
+        if unsafe { libc::fstat(fd, &mut st) } == -1 {
+            continue;
+        }
+        if st.st_mode & libc::S_IFMT == libc::S_IFIFO {
+            // SAFETY: fchown of a descriptor of this process.
+            check(unsafe { libc::fchown(fd, user.uid, user.gid) })?;
+        }
+    }
+    Ok(())
+}
+
 /// Becomes `user` for good. Async-signal-safe: raw system calls only (the
 /// libc id wrappers would try to synchronise threads). Order matters:
+/// 0. the stdio pipes become the user's ([`give_stdio_pipes`]), while root;
 /// 1. supplementary groups = the user's group, then all three gids (needs
 ///    CAP_SETGID, still held);
 /// 2. while still root: clear the ambient set, empty the bounding set and
@@ -202,6 +225,7 @@ fn clear_capability_sets() -> io::Result<()> {
 /// 4. zero the inheritable set too, and set `no_new_privs` so no setuid or
 ///    file-capability binary can give anything back.
 fn become_user(user: Credentials) -> io::Result<()> {
+    give_stdio_pipes(user)?;
     let groups = [user.gid];
     // SAFETY: raw id syscalls with plain integers and a valid one-element array.
     unsafe {

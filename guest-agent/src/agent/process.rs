@@ -78,6 +78,12 @@ pub enum ProcessError {
     CommandNotFound(String),
     #[error("cannot start {command}: {source}")]
     Spawn { command: String, source: io::Error },
+    #[error("cannot start {command} as the session user {login}: permission denied (the program or the working directory {cwd} is not accessible to that user)")]
+    Denied {
+        command: String,
+        login: String,
+        cwd: String,
+    },
     #[error("cannot prepare the session directory: {0}")]
     Session(#[from] mounts::MountError),
     #[error(transparent)]
@@ -365,7 +371,7 @@ impl Processes {
                 status,
                 cgroup,
                 failed,
-                uid: home.user.map(|u| u.uid),
+                uid: home.user.as_ref().map(|u| u.uid),
             }),
             Err(e) => {
                 if let (Some(cgs), Some(cg)) = (&self.cfg.cgroups, cgroup) {
@@ -373,6 +379,12 @@ impl Processes {
                 }
                 if e.kind() == io::ErrorKind::NotFound {
                     Err(ProcessError::CommandNotFound(spec.command))
+                } else if let (Some(user), Some(libc::EACCES)) = (&home.user, e.raw_os_error()) {
+                    Err(ProcessError::Denied {
+                        command: spec.command,
+                        login: user.login.clone(),
+                        cwd: cwd.display().to_string(),
+                    })
                 } else {
                     Err(ProcessError::Spawn {
                         command: spec.command,
@@ -906,12 +918,17 @@ mod tests {
              touch \"$TMPDIR/t\" && echo tmp-ok; \
              cat {} || echo other-denied; \
              touch mnt/x || echo mnt-denied; \
+             echo via-dev-stdout > /dev/stdout; echo via-dev-stderr > /dev/stderr; \
+             head -c0 /dev/stdin && echo stdin-path-ok; \
              echo x >> {} || echo passwd-denied",
             secret.display(),
             etc.join("passwd").display()
         );
-        let (out, _, code) = run_sh(&procs, &mut link, "r", "s1", &script).await;
+        let (out, err, code) = run_sh(&procs, &mut link, "r", "s1", &script).await;
         assert_eq!(code, Some(0), "{out}");
+        // The output pipes are the user's: /dev/stdout and /dev/stderr open.
+        assert!(err.lines().any(|l| l == "via-dev-stderr"), "{err}");
+        assert!(!err.contains("/dev/std"), "{err}");
         let line = |key: &str| {
             out.lines()
                 .find_map(|l| l.strip_prefix(key))
@@ -935,12 +952,32 @@ mod tests {
         assert_eq!(line("LOGNAME="), "s1");
         assert_eq!(line("SHELL="), "/bin/bash");
         assert_eq!(line("LANG="), "C.UTF-8");
-        for marker in ["tmp-ok", "other-denied", "mnt-denied", "passwd-denied"] {
+        for marker in [
+            "tmp-ok",
+            "other-denied",
+            "mnt-denied",
+            "passwd-denied",
+            "via-dev-stdout",
+            "stdin-path-ok",
+        ] {
             assert!(out.lines().any(|l| l == marker), "{marker}: {out}");
         }
         assert!(
             !out.contains("secret\n"),
             "read another session's file: {out}"
+        );
+        // A working directory in another session's home is the user's to enter, or not.
+        let mut s = spec(&[], None);
+        s.id = "cd".into();
+        s.name = "s1".into();
+        s.command = "pwd".into();
+        s.cwd = Some(root.join("s2").display().to_string());
+        let err = procs.spawn(s).await.err().expect("spawn refused");
+        let text = err.to_string();
+        assert!(matches!(err, ProcessError::Denied { .. }), "{text}");
+        assert!(
+            text.contains("s1") && text.contains("permission denied"),
+            "{text}"
         );
         // The home came with /etc/skel, and the account files with the users.
         assert_eq!(
