@@ -93,6 +93,10 @@ fi
 # unreachable registry).
 work="$(mktemp -d "${TMPDIR:-/tmp}/fetch-claude-cli.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
+# A signal ends the script through exit, so the EXIT trap cleans up then too.
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # The first line of npm's error output that says something (not where its deleted log was).
 npm_error() {
 	grep -v -e 'complete log of this run' -e '^[[:space:]]*$' "$1" 2>/dev/null | head -n1 || true

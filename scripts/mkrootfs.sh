@@ -149,8 +149,11 @@ print_result() {
 	local img="$entry/rootfs.img" info="$entry/rootfs-info"
 	if [[ -n "$output" ]]; then
 		mkdir -p "$output"
-		# Unchanged hard links are kept, so a running VM's open file stays what it was.
-		if ! [[ "$output/rootfs.img" -ef "$img" ]]; then
+		# A hard link to this image, or a copy made with this very info file, is kept as it
+		# is: no 600 MB copy per run, and a running VM's open file stays what it was.
+		if ! [[ "$output/rootfs.img" -ef "$img" ]] &&
+			! { cmp -s "$info" "$output/rootfs-info" &&
+				[[ "$(stat -c %s "$output/rootfs.img" 2>/dev/null)" == "$(stat -c %s "$img")" ]]; }; then
 			place "$img" "$output/rootfs.img"
 		fi
 		cp -f "$info" "$output/rootfs-info.tmp.$$"
@@ -261,6 +264,10 @@ cleanup() {
 	rm -rf "$work"
 }
 trap cleanup EXIT
+# A signal ends the script through exit, so the EXIT trap cleans up then too.
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # In unshare mode mmdebstrap's root is the first subordinate uid, not this user: the hook must
 # be readable by others.
 chmod 0755 "$work"

@@ -12,7 +12,7 @@ Usage: scripts/setup.sh [--no-build] [--no-image] [--no-rootfs]
 
 Installs the system packages, fetches the guest kernel, builds the guest image
 (target/guest-image: kernel, initramfs with the static agent, and rootfs.img, the Debian
-userland sessions run in; the first build downloads about 100 MB of Debian packages and takes
+userland sessions run in; the first build downloads Debian packages and takes
 a few minutes), then builds the helper in release mode.
 
   --no-build    skip the release build of the helper (the guest image is still built)
