@@ -36,6 +36,8 @@
 #[path = "support/nested.rs"]
 mod nested;
 
+#[path = "support/session_checks.rs"]
+mod session_checks;
 #[path = "support/vm_helper.rs"]
 mod vm_helper;
 
@@ -73,10 +75,14 @@ const CPUS: u32 = 2;
 const START_LIMIT: Duration = Duration::from_secs(90);
 /// Limit for one case's events (nested: every process start runs at TCG speed).
 const T: Duration = Duration::from_secs(60);
-/// Limit for the body inside the L1 guest (two boots; ~20 s in practice).
-const INNER_TIMEOUT: Duration = Duration::from_secs(240);
+/// Limit for one command of the userland checks (python and node start
+/// at TCG speed in L2).
+const USERLAND_T: Duration = Duration::from_secs(300);
+/// Limit for the body inside the L1 guest (two boots and the userland
+/// checks).
+const INNER_TIMEOUT: Duration = Duration::from_secs(900);
 /// Limit for the whole harness run (L1 boot, ~4 s, included).
-const HARNESS_TIMEOUT: Duration = Duration::from_secs(300);
+const HARNESS_TIMEOUT: Duration = Duration::from_secs(960);
 /// Nested attempts: QEMU TCG's SVM emulation now and then crashes a guest
 /// that boots fine otherwise (see tests/nested_boot.rs).
 const NESTED_ATTEMPTS: u32 = 3;
@@ -550,6 +556,34 @@ async fn body_async() {
     assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
     assert_eq!(out.stdout_str(), "hello-from-kvm\n");
     assert_eq!(out.stderr_str(), "");
+
+    // The default userland, when the image has one (it does once
+    // scripts/setup.sh built it): the same session checks as under QEMU.
+    let has_rootfs = vm_helper::image_for(&helper_exe())
+        .map(|i| i.rootfs.is_some())
+        .unwrap_or(false);
+    if has_rootfs {
+        assert!(
+            helper.log_text().contains("userland default"),
+            "the guest did not switch to the default userland: {}",
+            helper.log_text()
+        );
+        let t_userland = Instant::now();
+        session_checks::default_userland(&pipe, &mut sub, "kvm", USERLAND_T).await;
+        eprintln!(
+            "{REPORT_PREFIX}default userland session checks took {:.1} s",
+            t_userland.elapsed().as_secs_f64()
+        );
+    } else {
+        assert!(
+            !nested::nested_tests_required(),
+            "COWORK_NESTED_TESTS=1 but the guest image has no rootfs.img (scripts/setup.sh)"
+        );
+        nested::loud_skip(
+            TEST,
+            "the default userland checks: the guest image has no rootfs.img",
+        );
+    }
 
     // Host folders through the in-process virtio-fs share: an ro mount is
     // read and refuses writes (enforced by the host), an rw mount's write

@@ -44,6 +44,18 @@ impl VmHelper {
         backend: &str,
         listen_limit: Duration,
     ) -> VmHelper {
+        Self::start_in_with(exe, dir, name, backend, &[], listen_limit)
+    }
+
+    /// [`VmHelper::start_in`] with extra helper arguments.
+    pub fn start_in_with(
+        exe: &Path,
+        dir: &Path,
+        name: &str,
+        backend: &str,
+        extra_args: &[&str],
+        listen_limit: Duration,
+    ) -> VmHelper {
         let socket = dir.join(format!("{name}.sock"));
         let log = dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("log file");
@@ -53,7 +65,9 @@ impl VmHelper {
             .arg(&socket)
             .args(["--backend", backend, "--data-dir"])
             .arg(dir.join("data"))
+            .args(extra_args)
             .env_remove("COWORK_BACKEND")
+            .env_remove("COWORK_USERLAND")
             .env("COWORK_LOG", "info,cowork_helper=debug")
             .env("XDG_RUNTIME_DIR", dir.join("run"))
             .stdin(Stdio::null())
@@ -94,6 +108,25 @@ impl VmHelper {
             .tempdir_in(base)
             .expect("tempdir");
         let mut h = Self::start_in(exe, tmp.path(), "helper", backend, listen_limit);
+        h._tmp = Some(tmp);
+        h
+    }
+
+    /// [`VmHelper::start_temp`] with extra helper arguments.
+    pub fn start_temp_with(
+        exe: &Path,
+        prefix: &str,
+        base: &Path,
+        backend: &str,
+        extra_args: &[&str],
+        listen_limit: Duration,
+    ) -> VmHelper {
+        let tmp = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in(base)
+            .expect("tempdir");
+        let mut h =
+            Self::start_in_with(exe, tmp.path(), "helper", backend, extra_args, listen_limit);
         h._tmp = Some(tmp);
         h
     }
