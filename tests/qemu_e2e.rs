@@ -431,14 +431,14 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
     eprintln!("qemu_e2e: symlink escape attempt: {text:?}");
     assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
     assert!(text.contains("link=/\n"), "{text}");
-    // The guest's root (the agent is /init there), not the host's.
+    // The guest's root (its /etc/hostname is the agent's "claude"), not the host's.
     let listing = text
         .split("ls:\n")
         .nth(1)
         .and_then(|t| t.split("hostname:").next())
         .unwrap_or_default();
-    assert!(listing.lines().any(|l| l == "init"), "{text}");
     assert!(listing.lines().any(|l| l == "sessions"), "{text}");
+    assert!(text.contains("hostname:\nclaude\n"), "{text}");
     assert!(text.contains("host-root=not-reached"), "{text}");
     if let Ok(host_name) = std::fs::read_to_string("/etc/hostname") {
         let host_name = host_name.trim();
