@@ -717,6 +717,10 @@ async fn body_async() {
         1,
         "the second boot did not mount the formatted session disk: {log}"
     );
+    assert!(
+        !log.contains("not cleanly unmounted"),
+        "the first power-off left the session disk's journal to replay: {log}"
+    );
     let mounted_line = log
         .lines()
         .find(|l| l.contains(DISK_MOUNTED))

@@ -298,6 +298,15 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
         1,
         "the disk was formatted twice: {log}"
     );
+    // The first boot's power-off remounted it read-only: no journal replay.
+    assert!(
+        log.contains("session disk remounted read-only"),
+        "the agent did not settle the session disk at power-off: {log}"
+    );
+    assert!(
+        !log.contains("not cleanly unmounted"),
+        "the session disk's journal was replayed: {log}"
+    );
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);

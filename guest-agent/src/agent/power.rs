@@ -7,11 +7,22 @@
 //! fails (no permission: not really a VM's init) it parks the process
 //! forever instead of returning.
 //!
+//! The session disk ([`SESSIONS_MOUNT`]) is remounted read-only after the
+//! processes are gone: ext4 then checkpoints its journal and marks itself
+//! clean, so the next boot mounts it without replaying anything (a plain
+//! `sync` leaves the journal to be replayed). It is not unmounted: session
+//! folders are bind-mounted below it.
+//!
 //! Limits: processes get SIGTERM and a short grace ([`TERM_GRACE`]) before
-//! SIGKILL; nothing is unmounted (the guest's writable filesystems are
-//! tmpfs, virtiofs and the session disk, which `sync` flushes).
+//! SIGKILL; a process the kernel cannot kill (stuck in I/O) keeps the
+//! remount from succeeding, which is logged, and the journal is then
+//! replayed at the next mount. The other writable filesystems are tmpfs and
+//! virtiofs (the host's files), which need nothing.
 
 use std::time::{Duration, Instant};
+
+/// Where the session disk is mounted (see `super::sessiondisk`).
+pub const SESSIONS_MOUNT: &std::ffi::CStr = c"/sessions";
 
 /// How long processes get between SIGTERM and SIGKILL.
 pub const TERM_GRACE: Duration = Duration::from_millis(500);
@@ -49,6 +60,7 @@ pub fn power_off(reason: Reason) -> ! {
     reap_until_alone(REAP_WAIT);
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };
+    settle_session_disk();
     // SAFETY: reboot with a valid command; on success it does not return.
     let r = unsafe { libc::reboot(libc::RB_POWER_OFF) };
     let e = PowerError::Reboot(std::io::Error::last_os_error());
@@ -56,6 +68,30 @@ pub fn power_off(reason: Reason) -> ! {
     loop {
         // SAFETY: pause only waits for a signal.
         unsafe { libc::pause() };
+    }
+}
+
+/// Remounts the session disk read-only (checkpointing its journal); a
+/// missing mount is fine (no session disk, or not a VM).
+fn settle_session_disk() {
+    // SAFETY: mount(2) with a static path and no data; MS_REMOUNT only
+    // changes flags of an existing mount.
+    let r = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            SESSIONS_MOUNT.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REMOUNT | libc::MS_RDONLY,
+            std::ptr::null(),
+        )
+    };
+    if r == 0 {
+        tracing::info!("session disk remounted read-only (journal checkpointed)");
+    } else {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            tracing::warn!(error = %e, "session disk not remounted read-only; its journal will be replayed");
+        }
     }
 }
 

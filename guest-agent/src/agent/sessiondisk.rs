@@ -54,6 +54,13 @@ pub const PROBE_LEN: usize = 64 * 1024;
 pub const EXT_MAGIC_OFFSET: usize = 1024 + 56;
 /// The ext2/3/4 superblock magic (little-endian on disk).
 pub const EXT_MAGIC: u16 = 0xEF53;
+/// Offset of `s_feature_incompat` in the filesystem (superblock at 1024,
+/// field at 0x60).
+pub const EXT_INCOMPAT_OFFSET: usize = 1024 + 0x60;
+/// `EXT3_FEATURE_INCOMPAT_RECOVER`: the journal holds transactions that were
+/// never checkpointed, i.e. the filesystem was not cleanly unmounted (or
+/// remounted read-only) before the machine ended.
+pub const EXT_INCOMPAT_RECOVER: u32 = 0x4;
 /// Programs tried, in order, to format the disk (e2fsprogs' mke2fs under
 /// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
 pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
@@ -265,9 +272,25 @@ pub fn classify(head: &[u8]) -> DiskContents {
     }
 }
 
+/// Whether an ext3/4 filesystem starting with `head` needs its journal
+/// replayed (it was not cleanly unmounted).
+pub fn needs_recovery(head: &[u8]) -> bool {
+    classify(head) == DiskContents::Ext
+        && head
+            .get(EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4)
+            .is_some_and(|b| {
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & EXT_INCOMPAT_RECOVER != 0
+            })
+}
+
 /// Reads the first [`PROBE_LEN`] bytes of `dev` (fewer if it is smaller) and
 /// classifies them.
 pub fn probe(dev: &Path) -> Result<DiskContents, SessionDiskError> {
+    read_head(dev).map(|head| classify(&head))
+}
+
+/// The first [`PROBE_LEN`] bytes of `dev` (fewer if it is smaller).
+fn read_head(dev: &Path) -> Result<Vec<u8>, SessionDiskError> {
     let err = |source| SessionDiskError::Probe {
         dev: dev.to_path_buf(),
         source,
@@ -278,7 +301,7 @@ pub fn probe(dev: &Path) -> Result<DiskContents, SessionDiskError> {
         .take(PROBE_LEN as u64)
         .read_to_end(&mut head)
         .map_err(err)?;
-    Ok(classify(&head))
+    Ok(head)
 }
 
 /// The first existing program of `candidates`.
@@ -383,8 +406,17 @@ pub fn prepare(
         return Ok(Prepared::NoDisk);
     };
     let dev = dev_dir.join(&name);
-    let formatted = match probe(&dev)? {
-        DiskContents::Ext => false,
+    let head = read_head(&dev)?;
+    let formatted = match classify(&head) {
+        DiskContents::Ext => {
+            if needs_recovery(&head) {
+                tracing::warn!(
+                    dev = %dev.display(),
+                    "the session disk was not cleanly unmounted; ext4 replays its journal"
+                );
+            }
+            false
+        }
         DiskContents::Unknown => return Err(SessionDiskError::Foreign(dev)),
         DiskContents::Blank => {
             let mkfs = find_mkfs(mkfs_candidates).ok_or(SessionDiskError::NoMkfs)?;
@@ -448,6 +480,19 @@ pub fn mount_session_disk(target: &Path) {
 mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn a_journal_needing_recovery_is_seen_in_the_superblock() {
+        let mut head = vec![0u8; PROBE_LEN];
+        assert!(!needs_recovery(&head), "blank");
+        head[EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
+        // has_journal is compat; filetype|extents are incompat and harmless.
+        head[EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4].copy_from_slice(&0x42u32.to_le_bytes());
+        assert!(!needs_recovery(&head), "clean");
+        head[EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4].copy_from_slice(&0x46u32.to_le_bytes());
+        assert!(needs_recovery(&head), "needs recovery");
+        assert!(!needs_recovery(&head[..EXT_INCOMPAT_OFFSET]), "short read");
+    }
 
     /// A fake `/sys/block` with `(name, serial)` entries (`None`: no serial
     /// attribute, as for loop devices).
