@@ -14,6 +14,7 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod daemon;
+pub mod egress;
 pub mod events;
 pub mod logging;
 pub mod probe;

@@ -1,0 +1,438 @@
+//! The host egress proxy: the only way a session's traffic leaves the
+//! machine, with the session's `allowedDomains` enforced on the host.
+//!
+//! One entry point, [`EgressProxy::serve_stream`], serves any byte stream
+//! (a vsock stream from a VM, a unix socket from the sandbox, a TCP
+//! connection in tests): the first byte tells SOCKS5 (`0x05`) from HTTP/1
+//! (CONNECT or an absolute-form request, via hyper). Every request must carry
+//! a spawn's credential ([`creds`]), which selects that spawn's [`Policy`];
+//! the [`EgressDialer`] applies the policy, the address guard ([`guard`]) and
+//! the helper's own upstream proxy, and the proxy then relays bytes both ways
+//! with half-close.
+//!
+//! Wiring (done by the caller, not here): at spawn, [`EgressProxy::issue`] a
+//! credential with the spawn's policy and put [`proxy_url`] into its
+//! environment; at its exit, [`EgressProxy::revoke`] it. Hand every stream
+//! that arrives on the egress vsock port or the sandbox's proxy socket to
+//! [`EgressProxy::serve_stream`] (or let [`EgressProxy::serve_unix`] accept).
+//!
+//! Limits: SOCKS4, SOCKS5 BIND/UDP and UDP in general are refused; plain-HTTP
+//! forwarding uses one upstream connection per request; refusals are logged
+//! at most [`LOG_BURST`] lines per [`LOG_WINDOW`] (the rest are counted).
+
+pub mod creds;
+pub mod dial;
+pub mod guard;
+pub mod host;
+pub mod http;
+pub mod policy;
+pub mod socks;
+
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpStream, UnixListener};
+
+pub use creds::{Credential, CredentialRegistry, Grant, Slot, MAX_CONNECTIONS_PER_SESSION};
+pub use dial::{EgressDialer, NoProxy, UpstreamProxy};
+pub use guard::{AddressGuard, Forbidden};
+pub use host::Host;
+pub use policy::{Pattern, Policy};
+
+/// The port the guest-side relay listens on (`127.0.0.1:3128`), the usual
+/// proxy port and the one the official stack uses.
+pub const GUEST_PROXY_PORT: u16 = 3128;
+
+/// Deadline for a client to finish its request head (HTTP) or its whole
+/// handshake (SOCKS5) — slow-loris protection.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest HTTP request head we buffer (hyper's minimum is 8 KiB); real
+/// proxy requests are well under 4 KiB.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 16 * 1024;
+
+/// Refusal log lines allowed per [`LOG_WINDOW`]; the rest are counted and
+/// reported in the next window's first line.
+pub const LOG_BURST: u32 = 20;
+
+/// The refusal log's window.
+pub const LOG_WINDOW: Duration = Duration::from_secs(10);
+
+/// Pause after a failed `accept` (e.g. out of file descriptors) before
+/// trying again, so the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// SOCKS4's version byte: recognised only to be refused quietly.
+const SOCKS4_VERSION: u8 = 0x04;
+
+/// Everything that can go wrong in the egress proxy.
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    #[error("not a valid destination host: {0:?}")]
+    BadHost(String),
+    #[error("not a valid host:port (a port is required; IPv6 needs brackets; no user@): {0:?}")]
+    BadAuthority(String),
+    #[error("allowedDomains entry can never match (use name, *.domain.tld, IP, [IPv6], optional :port): {0:?}")]
+    BadPattern(String),
+    #[error("{host}:{port} is not in the session's allowedDomains")]
+    NotAllowed { host: String, port: u16 },
+    #[error("{host} is refused: {addr} is a {}", why.as_str())]
+    Forbidden {
+        host: String,
+        addr: IpAddr,
+        why: Forbidden,
+    },
+    #[error("cannot resolve {host}: {source}")]
+    Resolve {
+        host: String,
+        source: std::io::Error,
+    },
+    #[error("{host} has no addresses")]
+    NoAddresses { host: String },
+    #[error("cannot connect to {host}:{port}: {source}")]
+    Connect {
+        host: String,
+        port: u16,
+        source: std::io::Error,
+    },
+    #[error("{host}:{port} did not answer in time")]
+    Timeout { host: String, port: u16 },
+    #[error("session {session} already has {cap} connections open")]
+    AtCapacity { session: String, cap: usize },
+    #[error("upstream proxy: {0}")]
+    Upstream(String),
+    #[error("client did not finish its proxy handshake in time")]
+    HandshakeTimeout,
+    #[error("HTTP: {0}")]
+    Http(String),
+    #[error("OS random source failed: {0}")]
+    Random(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl EgressError {
+    /// Whether this is a policy refusal (as opposed to a network failure).
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            EgressError::NotAllowed { .. }
+                | EgressError::Forbidden { .. }
+                | EgressError::BadHost(_)
+                | EgressError::AtCapacity { .. }
+        )
+    }
+}
+
+/// Tunables; [`Default`] is production.
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// See [`MAX_CONNECTIONS_PER_SESSION`].
+    pub max_connections_per_session: usize,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            max_connections_per_session: MAX_CONNECTIONS_PER_SESSION,
+        }
+    }
+}
+
+/// Rate limiter for refusal log lines.
+struct RefusalLog {
+    window_start: Instant,
+    lines: u32,
+    suppressed: u64,
+}
+
+/// State shared by all connections of one proxy.
+pub(crate) struct Shared {
+    pub(crate) registry: CredentialRegistry,
+    dialer: EgressDialer,
+    config: ProxyConfig,
+    log: Mutex<RefusalLog>,
+}
+
+impl Shared {
+    /// Logs one refusal (session, host, port, reason), rate-limited.
+    pub(crate) fn log_refusal(&self, session: Option<&str>, host: &str, port: u16, reason: &str) {
+        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        if log.window_start.elapsed() >= LOG_WINDOW {
+            log.window_start = Instant::now();
+            log.lines = 0;
+        }
+        if log.lines >= LOG_BURST {
+            log.suppressed += 1;
+            return;
+        }
+        log.lines += 1;
+        let suppressed = std::mem::take(&mut log.suppressed);
+        drop(log);
+        tracing::warn!(
+            session = session.unwrap_or("-"),
+            host,
+            port,
+            reason,
+            suppressed_before = suppressed,
+            "egress refused"
+        );
+    }
+
+    /// Takes a slot of the grant's session and dials under its policy.
+    pub(crate) async fn open(
+        &self,
+        grant: &Grant,
+        host: &Host,
+        port: u16,
+    ) -> Result<(TcpStream, Slot), EgressError> {
+        let cap = self.config.max_connections_per_session;
+        let Some(slot) = grant.acquire_slot(cap) else {
+            let e = EgressError::AtCapacity {
+                session: grant.session.clone(),
+                cap,
+            };
+            self.log_refusal(
+                Some(&grant.session),
+                &host.to_string(),
+                port,
+                &e.to_string(),
+            );
+            return Err(e);
+        };
+        match self.dialer.connect(host, port, &grant.policy).await {
+            Ok(s) => {
+                tracing::debug!(session = %grant.session, %host, port, "egress opened");
+                Ok((s, slot))
+            }
+            Err(e) => {
+                if e.is_refusal() {
+                    self.log_refusal(
+                        Some(&grant.session),
+                        &host.to_string(),
+                        port,
+                        &e.to_string(),
+                    );
+                } else {
+                    tracing::debug!(session = %grant.session, %host, port, error = %e, "egress dial failed");
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The proxy. Cheap to clone; clones share credentials and state.
+#[derive(Clone)]
+pub struct EgressProxy {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for EgressProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressProxy")
+            .field("credentials", &self.shared.registry.len())
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl EgressProxy {
+    /// A proxy dialing through `dialer` (production: [`EgressDialer::from_env`]).
+    pub fn new(dialer: EgressDialer, config: ProxyConfig) -> Self {
+        EgressProxy {
+            shared: Arc::new(Shared {
+                registry: CredentialRegistry::new(),
+                dialer,
+                config,
+                log: Mutex::new(RefusalLog {
+                    window_start: Instant::now(),
+                    lines: 0,
+                    suppressed: 0,
+                }),
+            }),
+        }
+    }
+
+    /// The production proxy: guard, helper's own upstream proxy settings,
+    /// default limits.
+    pub fn from_env() -> Self {
+        Self::new(EgressDialer::from_env(), ProxyConfig::default())
+    }
+
+    /// Issues a credential for one spawn of `session` under `policy`.
+    pub fn issue(&self, session: &str, policy: Policy) -> Result<Credential, EgressError> {
+        self.shared.registry.issue(session, policy)
+    }
+
+    /// Revokes a spawn's credential (call when its process exits).
+    pub fn revoke(&self, cred: &Credential) -> bool {
+        self.shared.registry.revoke(cred)
+    }
+
+    /// The dialer (for `apiProbeURL` probes through the same path).
+    pub fn dialer(&self) -> &EgressDialer {
+        &self.shared.dialer
+    }
+
+    /// Serves one client stream to its end. Errors are the client's
+    /// (malformed handshake, timeout, I/O) and are only worth a debug line.
+    pub async fn serve_stream<S>(&self, mut stream: S) -> Result<(), EgressError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let first = match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_u8()).await {
+            Err(_) => return Err(EgressError::HandshakeTimeout),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e.into()),
+            Ok(Ok(b)) => b,
+        };
+        match first {
+            socks::SOCKS5_VERSION => socks::serve(self.shared.clone(), stream).await,
+            SOCKS4_VERSION => {
+                self.shared
+                    .log_refusal(None, "-", 0, "SOCKS4 is not supported");
+                Ok(())
+            }
+            _ => http::serve(self.shared.clone(), Rewind::new(first, stream)).await,
+        }
+    }
+
+    /// Accepts on `listener` forever, serving each connection on its own
+    /// task. Returns only if the listener itself fails for good.
+    pub async fn serve_unix(&self, listener: UnixListener) -> std::io::Result<()> {
+        loop {
+            match listener.accept().await {
+                Ok((s, _)) => self.spawn_serve(s),
+                Err(e) => accept_failed(e).await?,
+            }
+        }
+    }
+
+    /// Like [`EgressProxy::serve_unix`] for TCP (tests, benchmarks, and a
+    /// loopback listener if one is ever wanted).
+    pub async fn serve_tcp(&self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        loop {
+            match listener.accept().await {
+                Ok((s, _)) => {
+                    let _ = s.set_nodelay(true);
+                    self.spawn_serve(s)
+                }
+                Err(e) => accept_failed(e).await?,
+            }
+        }
+    }
+
+    fn spawn_serve<S>(&self, s: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = me.serve_stream(s).await {
+                tracing::debug!(error = %e, "egress client connection ended with an error");
+            }
+        });
+    }
+}
+
+/// Transient accept errors back off; others end the accept loop.
+async fn accept_failed(e: std::io::Error) -> std::io::Result<()> {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock => Ok(()),
+        _ if matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        ) =>
+        {
+            tracing::warn!(error = %e, "egress accept failed; retrying");
+            tokio::time::sleep(ACCEPT_BACKOFF).await;
+            Ok(())
+        }
+        _ => Err(e),
+    }
+}
+
+/// The proxy URL for a spawn: `http://<session>:<credential>@127.0.0.1:<port>`
+/// (the session name percent-encoded; the credential is base64url and needs
+/// no encoding).
+pub fn proxy_url(session: &str, cred: &Credential, port: u16) -> String {
+    let mut user = String::with_capacity(session.len());
+    for b in session.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            user.push(char::from(b));
+        } else {
+            user.push_str(&format!("%{b:02X}"));
+        }
+    }
+    format!("http://{user}:{}@127.0.0.1:{port}", cred.expose())
+}
+
+/// A stream with one byte pushed back in front (the mux's peek).
+struct Rewind<S> {
+    first: Option<u8>,
+    inner: S,
+}
+
+impl<S> Rewind<S> {
+    fn new(first: u8, inner: S) -> Self {
+        Rewind {
+            first: Some(first),
+            inner,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if buf.remaining() > 0 {
+            if let Some(b) = self.first.take() {
+                buf.put_slice(&[b]);
+                return Poll::Ready(Ok(()));
+            }
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests;
