@@ -41,8 +41,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::agent::sys::{self, StatInfo};
-use crate::names;
+use crate::sys::{self, StatInfo};
+use crate::{mounttable, names};
 
 /// Subdirectory of a session holding caches (the session directory is `HOME`).
 pub const CACHE_DIR: &str = ".cache";
@@ -256,7 +256,7 @@ fn delete_one(root: &Path, name: &str, live: &HashSet<String>) -> Result<(), Str
     }
     // mountinfo lists canonical paths; the root may be reached through a symlink.
     let canonical = dir.canonicalize().unwrap_or_else(|_| dir.clone());
-    if let Err(e) = crate::agent::mounts::unmount_below(&canonical) {
+    if let Err(e) = mounttable::unmount_below(&canonical) {
         tracing::debug!(session = name, error = %e, "could not detach mounts below a session");
     }
     remove_tree(&dir)

@@ -1,14 +1,28 @@
 //! The cowork guest agent and the host<->agent protocol.
 //!
-//! The library half is shared with the host (`cowork-helper`): framing
-//! ([`framing`]), the message types ([`proto`]), signal and name rules
-//! ([`signal`], [`names`]). The binary `cowork-guest-agent` is the guest's init
-//! in a VM, or a plain process inside the namespace sandbox; it dials the host
-//! and serves spawn/exec, files, mounts and the session-disk janitor.
+//! Layering (arrows point only downwards; nothing outside [`agent`] imports
+//! `agent::`):
+//!
+//! * **Protocol**, shared with the host (`cowork-helper`): framing
+//!   ([`framing`]), the message types ([`proto`]), signal and name rules
+//!   ([`signal`], [`names`]).
+//! * **Host-or-guest services**: the session-disk [`janitor`], which the
+//!   agent serves and the host runs itself when no agent runs, over the
+//!   system-call wrappers (`sys`, crate-internal) and this process's mount
+//!   table ([`mounttable`]).
+//! * **The agent** ([`agent`]): the guest's init in a VM, or a plain process
+//!   inside the namespace sandbox; it dials the host and serves spawn/exec,
+//!   files, mounts and the janitor. It uses everything above. It is public
+//!   because two executables run it through [`agent::main_with_args`]: this
+//!   crate's `cowork-guest-agent` (the guest image's `/init`) and
+//!   `cowork-helper` itself (its hidden `__agent` entry, which the sandbox
+//!   backend starts inside the sandbox).
 
 pub mod agent;
 pub mod framing;
 pub mod janitor;
+pub mod mounttable;
 pub mod names;
 pub mod proto;
 pub mod signal;
+pub(crate) mod sys;

@@ -1,5 +1,5 @@
-//! `cowork-guest-agent`: the guest agent as a standalone binary (the VM's
-//! init later). All logic lives in [`guest_agent::agent`].
+//! `cowork-guest-agent`: the guest agent as a standalone binary (the guest
+//! image's `/init`). All logic lives in [`guest_agent::agent`].
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

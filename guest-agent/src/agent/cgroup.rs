@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::sys;
+use crate::sys;
 
 /// Errors of cgroup handling.
 #[derive(Debug, thiserror::Error)]

@@ -14,7 +14,7 @@
 //!    out), and detach each private path; a path that does not exist is
 //!    skipped, any other failure aborts the spawn;
 //! 3. with a session user ([`ChildSetup::user`], in a VM): become that user
-//!    for good, without any capability (see [`become_user`]);
+//!    for good, without any capability (see `become_user`);
 //!    otherwise, with `drop_caps`: lock the secure bits so uid 0 gains nothing
 //!    on exec, clear the ambient set, empty the bounding set, then zero the
 //!    effective/permitted/inheritable sets (the uid stays);
@@ -295,7 +295,7 @@ mod tests {
     fn run_as(user: Credentials, cwd: Option<&Path>, argv: &[&str]) -> std::process::Output {
         let setup = ChildSetup {
             user: Some(user),
-            cwd: cwd.map(|c| crate::agent::sys::cstring(c).unwrap()),
+            cwd: cwd.map(|c| crate::sys::cstring(c).unwrap()),
             ..ChildSetup::default()
         };
         let mut cmd = Command::new(argv[0]);
@@ -356,7 +356,7 @@ mod tests {
         let err = {
             let setup = ChildSetup {
                 user: Some(user),
-                cwd: Some(crate::agent::sys::cstring(&private).unwrap()),
+                cwd: Some(crate::sys::cstring(&private).unwrap()),
                 ..ChildSetup::default()
             };
             let mut cmd = Command::new("true");

@@ -13,7 +13,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use super::sys;
+use crate::sys;
 
 /// The RTC device.
 pub const RTC_DEVICE: &str = "/dev/rtc0";

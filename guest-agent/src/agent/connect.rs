@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 use super::cli::ConnectTarget;
-use super::sys;
+use crate::sys;
 
 /// How long the agent keeps trying to reach the host.
 pub const CONNECT_PATIENCE: Duration = Duration::from_secs(30);

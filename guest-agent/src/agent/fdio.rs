@@ -18,7 +18,7 @@ use std::task::{ready, Context, Poll};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, ReadBuf};
 
-use super::sys;
+use crate::sys;
 
 /// Largest number of buffers handed to one `writev` (the kernel's `IOV_MAX`).
 const IOV_MAX: usize = 1024;

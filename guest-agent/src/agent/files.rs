@@ -18,8 +18,8 @@ use std::io::{self, Read};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
-use super::sys;
 use crate::names;
+use crate::sys;
 
 /// Room left in a client frame for the JSON envelope around `content`.
 const CLIENT_ENVELOPE_SLACK: usize = 64 * 1024;

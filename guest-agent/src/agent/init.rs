@@ -33,9 +33,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use super::sys;
 use super::{clock, modules, userland};
 use crate::proto;
+use crate::sys;
 
 /// `statfs` magic of devtmpfs (it reports tmpfs's).
 const DEVTMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;

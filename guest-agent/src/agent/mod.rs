@@ -47,7 +47,6 @@ pub mod power;
 pub mod process;
 pub mod reaper;
 pub mod sessiondisk;
-pub(crate) mod sys;
 pub mod userland;
 pub mod users;
 
@@ -70,6 +69,7 @@ pub use guest::{GuestRequestError, GuestRequests};
 use crate::framing::{self, FrameError};
 use crate::janitor;
 use crate::proto::{self, AgentMessage, BootTimes, Hello, HostMessage, Op};
+use crate::sys;
 use bootmark::{BootMarks, Milestone};
 use fdio::{FdIo, FdReader};
 use outbox::Outbox;

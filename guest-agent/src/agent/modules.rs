@@ -22,7 +22,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use super::sys;
+use crate::sys;
 
 /// Directory holding the per-release module trees.
 pub const MODULES_ROOT: &str = "/lib/modules";

@@ -22,19 +22,21 @@
 //! mount replaces it. `rw` and `rwd` are the same here: the agent cannot
 //! forbid deletion on a bind mount.
 //!
-//! All mount changes are serialized by one lock, so concurrent requests for
+//! All mount changes are serialized by one lock ([`crate::mounttable::lock`],
+//! shared with the janitor's unmounts), so concurrent requests for
 //! the same target cannot stack mounts.
 
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::path::Path;
 
-use super::{sys, users};
+use super::users;
+use crate::mounttable::lock;
 use crate::names;
 use crate::proto::MountSpec;
+use crate::sys;
 
 /// Most mounts detached from one target before giving up (stacked mounts).
 const MAX_STACKED_MOUNTS: usize = 16;
@@ -55,8 +57,6 @@ const KEPT_REMOUNT_FLAGS: libc::c_ulong = libc::MS_NOSUID
     | libc::MS_NOATIME
     | libc::MS_NODIRATIME
     | libc::MS_RELATIME;
-
-static MOUNT_LOCK: Mutex<()> = Mutex::new(());
 
 /// Why a mount or the SDK install failed.
 #[derive(Debug, thiserror::Error)]
@@ -95,10 +95,6 @@ pub enum MountError {
     Sdk { target: String, source: io::Error },
     #[error("cannot make {path} a shared mount: {source}")]
     Shared { path: String, source: io::Error },
-}
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    MOUNT_LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Creates (if needed) and opens `<root>/<session>` and `<root>/<session>/mnt`,
@@ -510,68 +506,9 @@ pub fn ensure_shared(path: &Path) -> Result<(), MountError> {
     sys::mount(None, &c, None, libc::MS_SHARED | libc::MS_REC, None).map_err(err)
 }
 
-/// The mount points at or below `dir` in this mount namespace, deepest
-/// first, from `/proc/self/mountinfo`.
-pub fn mounts_below(dir: &Path) -> io::Result<Vec<PathBuf>> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_mountinfo(p)))
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    found.dedup();
-    Ok(found)
-}
-
-/// Undoes the octal escapes (`\040` for space…) of mountinfo paths.
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = u32::from(b[i + 1] - b'0') * 64
-                + u32::from(b[i + 2] - b'0') * 8
-                + u32::from(b[i + 3] - b'0');
-            out.push(v as u8);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Detaches every mount at or below `dir`, deepest first.
-pub fn unmount_below(dir: &Path) -> io::Result<()> {
-    let _guard = lock();
-    for m in mounts_below(dir)? {
-        let c = sys::cstring(&m)?;
-        match sys::umount2(&c, libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) {
-            Ok(()) => {}
-            Err(e) if matches!(sys::errno_of(&e), libc::EINVAL | libc::ENOENT) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-        assert_eq!(unescape_mountinfo("/x\\"), "/x\\");
-    }
 
     #[test]
     fn missing_sources_name_the_mount() {

@@ -36,9 +36,9 @@ use super::fdio::FdIo;
 use super::mounts;
 use super::outbox::Outbox;
 use super::reaper::{ExitStatus, Reaper};
-use super::sys;
 use super::users::{self, Home, UserDb};
 use crate::proto::{self, AgentMessage, SpawnSpec};
+use crate::sys;
 use crate::{janitor, names, signal};
 
 /// How long after the reap the agent waits for the pipes to reach EOF.

@@ -40,8 +40,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::sys;
 use crate::proto;
+use crate::sys;
 
 /// Where block devices are listed in sysfs.
 pub const SYS_BLOCK: &str = "/sys/block";

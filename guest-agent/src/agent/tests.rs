@@ -1090,12 +1090,12 @@ impl NsDir {
 
 impl Drop for NsDir {
     fn drop(&mut self) {
-        let _ = mounts::unmount_below(self.0.path());
+        let _ = crate::mounttable::unmount_below(self.0.path());
     }
 }
 
 fn mount_count(target: &Path) -> usize {
-    mounts::mounts_below(target)
+    crate::mounttable::mounts_below(target)
         .unwrap()
         .iter()
         .filter(|p| p.as_path() == target)

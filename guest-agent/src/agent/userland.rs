@@ -60,8 +60,8 @@ use std::sync::OnceLock;
 
 use super::cli::DEFAULT_SESSIONS_ROOT;
 use super::sessiondisk;
-use super::sys;
 use crate::proto::{self, UserlandInfo};
+use crate::sys;
 
 /// tmpfs holding the overlay's writable layer ([`UPPER_DIR`], [`WORK_DIR`])
 /// and the read-only image's mount ([`LOWER_DIR`]); hidden from sessions.

@@ -55,9 +55,9 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsE
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::sys::{self, StatInfo};
 use crate::names;
 use crate::proto;
+use crate::sys::{self, StatInfo};
 
 /// Where the account database lives in the guest.
 pub const ETC_DIR: &str = "/etc";

@@ -18,7 +18,7 @@ use std::io::{self, Read};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use crate::agent::sys;
+use crate::sys;
 
 /// Where GNU bash may be, relative to the root, in order of preference.
 pub const BASH_PATHS: [&str; 2] = ["bin/bash", "usr/bin/bash"];

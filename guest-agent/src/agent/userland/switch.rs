@@ -34,7 +34,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use crate::agent::sys;
+use crate::sys;
 
 /// Share of the machine's RAM the writable layer may fill (tmpfs pages are
 /// only used when written; the bound stops a runaway writer from taking the

@@ -1,12 +1,17 @@
-//! Thin, safe wrappers over the Linux system calls the agent needs and `std`
-//! does not offer: `openat2`, the new mount API (`open_tree`, `move_mount`,
+//! Thin, safe wrappers over the Linux system calls that `std` does not
+//! offer: `openat2`, the new mount API (`open_tree`, `move_mount`,
 //! `mount_setattr`), `statx` mount information, classic `mount`/`umount2`,
-//! clocks and `uname`.
+//! `statvfs`/`statfs`, clocks, `uname` and descriptor flags.
+//!
+//! A library-level module: the [`crate::janitor`] (which the host runs too)
+//! and the agent both use it, so neither reaches into the other's internals.
+//! Everything is `pub(crate)`: it is no API of the crate.
 //!
 //! Every wrapper returns `std::io::Error` with the raw errno so callers can
 //! decide about fallbacks (`ENOSYS` on old kernels). Nothing here allocates
-//! on behalf of a forked child: child-side code lives in
-//! [`super::child`].
+//! on behalf of a forked child: child-side code lives in the agent's `child`
+//! module. Limits: Linux only; `statx` mount ids need 5.8+ (older kernels
+//! report none and callers fall back to device numbers).
 
 use std::ffi::{CStr, CString, OsStr};
 use std::io;
