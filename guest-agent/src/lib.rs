@@ -5,7 +5,8 @@
 //!
 //! * **Protocol**, shared with the host (`cowork-helper`): framing
 //!   ([`framing`]), the message types ([`proto`]), signal and name rules
-//!   ([`signal`], [`names`]).
+//!   ([`signal`], [`names`]), and the ext superblock fields both sides read
+//!   from disks ([`extfs`]).
 //! * **Host-or-guest services**: the session-disk [`janitor`], which the
 //!   agent serves and the host runs itself when no agent runs, over the
 //!   system-call wrappers (`sys`, crate-internal) and this process's mount
@@ -19,6 +20,7 @@
 //!   backend starts inside the sandbox).
 
 pub mod agent;
+pub mod extfs;
 pub mod framing;
 pub mod janitor;
 pub mod mounttable;

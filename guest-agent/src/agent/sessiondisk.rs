@@ -10,8 +10,8 @@
 //!    ([`find_disk_by_serial`]); no such disk is not an error (the VM then
 //!    keeps sessions on its root filesystem);
 //! 2. reads its first [`PROBE_LEN`] bytes ([`classify`]): an ext2/3/4
-//!    superblock magic ([`EXT_MAGIC`] at byte [`EXT_MAGIC_OFFSET`]) means it
-//!    is formatted; all zeroes means blank; anything else is left alone;
+//!    superblock magic ([`crate::extfs`]) means it is formatted; all
+//!    zeroes means blank; anything else is left alone;
 //! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
 //! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
@@ -40,6 +40,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::extfs::{self, FsSize, Superblock};
 use crate::proto;
 use crate::sys;
 
@@ -49,18 +50,6 @@ pub const SYS_BLOCK: &str = "/sys/block";
 pub const DEV_DIR: &str = "/dev";
 /// Bytes read from the start of the disk to decide whether it is blank.
 pub const PROBE_LEN: usize = 64 * 1024;
-/// Offset of `s_magic` in an ext2/3/4 filesystem: the superblock starts at
-/// 1024 and the magic is its field at 56.
-pub const EXT_MAGIC_OFFSET: usize = 1024 + 56;
-/// The ext2/3/4 superblock magic (little-endian on disk).
-pub const EXT_MAGIC: u16 = 0xEF53;
-/// Offset of `s_feature_incompat` in the filesystem (superblock at 1024,
-/// field at 0x60).
-pub const EXT_INCOMPAT_OFFSET: usize = 1024 + 0x60;
-/// `EXT3_FEATURE_INCOMPAT_RECOVER`: the journal holds transactions that were
-/// never checkpointed, i.e. the filesystem was not cleanly unmounted (or
-/// remounted read-only) before the machine ended.
-pub const EXT_INCOMPAT_RECOVER: u32 = 0x4;
 /// Programs tried, in order, to format the disk (e2fsprogs' mke2fs under
 /// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
 pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
@@ -72,19 +61,6 @@ pub const MKFS_TIMEOUT: Duration = Duration::from_secs(120);
 const MOUNT_DIR_MODE: u32 = 0o755;
 /// Filesystem type the disk is mounted as.
 const FSTYPE: &CStr = c"ext4";
-/// Where the ext2/3/4 superblock starts on the disk.
-const SUPERBLOCK_OFFSET: u64 = 1024;
-/// Bytes of the superblock [`fs_size`] reads (through `s_blocks_count_hi`).
-const SUPERBLOCK_READ: usize = 0x154;
-/// Superblock field offsets (`struct ext4_super_block`).
-const SB_BLOCKS_COUNT_LO: usize = 0x04;
-const SB_LOG_BLOCK_SIZE: usize = 0x18;
-const SB_FEATURE_INCOMPAT: usize = 0x60;
-const SB_BLOCKS_COUNT_HI: usize = 0x150;
-/// `EXT4_FEATURE_INCOMPAT_64BIT`: `s_blocks_count_hi` is meaningful.
-const INCOMPAT_64BIT: u32 = 0x80;
-/// Largest `s_log_block_size` (64 KiB blocks).
-const MAX_LOG_BLOCK_SIZE: u32 = 6;
 /// `EXT4_IOC_RESIZE_FS`, `_IOW('f', 16, __u64)`: grow a mounted ext4 to the
 /// given block count.
 const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
@@ -142,52 +118,17 @@ pub enum SessionDiskError {
     },
 }
 
-/// An ext filesystem's size: its block size and block count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FsSize {
-    /// Bytes per block.
-    pub block_size: u64,
-    /// Blocks in the filesystem.
-    pub blocks: u64,
-}
-
-/// Parses the size fields of an ext2/3/4 superblock (`sb` starts at the
-/// superblock, 1024 bytes into the disk). `None` when it is not one or its
-/// block size is out of range.
-pub fn parse_fs_size(sb: &[u8]) -> Option<FsSize> {
-    let u32_at = |off: usize| {
-        sb.get(off..off + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    let magic = sb.get(56..58).map(|b| u16::from_le_bytes([b[0], b[1]]));
-    if magic != Some(EXT_MAGIC) {
-        return None;
-    }
-    let log = u32_at(SB_LOG_BLOCK_SIZE)?;
-    if log > MAX_LOG_BLOCK_SIZE {
-        return None;
-    }
-    let mut blocks = u64::from(u32_at(SB_BLOCKS_COUNT_LO)?);
-    if u32_at(SB_FEATURE_INCOMPAT)? & INCOMPAT_64BIT != 0 {
-        blocks |= u64::from(u32_at(SB_BLOCKS_COUNT_HI)?) << 32;
-    }
-    Some(FsSize {
-        block_size: 1024 << log,
-        blocks,
-    })
-}
-
 /// The filesystem size recorded in `dev`'s superblock.
 pub fn fs_size(dev: &Path) -> Result<FsSize, SessionDiskError> {
-    use std::os::unix::fs::FileExt;
-    let mut sb = vec![0u8; SUPERBLOCK_READ];
-    File::open(dev)
-        .and_then(|f| f.read_exact_at(&mut sb, SUPERBLOCK_OFFSET))
+    let sb = File::open(dev)
+        .and_then(|f| extfs::read(&f, 0))
         .map_err(|source| SessionDiskError::Probe {
             dev: dev.to_path_buf(),
             source,
         })?;
-    parse_fs_size(&sb).ok_or_else(|| SessionDiskError::BadSuperblock(dev.to_path_buf()))
+    Superblock::parse(&sb)
+        .and_then(|sb| sb.size())
+        .ok_or_else(|| SessionDiskError::BadSuperblock(dev.to_path_buf()))
 }
 
 /// The size of `dev` in bytes: a block device's (`BLKGETSIZE64`) or a
@@ -260,27 +201,13 @@ pub fn find_disk_by_serial(sys_block: &Path, serial: &str) -> Option<String> {
 
 /// Classifies the first bytes of a disk (up to [`PROBE_LEN`]).
 pub fn classify(head: &[u8]) -> DiskContents {
-    let magic = head
-        .get(EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]));
-    if magic == Some(EXT_MAGIC) {
+    if Superblock::in_head(head).is_some() {
         DiskContents::Ext
     } else if head.iter().all(|&b| b == 0) {
         DiskContents::Blank
     } else {
         DiskContents::Unknown
     }
-}
-
-/// Whether an ext3/4 filesystem starting with `head` needs its journal
-/// replayed (it was not cleanly unmounted).
-pub fn needs_recovery(head: &[u8]) -> bool {
-    classify(head) == DiskContents::Ext
-        && head
-            .get(EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4)
-            .is_some_and(|b| {
-                u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & EXT_INCOMPAT_RECOVER != 0
-            })
 }
 
 /// Reads the first [`PROBE_LEN`] bytes of `dev` (fewer if it is smaller) and
@@ -409,7 +336,7 @@ pub fn prepare(
     let head = read_head(&dev)?;
     let formatted = match classify(&head) {
         DiskContents::Ext => {
-            if needs_recovery(&head) {
+            if Superblock::in_head(&head).is_some_and(|sb| sb.needs_recovery()) {
                 tracing::warn!(
                     dev = %dev.display(),
                     "the session disk was not cleanly unmounted; ext4 replays its journal"
@@ -481,18 +408,8 @@ mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
 
-    #[test]
-    fn a_journal_needing_recovery_is_seen_in_the_superblock() {
-        let mut head = vec![0u8; PROBE_LEN];
-        assert!(!needs_recovery(&head), "blank");
-        head[EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
-        // has_journal is compat; filetype|extents are incompat and harmless.
-        head[EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4].copy_from_slice(&0x42u32.to_le_bytes());
-        assert!(!needs_recovery(&head), "clean");
-        head[EXT_INCOMPAT_OFFSET..EXT_INCOMPAT_OFFSET + 4].copy_from_slice(&0x46u32.to_le_bytes());
-        assert!(needs_recovery(&head), "needs recovery");
-        assert!(!needs_recovery(&head[..EXT_INCOMPAT_OFFSET]), "short read");
-    }
+    /// Where the ext magic lies in a disk holding an ext filesystem.
+    const EXT_MAGIC_AT: usize = extfs::SUPERBLOCK_OFFSET as usize + extfs::MAGIC_AT;
 
     /// A fake `/sys/block` with `(name, serial)` entries (`None`: no serial
     /// attribute, as for loop devices).
@@ -547,7 +464,7 @@ mod tests {
     fn classifies_blank_ext_and_foreign_disks() {
         let mut head = vec![0u8; PROBE_LEN];
         assert_eq!(classify(&head), DiskContents::Blank);
-        head[EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
+        head[EXT_MAGIC_AT..EXT_MAGIC_AT + 2].copy_from_slice(&extfs::MAGIC.to_le_bytes());
         assert_eq!(classify(&head), DiskContents::Ext);
         // Any other byte makes it foreign: a GPT header, another fs...
         let mut gpt = vec![0u8; PROBE_LEN];
@@ -557,7 +474,7 @@ mod tests {
         late[PROBE_LEN - 1] = 1;
         assert_eq!(classify(&late), DiskContents::Unknown);
         // The magic alone in a short read; a disk shorter than the probe.
-        assert_eq!(classify(&head[..EXT_MAGIC_OFFSET + 2]), DiskContents::Ext);
+        assert_eq!(classify(&head[..EXT_MAGIC_AT + 2]), DiskContents::Ext);
         assert_eq!(classify(&[0u8; 512]), DiskContents::Blank);
         assert_eq!(classify(&[]), DiskContents::Blank);
     }
@@ -571,7 +488,7 @@ mod tests {
             .write(true)
             .open(&blank)
             .unwrap();
-        f.write_all_at(&EXT_MAGIC.to_le_bytes(), EXT_MAGIC_OFFSET as u64)
+        f.write_all_at(&extfs::MAGIC.to_le_bytes(), EXT_MAGIC_AT as u64)
             .unwrap();
         assert_eq!(probe(&blank).unwrap(), DiskContents::Ext);
         let foreign = image(t.path(), "foreign", 1 << 20);
@@ -643,12 +560,12 @@ mod tests {
             File::open(&img).unwrap().read_exact_at(&mut b, 0).unwrap();
             b
         };
-        // s_volume_name at superblock offset 120, 16 bytes.
-        let label = &head[1024 + 120..1024 + 136];
-        assert_eq!(&label[..FS_LABEL.len()], FS_LABEL.as_bytes());
+        let sb = Superblock::in_head(&head).unwrap();
+        assert_eq!(sb.label().as_deref(), Some(FS_LABEL));
         // s_feature_incompat bit 0x40 (extents): ext4, not ext2.
-        let incompat = u32::from_le_bytes(head[1024 + 96..1024 + 100].try_into().unwrap());
-        assert_ne!(incompat & 0x40, 0, "extents enabled");
+        assert_ne!(sb.incompat().unwrap() & 0x40, 0, "extents enabled");
+        // mke2fs leaves no journal to replay.
+        assert!(!sb.needs_recovery());
         // The size the grow step compares with the disk: the whole image.
         let size = fs_size(&img).unwrap();
         assert_eq!(size.blocks * size.block_size, 64 << 20);
@@ -661,28 +578,5 @@ mod tests {
             .set_len(128 << 20)
             .unwrap();
         assert_eq!(disk_bytes(&img).unwrap() / size.block_size, 2 * size.blocks);
-    }
-
-    #[test]
-    fn superblock_sizes_are_parsed_and_garbage_refused() {
-        let mut sb = vec![0u8; SUPERBLOCK_READ];
-        sb[56..58].copy_from_slice(&EXT_MAGIC.to_le_bytes());
-        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&2u32.to_le_bytes());
-        sb[SB_BLOCKS_COUNT_LO..SB_BLOCKS_COUNT_LO + 4].copy_from_slice(&1000u32.to_le_bytes());
-        sb[SB_BLOCKS_COUNT_HI..SB_BLOCKS_COUNT_HI + 4].copy_from_slice(&1u32.to_le_bytes());
-        let size = parse_fs_size(&sb).unwrap();
-        // Without the 64bit feature the high word is ignored.
-        assert_eq!((size.block_size, size.blocks), (4096, 1000));
-        sb[SB_FEATURE_INCOMPAT..SB_FEATURE_INCOMPAT + 4]
-            .copy_from_slice(&INCOMPAT_64BIT.to_le_bytes());
-        assert_eq!(parse_fs_size(&sb).unwrap().blocks, (1 << 32) + 1000);
-        // A block size beyond 64 KiB, a wrong magic, a short buffer: refused.
-        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&7u32.to_le_bytes());
-        assert_eq!(parse_fs_size(&sb), None);
-        sb[SB_LOG_BLOCK_SIZE..SB_LOG_BLOCK_SIZE + 4].copy_from_slice(&2u32.to_le_bytes());
-        assert_eq!(parse_fs_size(&sb[..0x100]), None, "64bit needs 0x154 bytes");
-        sb[56] = 0;
-        assert_eq!(parse_fs_size(&sb), None);
-        assert_eq!(parse_fs_size(&[]), None);
     }
 }

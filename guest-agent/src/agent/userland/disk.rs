@@ -6,7 +6,7 @@
 //! (the kernel's built-in GPT/MBR parsers register them as
 //! `/sys/block/<disk>/<disk><n>` with a `partition` attribute, and devtmpfs
 //! makes their `/dev` nodes) and reads the ext2/3/4 superblock's magic and
-//! volume label ([`ext_label`]) from each.
+//! volume label ([`crate::extfs`]) from each.
 //!
 //! Limits: only ext2/3/4 labels are read; a label that is not UTF-8 never
 //! matches; partitions of partitions (none on Linux) are not looked for.
@@ -16,20 +16,10 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::agent::sessiondisk::{EXT_MAGIC, EXT_MAGIC_OFFSET};
+use crate::extfs::{self, Superblock};
 
-/// Where the ext2/3/4 superblock starts on its device.
-pub const SUPERBLOCK_OFFSET: usize = 1024;
-
-/// Offset of `s_volume_name` from the start of the device (superblock field
-/// at 0x78).
-pub const LABEL_OFFSET: usize = SUPERBLOCK_OFFSET + 0x78;
-
-/// Length of `s_volume_name` (NUL-padded, not necessarily NUL-terminated).
-pub const LABEL_LEN: usize = 16;
-
-/// Bytes read from the start of each device: through the label.
-pub const HEAD_LEN: usize = LABEL_OFFSET + LABEL_LEN;
+/// Bytes read from the start of each device: through the superblock's label.
+pub const HEAD_LEN: usize = extfs::SUPERBLOCK_OFFSET as usize + extfs::LABEL_AT + extfs::LABEL_LEN;
 
 /// sysfs attribute present in a partition's directory (its number).
 const PARTITION_ATTR: &str = "partition";
@@ -59,24 +49,13 @@ pub enum Head {
     Unreadable(String),
 }
 
-/// The ext2/3/4 label in `head` (the first bytes of a device, at least
-/// [`HEAD_LEN`] of them), or `None` when there is no ext superblock there.
-/// The label ends at its first NUL; bytes that are not UTF-8 are replaced.
-pub fn ext_label(head: &[u8]) -> Option<String> {
-    let magic = head.get(EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2)?;
-    if u16::from_le_bytes([magic[0], magic[1]]) != EXT_MAGIC {
-        return None;
-    }
-    let raw = head.get(LABEL_OFFSET..LABEL_OFFSET + LABEL_LEN)?;
-    let end = raw.iter().position(|&b| b == 0).unwrap_or(LABEL_LEN);
-    Some(String::from_utf8_lossy(&raw[..end]).into_owned())
-}
-
 /// Reads the head of `dev` and says what it holds.
 pub fn read_head(dev: &Path) -> Head {
     let mut head = [0u8; HEAD_LEN];
     match File::open(dev).and_then(|f| f.read_exact_at(&mut head, 0)) {
-        Ok(()) => ext_label(&head).map_or(Head::Other, Head::Ext),
+        Ok(()) => Superblock::in_head(&head)
+            .and_then(|sb| sb.label())
+            .map_or(Head::Other, Head::Ext),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Head::Other,
         Err(e) => Head::Unreadable(e.to_string()),
     }
@@ -136,30 +115,25 @@ mod tests {
 
     /// A device image whose head holds an ext superblock labelled `label`.
     fn ext_head(label: &[u8]) -> Vec<u8> {
+        let sb = extfs::SUPERBLOCK_OFFSET as usize;
         let mut head = vec![0u8; 4096];
-        head[EXT_MAGIC_OFFSET..EXT_MAGIC_OFFSET + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
-        head[LABEL_OFFSET..LABEL_OFFSET + label.len()].copy_from_slice(label);
+        head[sb + extfs::MAGIC_AT..sb + extfs::MAGIC_AT + 2]
+            .copy_from_slice(&extfs::MAGIC.to_le_bytes());
+        head[sb + extfs::LABEL_AT..sb + extfs::LABEL_AT + label.len()].copy_from_slice(label);
         head
     }
 
     #[test]
-    fn labels_are_read_from_ext_superblocks_only() {
-        assert_eq!(
-            ext_label(&ext_head(b"cloudimg-rootfs")).as_deref(),
-            Some("cloudimg-rootfs")
-        );
-        // A 16-byte label fills the field with no NUL.
-        assert_eq!(
-            ext_label(&ext_head(b"0123456789abcdef")).as_deref(),
-            Some("0123456789abcdef")
-        );
-        assert_eq!(ext_label(&ext_head(b"")).as_deref(), Some(""));
-        // No magic, or a head too short to hold the label.
-        let mut other = ext_head(b"cowork-rootfs");
-        other[EXT_MAGIC_OFFSET] = 0;
-        assert_eq!(ext_label(&other), None);
-        assert_eq!(ext_label(&ext_head(b"x")[..HEAD_LEN - 1]), None);
-        assert_eq!(ext_label(&[]), None);
+    fn devices_are_read_through_the_label_only() {
+        let t = tempfile::tempdir().unwrap();
+        let dev = t.path().join("vdb");
+        std::fs::write(&dev, ext_head(b"cowork-rootfs")).unwrap();
+        assert_eq!(read_head(&dev), Head::Ext("cowork-rootfs".into()));
+        // A device that ends with the label is long enough; one byte less is not.
+        std::fs::write(&dev, &ext_head(b"cowork-rootfs")[..HEAD_LEN]).unwrap();
+        assert_eq!(read_head(&dev), Head::Ext("cowork-rootfs".into()));
+        std::fs::write(&dev, &ext_head(b"cowork-rootfs")[..HEAD_LEN - 1]).unwrap();
+        assert_eq!(read_head(&dev), Head::Other);
     }
 
     #[test]
