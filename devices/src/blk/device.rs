@@ -19,7 +19,6 @@
 
 use std::io;
 use std::mem::offset_of;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -31,7 +30,8 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
-use vmm::virtio::worker::{DeviceWorker, StopError, Wakeup, WorkerLoop, WorkerSetup};
+use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
+use vmm::virtio::worker::StopError;
 use vmm::virtio::{
     drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
     VirtioInterrupt,
@@ -63,12 +63,6 @@ pub const DISCARD_ALIGNMENT_SECTORS: u32 = 8;
 /// logs at warning level before going quiet (debug level), so a hostile
 /// driver cannot flood the host log.
 pub const WARN_LOG_BUDGET: u32 = 32;
-
-/// epoll token of the request queue's notify eventfd.
-const TOKEN_QUEUE: u64 = 1;
-/// Most epoll events the worker takes per wait (the stop eventfd and the
-/// queue).
-const WORKER_EVENTS: usize = 2;
 
 /// Errors of the device model.
 #[derive(Debug, thiserror::Error)]
@@ -264,6 +258,18 @@ impl BlkModel {
     }
 }
 
+impl QueueModel for BlkModel {
+    type Error = DeviceError;
+
+    fn process_queue(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queue: &mut Queue,
+    ) -> Result<bool, DeviceError> {
+        BlkModel::process_queue(self, mem, queue)
+    }
+}
+
 /// Counts a completed request in `s` and logs a failure (within `budget`).
 fn account(s: &BlkStats, budget: &AtomicU32, head: u16, c: &Completion) {
     s.requests.fetch_add(1, Ordering::Relaxed);
@@ -369,7 +375,7 @@ pub struct BlkDevice {
     stats: Arc<BlkStats>,
     acked: u64,
     /// Hands the model back when stopped.
-    worker: DeviceWorker<BlkModel>,
+    worker: SingleQueueWorker<BlkModel>,
 }
 
 impl BlkDevice {
@@ -383,7 +389,7 @@ impl BlkDevice {
             stats: model.stats(),
             model: Some(model),
             acked: 0,
-            worker: DeviceWorker::new("blk"),
+            worker: SingleQueueWorker::new("blk", REQUEST_QUEUE),
         })
     }
 
@@ -467,36 +473,14 @@ impl VirtioDevice for BlkDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_running() {
-            return Err(ActivateError::AlreadyActive);
-        }
-        let queue = queues
-            .into_iter()
-            .find(|q| q.index == REQUEST_QUEUE)
-            .ok_or(ActivateError::MissingQueue {
-                index: REQUEST_QUEUE,
-            })?;
-        let setup = WorkerSetup::new()?;
-        setup.add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
-        let model = self
-            .model
-            .take()
-            .ok_or_else(|| ActivateError::Device("the disk model was lost".into()))?;
-        let ctx = WorkerCtx {
-            mem,
-            interrupt,
-            queue,
-            model,
-        };
-        if let Err(e) = self
-            .worker
-            .start("virtio-blk", setup, move |worker| ctx.run(worker))
-        {
-            // The closure (and the model in it) is gone with the failed
-            // spawn; nothing to recover.
-            error!("blk: cannot start the worker: {e}");
-            return Err(ActivateError::Worker(e));
-        }
+        let model = &mut self.model;
+        self.worker.start(mem, interrupt, queues, || {
+            // The model is the worker's from here; if the thread cannot be
+            // spawned it is gone with it.
+            model
+                .take()
+                .ok_or_else(|| ActivateError::Device("the disk model was lost".into()))
+        })?;
         info!(capacity = self.config_capacity(), "blk: device activated");
         Ok(())
     }
@@ -515,44 +499,5 @@ impl BlkDevice {
         let mut b = [0u8; 8];
         b.copy_from_slice(&self.config[..8]);
         u64::from_le_bytes(b)
-    }
-}
-
-struct WorkerCtx {
-    mem: GuestMemoryMmap,
-    interrupt: Arc<dyn VirtioInterrupt>,
-    queue: ActiveQueue,
-    model: BlkModel,
-}
-
-/// Why the worker stopped serving.
-#[derive(Debug, thiserror::Error)]
-enum WorkerError {
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    #[error("epoll_wait failed: {0}")]
-    Epoll(io::Error),
-}
-
-impl WorkerCtx {
-    fn run(mut self, worker: WorkerLoop) -> BlkModel {
-        if let Err(e) = worker.serve(WORKER_EVENTS, WorkerError::Epoll, |w| self.on_wakeup(w)) {
-            error!("blk: {e}; the device needs a reset");
-            worker.park_needs_reset("blk", self.interrupt.as_ref());
-        }
-        self.model
-    }
-
-    fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
-        if wakeup == Wakeup::Ready(TOKEN_QUEUE) {
-            // Reset the counter; EAGAIN only means a spurious wakeup.
-            let _ = self.queue.notify.read();
-            if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
-                if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
-                    warn!("blk: cannot signal the request queue: {e}");
-                }
-            }
-        }
-        Ok(())
     }
 }

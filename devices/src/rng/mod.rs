@@ -16,14 +16,13 @@
 //! queue, no config space.
 
 use std::io;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestMemory};
-use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
+use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
 use vmm::virtio::{
     drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
 };
@@ -42,12 +41,6 @@ pub const QUEUE_SIZE: u16 = 64;
 /// Most random bytes written into one chain, however large its buffers
 /// (Linux asks for at most a page at a time).
 pub const MAX_BYTES_PER_REQUEST: usize = 64 * 1024;
-
-/// epoll token of the queue's notify eventfd.
-const TOKEN_QUEUE: u64 = 1;
-/// Most epoll events the worker takes per wait (the stop eventfd and the
-/// queue).
-const WORKER_EVENTS: usize = 2;
 
 /// Errors of the rng device.
 #[derive(Debug, thiserror::Error)]
@@ -199,11 +192,24 @@ impl RngModel {
     }
 }
 
+impl QueueModel for RngModel {
+    type Error = RngError;
+
+    fn process_queue(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queue: &mut Queue,
+    ) -> Result<bool, RngError> {
+        RngModel::process_queue(self, mem, queue)
+    }
+}
+
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running an [`RngModel`] on its own thread while active.
 pub struct RngDevice {
-    /// First, so it is stopped before the rest is dropped.
-    worker: DeviceWorker<()>,
+    /// First, so it is stopped before the rest is dropped. A fresh model
+    /// (sharing the counters) serves each activation.
+    worker: SingleQueueWorker<RngModel>,
     stats: Arc<RngStats>,
     features: u64,
     max_sizes: [u16; NUM_QUEUES],
@@ -221,7 +227,7 @@ impl RngDevice {
     pub fn new() -> Self {
         let model = RngModel::new();
         Self {
-            worker: DeviceWorker::new("rng"),
+            worker: SingleQueueWorker::new("rng", REQUEST_QUEUE),
             stats: model.stats(),
             features: model.features(),
             max_sizes: [QUEUE_SIZE],
@@ -280,28 +286,12 @@ impl VirtioDevice for RngDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_running() {
-            return Err(ActivateError::AlreadyActive);
-        }
-        let queue = queues
-            .into_iter()
-            .find(|q| q.index == REQUEST_QUEUE)
-            .ok_or(ActivateError::MissingQueue {
-                index: REQUEST_QUEUE,
-            })?;
-        let setup = WorkerSetup::new()?;
-        setup.add(queue.notify.as_raw_fd(), TOKEN_QUEUE)?;
-        let mut model = RngModel::new();
-        model.stats = self.stats.clone();
-        let ctx = WorkerCtx {
-            mem,
-            interrupt,
-            queue,
-            model,
-        };
-        self.worker
-            .start("virtio-rng", setup, move |worker| ctx.run(worker))
-            .map_err(ActivateError::Worker)?;
+        let stats = self.stats.clone();
+        self.worker.start(mem, interrupt, queues, move || {
+            let mut model = RngModel::new();
+            model.stats = stats;
+            Ok(model)
+        })?;
         info!("rng: device activated");
         Ok(())
     }
@@ -312,42 +302,5 @@ impl VirtioDevice for RngDevice {
             info!("rng: device reset");
         }
         stopped
-    }
-}
-
-struct WorkerCtx {
-    mem: GuestMemoryMmap,
-    interrupt: Arc<dyn VirtioInterrupt>,
-    queue: ActiveQueue,
-    model: RngModel,
-}
-
-/// Why the worker stopped serving.
-#[derive(Debug, thiserror::Error)]
-enum WorkerError {
-    #[error(transparent)]
-    Rng(#[from] RngError),
-    #[error("epoll_wait failed: {0}")]
-    Epoll(io::Error),
-}
-
-impl WorkerCtx {
-    fn run(mut self, worker: WorkerLoop) {
-        if let Err(e) = worker.serve(WORKER_EVENTS, WorkerError::Epoll, |w| self.on_wakeup(w)) {
-            error!("rng: {e}; the device needs a reset");
-            worker.park_needs_reset("rng", self.interrupt.as_ref());
-        }
-    }
-
-    fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
-        if wakeup == Wakeup::Ready(TOKEN_QUEUE) {
-            let _ = self.queue.notify.read();
-            if self.model.process_queue(&self.mem, &mut self.queue.queue)? {
-                if let Err(e) = self.interrupt.signal_used_queue(REQUEST_QUEUE) {
-                    warn!("rng: cannot signal the request queue: {e}");
-                }
-            }
-        }
-        Ok(())
     }
 }

@@ -25,11 +25,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use tracing::warn;
-use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 
 pub use super::single_queue::VhostUserServeError;
-use super::single_queue::{QueueModel, SingleQueueServer};
+use super::single_queue::{SingleQueueServer, VhostQueueModel};
 use crate::blk::{BlkConfig, BlkModel, BlkStats, BlockBackend, DeviceError};
 
 /// Errors of the vhost-user blk server.
@@ -43,7 +41,7 @@ pub enum VhostUserBlkError {
     Serve(#[from] VhostUserServeError),
 }
 
-impl QueueModel for BlkModel {
+impl VhostQueueModel for BlkModel {
     const NAME: &'static str = "blk";
 
     fn features(&self) -> u64 {
@@ -56,10 +54,6 @@ impl QueueModel for BlkModel {
 
     fn max_queue_size(&self) -> u16 {
         self.queue_size()
-    }
-
-    fn process(&mut self, mem: &GuestMemoryMmap<()>, q: &mut Queue) -> Result<bool, String> {
-        self.process_queue(mem, q).map_err(|e| e.to_string())
     }
 
     fn quiesce(&mut self) {

@@ -14,13 +14,10 @@ use std::io;
 use std::path::Path;
 use std::thread::JoinHandle;
 
-use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
-
-use super::single_queue::{QueueModel, SingleQueueServer, VhostUserServeError};
+use super::single_queue::{SingleQueueServer, VhostQueueModel, VhostUserServeError};
 use crate::rng::{RngModel, QUEUE_SIZE};
 
-impl QueueModel for RngModel {
+impl VhostQueueModel for RngModel {
     const NAME: &'static str = "rng";
 
     fn features(&self) -> u64 {
@@ -33,10 +30,6 @@ impl QueueModel for RngModel {
 
     fn max_queue_size(&self) -> u16 {
         QUEUE_SIZE
-    }
-
-    fn process(&mut self, mem: &GuestMemoryMmap<()>, q: &mut Queue) -> Result<bool, String> {
-        self.process_queue(mem, q).map_err(|e| e.to_string())
     }
 }
 

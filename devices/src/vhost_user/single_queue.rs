@@ -1,6 +1,6 @@
 //! Shared plumbing of the vhost-user faces of single-queue device models
 //! (virtio-blk, virtio-rng): a [`VhostUserBackendMut`] around a
-//! [`QueueModel`] and a server that binds the socket and serves one
+//! [`VhostQueueModel`] and a server that binds the socket and serves one
 //! frontend.
 //!
 //! Guest memory comes from the frontend's shared (memfd) regions, mapped by
@@ -21,8 +21,9 @@ use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatu
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_NOTIFY_ON_EMPTY;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm::virtio::single_queue::QueueModel;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -31,8 +32,9 @@ use vmm_sys_util::event::{
 /// Guest memory as the vhost-user-backend crate maps it.
 pub(crate) type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 
-/// A device model with one queue, as the vhost-user face drives it.
-pub(crate) trait QueueModel: Send + Sync + 'static {
+/// A device model with one queue ([`QueueModel`], which the in-process
+/// face drives too), with what the vhost-user face also needs to know.
+pub(crate) trait VhostQueueModel: QueueModel + Sync {
     /// Name used for the daemon, its thread and log lines.
     const NAME: &'static str;
     /// Device feature bits (virtio and device specific).
@@ -41,9 +43,6 @@ pub(crate) trait QueueModel: Send + Sync + 'static {
     fn config(&self) -> &[u8];
     /// Largest queue size offered.
     fn max_queue_size(&self) -> u16;
-    /// Serves every available chain; returns whether the driver needs a
-    /// notification. An error means the ring is unusable.
-    fn process(&mut self, mem: &GuestMemoryMmap<()>, q: &mut Queue) -> Result<bool, String>;
     /// The frontend reset the device or disconnected: make completed work
     /// durable.
     fn quiesce(&mut self) {}
@@ -73,7 +72,7 @@ pub enum VhostUserServeError {
     Setup(#[source] io::Error),
 }
 
-/// The [`VhostUserBackendMut`] around a [`QueueModel`].
+/// The [`VhostUserBackendMut`] around a [`VhostQueueModel`].
 pub(crate) struct SingleQueueBackend<T> {
     model: T,
     mem: Mem,
@@ -81,7 +80,7 @@ pub(crate) struct SingleQueueBackend<T> {
     exit_notifier: EventNotifier,
 }
 
-impl<T: QueueModel> SingleQueueBackend<T> {
+impl<T: VhostQueueModel> SingleQueueBackend<T> {
     fn new(model: T, mem: Mem) -> Result<Self, VhostUserServeError> {
         let (exit_consumer, exit_notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)
             .map_err(VhostUserServeError::Setup)?;
@@ -94,7 +93,7 @@ impl<T: QueueModel> SingleQueueBackend<T> {
     }
 }
 
-impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
+impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     type Bitmap = ();
     type Vring = VringRwLock<Mem>;
 
@@ -180,7 +179,7 @@ impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
         let mem = self.mem.memory();
         let res = {
             let mut g = vring.get_mut();
-            self.model.process(&mem, g.get_queue_mut())
+            self.model.process_queue(&mem, g.get_queue_mut())
         };
         match res {
             Ok(true) => {
@@ -196,15 +195,15 @@ impl<T: QueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 }
 
-/// A bound vhost-user socket serving one [`QueueModel`] to one frontend.
-pub(crate) struct SingleQueueServer<T: QueueModel> {
+/// A bound vhost-user socket serving one [`VhostQueueModel`] to one frontend.
+pub(crate) struct SingleQueueServer<T: VhostQueueModel> {
     socket: PathBuf,
     listener: Listener,
     backend: Arc<Mutex<SingleQueueBackend<T>>>,
     daemon: VhostUserDaemon<Arc<Mutex<SingleQueueBackend<T>>>>,
 }
 
-impl<T: QueueModel> SingleQueueServer<T> {
+impl<T: VhostQueueModel> SingleQueueServer<T> {
     /// Creates the socket at `socket` (replacing a stale one); the frontend
     /// may connect from now on.
     pub(crate) fn bind(socket: &Path, model: T) -> Result<Self, VhostUserServeError> {
@@ -273,7 +272,7 @@ mod tests {
     use crate::blk::{create_sparse_image, BlkConfig, BlkModel, RawImage};
     use crate::rng::RngModel;
 
-    fn backend<T: QueueModel>(model: T) -> SingleQueueBackend<T> {
+    fn backend<T: VhostQueueModel>(model: T) -> SingleQueueBackend<T> {
         SingleQueueBackend::new(model, GuestMemoryAtomic::new(GuestMemoryMmap::new())).unwrap()
     }
 

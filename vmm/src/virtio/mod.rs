@@ -6,7 +6,8 @@
 //! notification [`EventFd`]s and a [`VirtioInterrupt`] handle in
 //! [`VirtioDevice::activate`], where it moves its work to its own thread or
 //! event loop ([`worker`] holds the thread, stop and epoll machinery the
-//! in-process devices share). Devices know nothing of KVM: the transport
+//! in-process devices share; [`single_queue`] is the whole worker of a
+//! device that serves one queue). Devices know nothing of KVM: the transport
 //! ([`mmio::MmioTransport`]) turns a [`VirtioInterrupt`] signal into an
 //! interrupt-status bit plus a write to an `EventFd` the machine registers as a
 //! KVM irqfd, and the machine registers each queue's notify `EventFd` as a KVM
@@ -26,6 +27,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub mod drain;
 pub mod mmio;
+pub mod single_queue;
 pub mod testdev;
 pub mod worker;
 
