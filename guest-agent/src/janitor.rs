@@ -83,16 +83,6 @@ impl Walk {
     }
 }
 
-fn crosses_mount(base: &StatInfo, st: &StatInfo) -> bool {
-    if st.mount_root == Some(true) {
-        return true;
-    }
-    match (base.mnt_id, st.mnt_id) {
-        (Some(a), Some(b)) => a != b,
-        _ => base.dev != st.dev,
-    }
-}
-
 /// Walks below `start` without following symlinks or entering mounts.
 fn walk(start: &Path) -> io::Result<Walk> {
     let base = sys::lstat(start)?;
@@ -122,13 +112,13 @@ fn walk(start: &Path) -> io::Result<Walk> {
                 }
             };
             if st.is_dir() {
-                if crosses_mount(&base, &st) {
+                if st.crosses_mount_from(&base) {
                     out.mounts.push(path);
                 } else {
                     out.dirs.push((path.clone(), st.allocated));
                     stack.push(path);
                 }
-            } else if !st.is_symlink() && crosses_mount(&base, &st) {
+            } else if !st.is_symlink() && st.crosses_mount_from(&base) {
                 // A file bind-mounted over an entry.
                 out.mounts.push(path);
             } else {

@@ -152,6 +152,19 @@ impl StatInfo {
     pub fn is_symlink(&self) -> bool {
         self.mode & libc::S_IFMT == libc::S_IFLNK
     }
+    /// Whether this object, found in a walk below `base`, is on another
+    /// mount than `base` (a mount point below it): the root of a mount, or
+    /// another mount id (5.8+), or else another device (which misses bind
+    /// mounts within one filesystem on old kernels).
+    pub fn crosses_mount_from(&self, base: &StatInfo) -> bool {
+        if self.mount_root == Some(true) {
+            return true;
+        }
+        match (base.mnt_id, self.mnt_id) {
+            (Some(a), Some(b)) => a != b,
+            _ => base.dev != self.dev,
+        }
+    }
 }
 
 /// `statx(dirfd, path, flags)`; pass `AT_EMPTY_PATH` and an empty path to stat
@@ -391,6 +404,35 @@ mod tests {
         assert!(!is_mount_point(&f).unwrap());
         assert!(is_mount_point(Path::new("/")).unwrap());
         assert!(is_mount_point(Path::new("/proc")).unwrap());
+    }
+
+    #[test]
+    fn mounts_are_crossed_by_mount_root_id_or_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = lstat(dir.path()).unwrap();
+        std::fs::write(dir.path().join("f"), b"").unwrap();
+        let inside = lstat(&dir.path().join("f")).unwrap();
+        assert!(!inside.crosses_mount_from(&base));
+        assert!(lstat(Path::new("/proc")).unwrap().crosses_mount_from(&base));
+        // Without mount information (old kernels) the device decides.
+        let old = |st: StatInfo| StatInfo {
+            mnt_id: None,
+            mount_root: None,
+            ..st
+        };
+        assert!(!old(inside).crosses_mount_from(&old(base)));
+        let other_dev = StatInfo {
+            dev: base.dev + 1,
+            ..old(inside)
+        };
+        assert!(other_dev.crosses_mount_from(&old(base)));
+        // A mount id differing from the base's wins over an equal device.
+        let other_mount = StatInfo {
+            mnt_id: base.mnt_id.map(|id| id + 1),
+            mount_root: Some(false),
+            ..inside
+        };
+        assert_eq!(other_mount.crosses_mount_from(&base), base.mnt_id.is_some());
     }
 
     #[test]

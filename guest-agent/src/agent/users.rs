@@ -57,7 +57,7 @@ use std::sync::Mutex;
 
 use crate::names;
 use crate::proto;
-use crate::sys::{self, StatInfo};
+use crate::sys;
 
 /// Where the account database lives in the guest.
 pub const ETC_DIR: &str = "/etc";
@@ -713,17 +713,6 @@ fn copy_skel(skel: &Path, home: &Path, uid: u32, gid: u32) -> io::Result<()> {
     Ok(())
 }
 
-/// Whether `st` is on another mount than `base` (a mount point below it).
-fn crosses_mount(base: &StatInfo, st: &StatInfo) -> bool {
-    if st.mount_root == Some(true) {
-        return true;
-    }
-    match (base.mnt_id, st.mnt_id) {
-        (Some(a), Some(b)) => a != b,
-        _ => base.dev != st.dev,
-    }
-}
-
 /// Chowns `home` and everything below it to `uid:gid` without following
 /// symlinks, without entering mount points and without touching the home's
 /// `mnt/`. Returns how many entries were changed.
@@ -753,7 +742,7 @@ fn chown_tree(home: &Path, uid: u32, gid: u32) -> io::Result<usize> {
                     continue;
                 }
             };
-            if crosses_mount(&base, &st) {
+            if st.crosses_mount_from(&base) {
                 continue;
             }
             std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
