@@ -51,6 +51,8 @@ pub mod userland;
 pub mod users;
 
 #[cfg(test)]
+mod testns;
+#[cfg(test)]
 mod tests;
 
 use std::collections::HashSet;

@@ -19,9 +19,6 @@ use crate::proto::{Envelope, MountMode, MountSpec, Secret, SpawnSpec};
 /// Longest wait for any single agent message.
 const RECV_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Environment variable telling a re-executed test that it runs inside its namespaces.
-const NS_ENV: &str = "GUEST_AGENT_TEST_IN_NAMESPACES";
-
 type Msg = (AgentMessage, Vec<u8>);
 
 /// A minimal host: sends requests, collects agent messages.
@@ -1048,49 +1045,33 @@ async fn each_process_gets_its_own_cgroup() {
 // Tests inside user + mount (+ pid) namespaces.
 // ---------------------------------------------------------------------------
 
-/// Re-runs test `name` (path below the crate) under `unshare <flags>` and
-/// returns false; returns true when already inside, to run the body.
-fn in_namespaces(name: &str, flags: &[&str]) -> bool {
-    if std::env::var_os(NS_ENV).is_some() {
-        return true;
+/// Re-runs test `name` (path below the crate) under `unshare <flags>` with a
+/// fresh scratch directory and returns `None` after checking it passed
+/// ([`testns::in_namespaces`]); inside, returns that directory to run the
+/// body in.
+fn in_namespaces(name: &str, flags: &[&str]) -> Option<NsDir> {
+    if let Some(dir) = testns::inside() {
+        return Some(NsDir(dir));
     }
-    let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new("unshare")
-        .args(flags)
-        .arg("--")
-        .arg(exe)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(NS_ENV, "1")
-        .output()
-        .expect("unshare(1) from util-linux runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{name} failed inside namespaces:\n{stdout}\n{stderr}"
-    );
-    assert!(
-        stdout.contains("1 passed"),
-        "{name} did not run inside namespaces:\n{stdout}\n{stderr}"
-    );
-    false
+    let outer = tempfile::tempdir().unwrap();
+    let inside = testns::in_namespaces(name, flags, outer.path());
+    assert!(inside.is_none(), "the outer half runs no test body");
+    None
 }
 
-/// A temporary directory whose mounts are detached before it is removed.
-struct NsDir(tempfile::TempDir);
+/// The scratch directory of a test inside namespaces; its mounts are
+/// detached when the test ends (the outer half removes the directory).
+struct NsDir(PathBuf);
 
 impl NsDir {
-    fn new() -> Self {
-        NsDir(tempfile::tempdir().unwrap())
-    }
     fn path(&self) -> &Path {
-        self.0.path()
+        &self.0
     }
 }
 
 impl Drop for NsDir {
     fn drop(&mut self) {
-        let _ = crate::mounttable::unmount_below(self.0.path());
+        let _ = crate::mounttable::unmount_below(&self.0);
     }
 }
 
@@ -1114,13 +1095,12 @@ fn write_fails_with_erofs(path: &Path) {
 
 #[tokio::test]
 async fn ns_session_mounts_ro_rw_replace_and_refuse_symlinks() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_session_mounts_ro_rw_replace_and_refuse_symlinks",
         &["-Urm"],
-    ) {
+    ) else {
         return;
-    }
-    let t = NsDir::new();
+    };
     let r = t.path().join("sessions");
     let host = t.path().join("host");
     std::fs::create_dir_all(host.join("proj")).unwrap();
@@ -1263,13 +1243,12 @@ async fn ns_session_mounts_ro_rw_replace_and_refuse_symlinks() {
 
 #[tokio::test]
 async fn ns_disk_info_does_not_count_mounted_folders() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_disk_info_does_not_count_mounted_folders",
         &["-Urm"],
-    ) {
+    ) else {
         return;
-    }
-    let t = NsDir::new();
+    };
     let r = t.path().join("sessions");
     let big = t.path().join("big");
     std::fs::create_dir_all(&big).unwrap();
@@ -1299,13 +1278,12 @@ async fn ns_disk_info_does_not_count_mounted_folders() {
 
 #[tokio::test]
 async fn ns_install_sdk_is_read_only_and_idempotent() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_install_sdk_is_read_only_and_idempotent",
         &["-Urm"],
-    ) {
+    ) else {
         return;
-    }
-    let t = NsDir::new();
+    };
     let r = t.path().join("sessions");
     std::fs::create_dir_all(&r).unwrap();
     let v1 = t.path().join("sdk/1.0/claude");
@@ -1364,13 +1342,12 @@ async fn ns_install_sdk_is_read_only_and_idempotent() {
 
 #[tokio::test]
 async fn ns_private_paths_are_hidden_and_later_mounts_propagate() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_private_paths_are_hidden_and_later_mounts_propagate",
         &["-Urm"],
-    ) {
+    ) else {
         return;
-    }
-    let t = NsDir::new();
+    };
     let r = t.path().join("sessions");
     let private = t.path().join("private");
     std::fs::create_dir_all(&private).unwrap();
@@ -1433,13 +1410,12 @@ fn cap_lines(status: &str) -> Vec<(String, u64)> {
 
 #[tokio::test]
 async fn ns_drop_caps_leaves_nothing_to_regain() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_drop_caps_leaves_nothing_to_regain",
         &["-Urm"],
-    ) {
+    ) else {
         return;
-    }
-    let t = NsDir::new();
+    };
     // Control: root of the user namespace normally has capabilities.
     let mut plain = start(config(&t.path().join("a"))).await;
     let out = plain
@@ -1485,15 +1461,14 @@ async fn ns_drop_caps_leaves_nothing_to_regain() {
 
 #[tokio::test]
 async fn ns_pid1_reaps_orphans_and_still_reports_exits() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_pid1_reaps_orphans_and_still_reports_exits",
         &["-Urmpf", "--mount-proc"],
-    ) {
+    ) else {
         return;
-    }
+    };
     // SAFETY: getpid has no preconditions.
     assert_eq!(unsafe { libc::getpid() }, 1);
-    let t = NsDir::new();
     let mut agent = start(config(&t.path().join("sessions"))).await;
     let c = &mut agent.client;
     assert!(c.hello.is_init);
@@ -1524,14 +1499,13 @@ async fn ns_pid1_reaps_orphans_and_still_reports_exits() {
 
 #[tokio::test]
 async fn ns_init_mounts_kernel_filesystems_once() {
-    if !in_namespaces(
+    let Some(t) = in_namespaces(
         "agent::tests::ns_init_mounts_kernel_filesystems_once",
         &["-Urmpfn", "-C", "--mount-proc"],
-    ) {
+    ) else {
         return;
-    }
+    };
     use init::MountOutcome;
-    let t = NsDir::new();
     let first = init::mount_early_filesystems(t.path());
     let mounted = |o: &MountOutcome, dir: &str| matches!(o, MountOutcome::Mounted(p) if p == &t.path().join(dir));
     assert!(mounted(&first[0], "proc"), "{first:?}");

@@ -52,8 +52,6 @@ pub mod disk;
 pub mod etc;
 pub mod root;
 pub mod switch;
-#[cfg(test)]
-mod testns;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -347,6 +345,7 @@ fn stay_on_initramfs() -> Booted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::testns;
     use std::os::unix::fs::PermissionsExt;
     use std::process::Command;
 
@@ -422,7 +421,7 @@ mod tests {
     #[test]
     fn ns_root_choose_rejects_with_reasons_and_mounts_a_dirty_image_read_only() {
         // SAFETY: geteuid has no preconditions.
-        if std::env::var_os(testns::NS_DIR_ENV).is_none() && unsafe { libc::geteuid() } != 0 {
+        if testns::inside().is_none() && unsafe { libc::geteuid() } != 0 {
             eprintln!("skipping: loop devices and ext4 mounts need real root");
             return;
         }

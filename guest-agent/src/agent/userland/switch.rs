@@ -431,7 +431,7 @@ mod tests {
     use std::os::fd::OwnedFd;
     use std::os::unix::fs::{symlink, PermissionsExt};
 
-    use crate::agent::userland::testns::{in_namespaces, NS_DIR_ENV};
+    use crate::agent::testns::{self, in_namespaces};
 
     /// `statfs` magic of overlayfs.
     const OVERLAYFS_MAGIC: u64 = 0x794c_7630;
@@ -652,7 +652,7 @@ mod tests {
     #[test]
     fn ns_root_redirect_dir_lets_image_directories_be_renamed() {
         // SAFETY: geteuid has no preconditions.
-        if std::env::var_os(NS_DIR_ENV).is_none() && unsafe { libc::geteuid() } != 0 {
+        if testns::inside().is_none() && unsafe { libc::geteuid() } != 0 {
             eprintln!("skipping: redirect_dir needs real root (not a user namespace)");
             return;
         }
