@@ -10,8 +10,8 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::backend::userland::UserlandChoice;
+use crate::backend::BackendKind;
 use crate::daemon::{Daemon, Settings};
-use crate::vm::BackendKind;
 
 /// Socket file name inside `$XDG_RUNTIME_DIR`, as the client expects it.
 pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
@@ -225,7 +225,7 @@ pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
             auto_backend(
                 qemu::find_qemu().is_ok(),
                 crate::backend::image::GuestImage::locate(None).is_ok(),
-                qemu::kvm_for_linux().is_ok(),
+                crate::backend::guest::kvm_for_linux().is_ok(),
             )
         }
     }

@@ -18,8 +18,9 @@ use base64::Engine;
 use guest_agent::proto::{Op, Secret, SpawnSpec};
 use serde_json::{json, Value};
 
+use crate::backend::{BackendKind, VmConfig};
 use crate::protocol::*;
-use crate::vm::{BackendKind, SpawnRequest, Vm, VmConfig};
+use crate::vm::{SpawnRequest, Vm};
 
 /// Name of the profile used before any `configure`.
 pub const DEFAULT_PROFILE: &str = "default";

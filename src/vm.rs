@@ -29,14 +29,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub use crate::backend::BackendKind;
-use crate::backend::{HostPaths, Machine as BackendMachine};
+use crate::backend::{HostPaths, Machine as BackendMachine, VmConfig, HELLO_TIMEOUT};
 use crate::events::{self, EventHub};
 use crate::protocol::{event, step};
 use crate::utf8::Utf8Stream;
-
-/// How long `startVM` waits for the agent's hello.
-pub const HELLO_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Default deadline of one agent request.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -52,10 +48,6 @@ const AGENT_QUEUE: usize = 256;
 
 /// Largest batch the link writer coalesces into one write.
 const WRITE_BATCH: usize = 1024 * 1024;
-
-/// File name of a profile's session disk (qemu and kvm backends), in the
-/// profile directory; the name the official bundle uses.
-pub const SESSION_DISK_FILE: &str = "sessiondata.img";
 
 /// Size of the session disk, in GiB, when it must be created and
 /// `createVM.diskSizeGB` did not say (or `startVM` came without `createVM`).
@@ -93,35 +85,6 @@ pub enum VmError {
         backend: &'static str,
         disk: PathBuf,
     },
-}
-
-/// Static facts a VM needs.
-#[derive(Clone, Debug)]
-pub struct VmConfig {
-    pub backend: BackendKind,
-    /// Per-profile state directory on the host.
-    pub profile_dir: PathBuf,
-    /// This executable, re-executed as sandbox init and agent.
-    pub helper_exe: PathBuf,
-}
-
-impl VmConfig {
-    /// Host directory holding the session directories (sandbox backend).
-    pub fn sessions_dir(&self) -> PathBuf {
-        self.profile_dir.join("sessions")
-    }
-
-    /// The session disk image (qemu and kvm backends): a sparse raw file
-    /// the guest agent formats as ext4 and mounts at `/sessions`.
-    pub fn session_disk(&self) -> PathBuf {
-        self.profile_dir.join(SESSION_DISK_FILE)
-    }
-
-    /// Whether sessions live on a session disk (a VM backend) rather than
-    /// in a host directory (sandbox).
-    pub fn uses_session_disk(&self) -> bool {
-        !matches!(self.backend, BackendKind::Sandbox)
-    }
 }
 
 /// Bytes of a `createVM.diskSizeGB` value (GiB), or why it is refused.
@@ -1221,6 +1184,7 @@ async fn link_reader(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{BackendKind, SESSION_DISK_FILE};
     use std::os::unix::fs::MetadataExt;
 
     fn vm(backend: BackendKind, dir: &Path) -> Arc<Vm> {

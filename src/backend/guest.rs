@@ -1,70 +1,52 @@
-//! What the VM backends (QEMU and in-process KVM) share about a booting
-//! guest: the tail of its serial console kept for error messages, and the
-//! wait for the guest agent to dial the helper over vsock.
+//! What the VM backends (QEMU and in-process KVM) share about the guest
+//! they boot: its vsock identity, the host's ability to run it under KVM,
+//! the agent's log level passed on the kernel command line, how long a
+//! power-off may take, and the wait for the guest agent to dial the helper
+//! over vsock. The console both keep is in [`super::console`], the guest's
+//! size in [`super::sizing`].
 //!
-//! Limits: the console tail holds [`CONSOLE_TAIL`] lines of at most
-//! [`MAX_CONSOLE_LINE`] bytes; the agent must dial within
-//! [`AGENT_DIAL_TIMEOUT`].
+//! Limits: the agent must dial within [`AGENT_DIAL_TIMEOUT`]; the guest
+//! must power off within [`POWEROFF_DEADLINE`] of being told to.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devices::vsock::Listener;
 use guest_agent::proto::AGENT_PORT;
 
-use super::AgentStream;
-use crate::vm::HELLO_TIMEOUT;
+use super::console::{Console, QUOTED_LINES};
+use super::{AgentStream, HELLO_TIMEOUT};
 
+/// The guest's CID (each VM has its own device, so all can use the same).
+pub const GUEST_CID: u64 = 3;
+/// Environment variable whose value becomes the guest agent's `COWORK_LOG`.
+pub const GUEST_LOG_ENV: &str = "COWORK_GUEST_LOG";
+/// Longest `COWORK_LOG=` value passed on the kernel command line.
+const MAX_GUEST_LOG: usize = 200;
 /// How long the agent has to dial in; a little less than the controller's
 /// hello timeout so the error quoting the console wins the race.
 pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::from_secs(5));
-/// Console lines kept for error messages.
-pub const CONSOLE_TAIL: usize = 40;
-/// Console lines quoted in an error.
-pub(crate) const QUOTED_LINES: usize = 15;
-/// Longest console line kept; the rest of a longer one starts a new line.
-pub(crate) const MAX_CONSOLE_LINE: usize = 1024;
-/// How often the agent listener is polled.
+/// How long the guest gets to power off after the agent was told to shut down.
+pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
+/// How often the agent listener (and a finishing vhost-user thread) is polled.
 pub(crate) const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// The last console lines, shared by the readers and the error paths.
-#[derive(Clone, Default)]
-pub(crate) struct Console {
-    tail: Arc<Mutex<VecDeque<String>>>,
+/// Whether `/dev/kvm` is usable and can boot Linux (why not otherwise).
+pub fn kvm_for_linux() -> Result<(), String> {
+    vmm::kvm_check::check_capabilities().map_err(|e| e.to_string())?;
+    vmm::kvm_check::linux_capable().map_err(|e| e.to_string())
 }
 
-impl Console {
-    pub(crate) fn push(&self, line: String) {
-        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.len() == CONSOLE_TAIL {
-            t.pop_front();
-        }
-        t.push_back(line);
-    }
-
-    /// Every kept line, oldest first.
-    #[cfg(test)]
-    pub(crate) fn lines(&self) -> Vec<String> {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        t.iter().cloned().collect()
-    }
-
-    /// The last `n` lines, indented, for an error message.
-    pub(crate) fn quote(&self, n: usize) -> String {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
-        if t.is_empty() {
-            return " (the console printed nothing)".into();
-        }
-        let skip = t.len().saturating_sub(n);
-        let mut s = String::from("; last console lines:");
-        for l in t.iter().skip(skip) {
-            s.push_str("\n  ");
-            s.push_str(l);
-        }
-        s
-    }
+/// The kernel command-line word passing `$COWORK_GUEST_LOG` to the agent,
+/// when it is set and is one word of safe characters.
+pub fn guest_log_word(value: Option<&str>) -> Option<String> {
+    let v = value?.trim();
+    let safe = !v.is_empty()
+        && v.len() <= MAX_GUEST_LOG
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_=,:.-".contains(c));
+    safe.then(|| format!("COWORK_LOG={v}"))
 }
 
 /// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
@@ -107,4 +89,22 @@ pub(crate) fn agent_stream(
             tokio::time::sleep(ACCEPT_POLL).await;
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_words() {
+        assert_eq!(
+            guest_log_word(Some("info,guest_agent=debug")).as_deref(),
+            Some("COWORK_LOG=info,guest_agent=debug")
+        );
+        for bad in [None, Some(""), Some("debug quiet"), Some("a;rm -rf /")] {
+            assert_eq!(guest_log_word(bad), None, "{bad:?}");
+        }
+        assert!(guest_log_word(Some(&"a".repeat(MAX_GUEST_LOG + 1))).is_none());
+        assert!(AGENT_DIAL_TIMEOUT < HELLO_TIMEOUT);
+    }
 }

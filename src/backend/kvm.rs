@@ -10,8 +10,8 @@
 //! directory also holds an uncompressed ELF [`VMLINUX`] it is booted
 //! (PVH entry, no decompression), else the image's bzImage `vmlinuz`. The
 //! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
-//! `startVM.cpuCount` vCPUs (default [`DEFAULT_CPUS`], at most the host's
-//! CPUs), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
+//! `startVM.cpuCount` vCPUs (default [`sizing::DEFAULT_CPUS`], at most the
+//! host's CPUs and [`MAX_CPUS`]), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
 //! `$COWORK_GUEST_LOG`), and four virtio-mmio devices, which the guest
 //! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
 //! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
@@ -34,8 +34,8 @@
 //!
 //! Console: every line the guest prints on COM1 is logged at debug, one
 //! event per line (control characters removed, long lines cut); the last
-//! [`CONSOLE_TAIL`] lines are kept and quoted when the boot fails or the
-//! machine ends unexpectedly. The agent's boot marks on the VMM's
+//! lines are kept and quoted when the boot fails or the machine ends
+//! unexpectedly (see [`super::console`]). The agent's boot marks on the VMM's
 //! boot-timing port are logged with the run's end.
 //!
 //! Stop: the controller first asks the agent to shut down (the agent powers
@@ -49,7 +49,6 @@
 //! what the guest touches. Files in shared folders are created with the
 //! helper's uid, as with QEMU.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -66,22 +65,19 @@ use devices::vsock::{DeviceError, HostError, VsockConfig, VsockDevice, VsockHost
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
 use tokio::sync::oneshot;
 
+use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
-use super::guest::{agent_stream, Console, MAX_CONSOLE_LINE, QUOTED_LINES};
-pub use super::guest::{AGENT_DIAL_TIMEOUT, CONSOLE_TAIL};
+pub use super::guest::kvm_for_linux;
+use super::guest::{agent_stream, guest_log_word, GUEST_CID, GUEST_LOG_ENV, POWEROFF_DEADLINE};
 use super::image::{GuestImage, NoImage};
-use super::qemu;
+use super::sizing;
 use super::userland::{self, UserlandError};
 use super::{BootOptions, Booted, HostPaths, Machine};
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
 pub const VMLINUX: &str = "vmlinux";
-/// The guest's CID (each VM has its own device, so all can use the same).
-pub const GUEST_CID: u64 = qemu::GUEST_CID;
 /// Guest memory when `startVM` does not say.
 pub const DEFAULT_MEMORY_MIB: u64 = 1024;
-/// vCPUs when `startVM` does not say (capped at the host's CPU count).
-pub const DEFAULT_CPUS: u32 = 2;
 /// Most vCPUs the VMM supports.
 pub const MAX_CPUS: u32 = 254;
 /// Kernel command line: serial console, reset through the i8042 on reboot,
@@ -92,8 +88,6 @@ pub const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet"
 pub const FS_REQUEST_QUEUES: u16 = 1;
 /// Name of the thread that builds and runs the VM.
 pub const VM_THREAD_NAME: &str = "cowork-kvm-vm";
-/// How long the guest gets to power off after the agent was told to shut down.
-pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
 /// How long the VM gets to finish after the host stopped it (vCPUs and
 /// device workers joined, the VM closed; milliseconds in practice).
 pub const STOP_DEADLINE: Duration = Duration::from_secs(10);
@@ -132,11 +126,6 @@ pub enum KvmError {
     ThreadGone,
 }
 
-/// Whether this host's `/dev/kvm` can boot Linux (why not otherwise).
-pub fn kvm_for_linux() -> Result<(), String> {
-    qemu::kvm_for_linux()
-}
-
 /// The kernel to boot from `image`: its [`VMLINUX`] when present, else its bzImage.
 pub fn kernel_of(image: &GuestImage) -> PathBuf {
     let elf = image.dir.join(VMLINUX);
@@ -149,28 +138,20 @@ pub fn kernel_of(image: &GuestImage) -> PathBuf {
 
 /// Guest memory for a `startVM.memoryGB` value.
 pub fn memory_mib(memory_gb: Option<f64>) -> u64 {
-    match memory_gb {
-        Some(gb) if gb.is_finite() && gb > 0.0 => {
-            ((gb * 1024.0).round() as u64).clamp(qemu::MIN_MEMORY_MIB, qemu::MAX_MEMORY_MIB)
-        }
-        _ => DEFAULT_MEMORY_MIB,
-    }
+    sizing::memory_mib(memory_gb, DEFAULT_MEMORY_MIB)
 }
 
-/// vCPUs for a `startVM.cpuCount` value, at most the host's CPU count.
+/// vCPUs for a `startVM.cpuCount` value, at most the host's CPU count and
+/// [`MAX_CPUS`].
 pub fn cpu_count(requested: Option<u32>, host_cpus: u32) -> u8 {
-    let n = requested
-        .filter(|&n| n > 0)
-        .unwrap_or(DEFAULT_CPUS)
-        .min(host_cpus.max(1))
-        .min(MAX_CPUS);
+    let n = sizing::cpu_count(requested, host_cpus).min(MAX_CPUS);
     u8::try_from(n).unwrap_or(u8::MAX)
 }
 
 /// The guest's kernel command line (before the VMM's virtio entries).
 pub fn cmdline(guest_log: Option<&str>) -> String {
     let mut c = KERNEL_CMDLINE.to_string();
-    if let Some(w) = qemu::guest_log_word(guest_log) {
+    if let Some(w) = guest_log_word(guest_log) {
         c.push(' ');
         c.push_str(&w);
     }
@@ -196,51 +177,6 @@ impl Probe {
     /// Whether the backend can start here.
     pub fn usable(&self) -> bool {
         self.kvm.is_ok() && self.image.is_ok()
-    }
-}
-
-/// COM1's output: split into lines, each logged and kept in the [`Console`].
-/// Runs on the vCPU thread that writes the UART, so it only buffers,
-/// logs and pushes.
-struct ConsoleSink {
-    console: Console,
-    line: Vec<u8>,
-}
-
-impl ConsoleSink {
-    fn emit(&mut self) {
-        let text = qemu::clean_console_line(&self.line);
-        self.line.clear();
-        if !text.is_empty() {
-            tracing::debug!(source = "serial", line = %text, "guest console");
-            self.console.push(text);
-        }
-    }
-}
-
-impl Write for ConsoleSink {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        for &b in data {
-            if b == b'\n' {
-                self.emit();
-            } else {
-                self.line.push(b);
-                if self.line.len() >= MAX_CONSOLE_LINE {
-                    self.emit();
-                }
-            }
-        }
-        Ok(data.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Drop for ConsoleSink {
-    fn drop(&mut self) {
-        self.emit();
     }
 }
 
@@ -320,9 +256,7 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
     let image = GuestImage::locate(opts.bundle_path.as_deref())?;
     let kernel = kernel_of(&image);
     let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
-    let host_cpus = std::thread::available_parallelism()
-        .map(|n| u32::try_from(n.get()).unwrap_or(u32::MAX))
-        .unwrap_or(1);
+    let host_cpus = sizing::host_cpus();
 
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
@@ -350,13 +284,12 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
 
     let mut config = vmm::Config::new(&kernel);
     config.initrd = Some(image.initramfs.clone());
-    config.cmdline = cmdline(std::env::var(qemu::GUEST_LOG_ENV).ok().as_deref());
+    config.cmdline = cmdline(std::env::var(GUEST_LOG_ENV).ok().as_deref());
     config.mem_mib = memory_mib(opts.memory_gb);
     config.vcpus = cpu_count(opts.cpu_count, host_cpus);
-    config.serial = Some(Box::new(ConsoleSink {
-        console: console.clone(),
-        line: Vec::new(),
-    }));
+    // Runs on the vCPU thread that writes the UART: it only buffers, logs
+    // and pushes.
+    config.serial = Some(Box::new(ConsoleLines::new(console.clone(), "serial")));
     config.virtio_devices = vec![
         Box::new(vsock),
         Box::new(fs_device),
@@ -556,14 +489,14 @@ mod tests {
     fn sizes_and_command_line() {
         assert_eq!(memory_mib(None), DEFAULT_MEMORY_MIB);
         assert_eq!(memory_mib(Some(2.0)), 2048);
-        assert_eq!(memory_mib(Some(0.01)), qemu::MIN_MEMORY_MIB);
-        assert_eq!(memory_mib(Some(1e12)), qemu::MAX_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(0.01)), sizing::MIN_MEMORY_MIB);
+        assert_eq!(memory_mib(Some(1e12)), sizing::MAX_MEMORY_MIB);
         for bad in [f64::NAN, f64::NEG_INFINITY, -1.0, 0.0] {
             assert_eq!(memory_mib(Some(bad)), DEFAULT_MEMORY_MIB, "{bad}");
         }
-        assert_eq!(cpu_count(None, 8), DEFAULT_CPUS as u8);
+        assert_eq!(cpu_count(None, 8), sizing::DEFAULT_CPUS as u8);
         assert_eq!(cpu_count(Some(4), 2), 2);
-        assert_eq!(cpu_count(Some(0), 8), DEFAULT_CPUS as u8);
+        assert_eq!(cpu_count(Some(0), 8), sizing::DEFAULT_CPUS as u8);
         assert_eq!(cpu_count(Some(3), 0), 1);
         assert_eq!(cpu_count(Some(u32::MAX), u32::MAX), MAX_CPUS as u8);
         assert_eq!(cmdline(None), KERNEL_CMDLINE);
@@ -572,31 +505,6 @@ mod tests {
             format!("{KERNEL_CMDLINE} COWORK_LOG=debug")
         );
         assert_eq!(cmdline(Some("a b")), KERNEL_CMDLINE);
-    }
-
-    #[test]
-    fn console_sink_splits_cleans_and_bounds_lines() {
-        let console = Console::default();
-        let mut sink = ConsoleSink {
-            console: console.clone(),
-            line: Vec::new(),
-        };
-        for i in 0..60 {
-            write!(sink, "line {i}\r\n").unwrap();
-        }
-        sink.write_all(b"\x1b[0mhalf ").unwrap();
-        sink.write_all(b"a line\n").unwrap();
-        sink.write_all(&vec![b'x'; MAX_CONSOLE_LINE + 3]).unwrap();
-        sink.write_all(b"no newline").unwrap();
-        drop(sink);
-        let tail: Vec<String> = console.lines();
-        assert_eq!(tail.len(), CONSOLE_TAIL);
-        assert_eq!(tail[tail.len() - 1], "xxxno newline");
-        assert_eq!(tail[tail.len() - 2], "x".repeat(MAX_CONSOLE_LINE));
-        assert_eq!(tail[tail.len() - 3], "half a line");
-        assert_eq!(tail[tail.len() - 4], "line 59");
-        assert!(console.quote(1).ends_with("\n  xxxno newline"));
-        assert!(Console::default().quote(3).contains("printed nothing"));
     }
 
     #[test]

@@ -4,24 +4,46 @@
 //! controller can wait on or kill, a future that yields the stream the agent
 //! dialled (the agent link), and the way host paths are reached from the
 //! agent's view (for session mounts and the SDK). Everything after the
-//! agent's hello is backend-independent (see `crate::vm`).
+//! agent's hello is backend-independent (see `crate::vm`, which builds on
+//! this module; nothing here depends on it).
+//!
+//! Modules: [`crate::sandbox`] (namespaces on the host), [`qemu`] and
+//! [`kvm`] (the two VM backends) and what those two share, each imported
+//! by both and never by one from the other: [`image`] (finding the guest
+//! image), [`userland`] (which root disk the guest gets), [`guest`] (vsock
+//! identity, agent dial, power-off, KVM suitability), [`console`] (the
+//! guest console's lines and tail), [`sizing`] (memory and vCPUs) and
+//! [`fsgrants`] (host folders granted through the virtio-fs share).
+//!
+//! Limits: one machine per [`boot`]; the VM backends are x86_64 only.
 
+pub mod console;
 pub mod fsgrants;
-mod guest;
+pub mod guest;
 pub mod image;
 pub mod kvm;
 pub mod qemu;
+pub mod sizing;
 pub mod userland;
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::time::Duration;
 
 use guest_agent::proto::MountMode;
 use tokio::net::UnixStream;
 
 use crate::sandbox::{Sandbox, SandboxConfig};
-use crate::vm::VmConfig;
+
+/// How long `startVM` waits for the agent's hello after the machine
+/// started booting; the VM backends bound their own wait for the agent's
+/// dial below it ([`guest::AGENT_DIAL_TIMEOUT`]).
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// File name of a profile's session disk (qemu and kvm backends), in the
+/// profile directory; the name the official bundle uses.
+pub const SESSION_DISK_FILE: &str = "sessiondata.img";
 
 /// Which machine runs the agent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +64,35 @@ impl BackendKind {
             Self::Qemu => "qemu",
             Self::Kvm => "kvm",
         }
+    }
+}
+
+/// Static facts a VM needs.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub backend: BackendKind,
+    /// Per-profile state directory on the host.
+    pub profile_dir: PathBuf,
+    /// This executable, re-executed as sandbox init and agent.
+    pub helper_exe: PathBuf,
+}
+
+impl VmConfig {
+    /// Host directory holding the session directories (sandbox backend).
+    pub fn sessions_dir(&self) -> PathBuf {
+        self.profile_dir.join("sessions")
+    }
+
+    /// The session disk image (qemu and kvm backends): a sparse raw file
+    /// the guest agent formats as ext4 and mounts at `/sessions`.
+    pub fn session_disk(&self) -> PathBuf {
+        self.profile_dir.join(SESSION_DISK_FILE)
+    }
+
+    /// Whether sessions live on a session disk (a VM backend) rather than
+    /// in a host directory (sandbox).
+    pub fn uses_session_disk(&self) -> bool {
+        !matches!(self.backend, BackendKind::Sandbox)
     }
 }
 

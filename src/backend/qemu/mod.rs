@@ -1,0 +1,405 @@
+//! The QEMU backend (`--backend qemu`): the guest agent runs as PID 1 of a
+//! real Linux guest booted by `qemu-system-x86_64`, and reaches the helper
+//! over our own virtio-vsock device, served as vhost-user from inside this
+//! process (crate `devices`).
+//!
+//! Boot: the guest image (`vmlinuz`, `initramfs`, `image-info`; built by
+//! `scripts/mkguestimage.sh`) is taken from `startVM.bundlePath` when that
+//! directory holds one of ours, else from `$COWORK_GUEST_IMAGE_DIR`, else
+//! from `guest-image/` next to or one level above the helper's executable
+//! (`target/guest-image` for a `target/*/cowork-helper` build). QEMU runs
+//! with KVM where `/dev/kvm` can run Linux
+//! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
+//! overrides), on an i440fx `pc` machine with memfd-shared guest memory
+//! (vhost-user needs it), `-nodefaults -nographic`, the serial console on
+//! QEMU's stdout, and `vhost-user-vsock-pci`, `vhost-user-fs-pci`,
+//! `vhost-user-blk-pci` (the session disk) and `vhost-user-rng-pci` on
+//! sockets in a private 0700 directory, every device served from threads of
+//! this process. The agent dials CID 2 port 51234; the device hands the
+//! helper a socketpair end, which becomes the agent link.
+//!
+//! Session disk: the profile's `sessiondata.img` (created by `createVM` or
+//! `startVM`, see `crate::vm`) is opened read-write, locked exclusively for
+//! the VM's lifetime, and served with serial
+//! [`devices::blk::SESSION_DISK_SERIAL`] and one request queue; the agent
+//! formats it as ext4 when blank and mounts it at `/sessions`. When QEMU
+//! disconnects (or never connected) the server flushes the disk and closes
+//! it, which releases the lock for the next `startVM`. Entropy comes from
+//! the host's getrandom through our `vhost-user-rng` server (QEMU's own
+//! `virtio-rng-pci` is not used).
+//!
+//! Host folders: each VM has one [`SessionFs`] served in-process by
+//! `devices::vhost_user::fs` as the virtio-fs tag
+//! [`guest_agent::proto::SESSIONS_FS_TAG`], which the agent mounts at boot.
+//! It starts empty; the controller grants each session mount (and the SDK)
+//! through [`HostPaths::Shared`] while the VM runs, and the host enforces
+//! each mount's mode (see `devices::fs`).
+//!
+//! Console: every line QEMU prints (guest serial console and QEMU's own
+//! stderr) is logged at debug, one event per line, control characters
+//! removed and long lines cut; the last lines are kept and quoted when the
+//! boot fails or the machine ends unexpectedly (see [`super::console`]).
+//!
+//! Lifetime: QEMU is started with `kill_on_drop`, in its own process group,
+//! with `PR_SET_PDEATHSIG` = SIGKILL, so it never outlives the helper. The
+//! pdeath signal fires when the *thread* that forked QEMU exits: [`boot`]
+//! must run on a runtime worker thread (as the daemon's requests do), never
+//! on a short-lived blocking-pool thread. On stop the controller first asks
+//! the agent to shut down (the agent powers the guest off);
+//! [`QemuMachine::kill`] then gives QEMU
+//! [`POWEROFF_DEADLINE`](super::guest::POWEROFF_DEADLINE) to exit before
+//! killing it.
+//!
+//! Limits: x86_64 guests only; no network besides vsock. Files in shared folders are
+//! created with the helper's uid (`devices::fs::Credentials::Helper`).
+//!
+//! Modules: `plan` (binary, accelerator, command line), `machine` (the
+//! running QEMU and its end), `rundir` (the private socket directory);
+//! this file serves the devices and starts QEMU.
+
+mod machine;
+mod plan;
+mod rundir;
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use devices::blk::{BlkConfig, ImageError, RawImage, SESSION_DISK_SERIAL};
+use devices::fs::{SessionFs, SessionFsOptions};
+use devices::vhost_user::blk::{VhostUserBlkError, VhostUserBlkServer, VhostUserServeError};
+use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsError, VhostUserFsServer};
+use devices::vhost_user::rng::VhostUserRngServer;
+use devices::vhost_user::vsock::{VhostUserVsockConfig, VhostUserVsockError, VhostUserVsockServer};
+use devices::vsock::{HostError, VsockHost};
+use guest_agent::proto::AGENT_PORT;
+use tokio::process::Command;
+
+use super::console::Console;
+use super::fsgrants::SharedFolders;
+use super::guest::{agent_stream, guest_log_word, GUEST_CID, GUEST_LOG_ENV};
+use super::image::{GuestImage, NoImage};
+use super::sizing;
+use super::userland::{self, UserlandError, UserlandPlan};
+use super::{BootOptions, Booted, HostPaths, Machine};
+pub use machine::QemuMachine;
+use machine::{pump_console, SingleQueueThreads};
+pub use plan::{
+    choose_accel, find_qemu, qemu_opt_escape, Accel, QemuPlan, RootDiskSocket, ACCEL_ENV,
+    DEFAULT_QEMU, FS_QUEUE_SIZE, KERNEL_CMDLINE, QEMU_ENV,
+};
+use rundir::RunDir;
+
+/// Guest memory when `startVM` does not say.
+pub const DEFAULT_MEMORY_MIB: u64 = 2048;
+
+/// Errors of starting the QEMU machine, worded for the client's log.
+#[derive(Debug, thiserror::Error)]
+pub enum QemuError {
+    #[error("QEMU not found: {0}; install qemu-system-x86 or set {QEMU_ENV}")]
+    NoQemu(String),
+    #[error(transparent)]
+    NoImage(#[from] NoImage),
+    #[error(transparent)]
+    Userland(#[from] UserlandError),
+    #[error("cannot open the root disk {path}: {source}")]
+    RootDisk { path: PathBuf, source: ImageError },
+    #[error("{ACCEL_ENV}={0:?} is not kvm or tcg")]
+    BadAccel(String),
+    #[error("cannot create the VM's runtime directory {path}: {source}")]
+    RunDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot set up the vsock device: {0}")]
+    Vsock(#[from] HostError),
+    #[error("cannot serve the vsock device over vhost-user: {0}")]
+    VhostUser(#[from] VhostUserVsockError),
+    #[error("cannot serve the virtio-fs device over vhost-user: {0}")]
+    VhostUserFs(#[from] VhostUserFsError),
+    #[error("cannot open the session disk: {0}")]
+    SessionDisk(#[from] ImageError),
+    #[error("cannot serve the session disk over vhost-user: {0}")]
+    VhostUserBlk(#[from] VhostUserBlkError),
+    #[error("cannot serve the entropy device over vhost-user: {0}")]
+    VhostUserRng(#[from] VhostUserServeError),
+    #[error("cannot start the vhost-user thread: {0}")]
+    Thread(std::io::Error),
+    #[error("cannot start {qemu}: {source}")]
+    Spawn {
+        qemu: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Guest memory for a `startVM.memoryGB` value.
+pub fn memory_mib(memory_gb: Option<f64>) -> u64 {
+    sizing::memory_mib(memory_gb, DEFAULT_MEMORY_MIB)
+}
+
+/// What the daemon needs to know about QEMU here (for `auto` and `doctor`).
+#[derive(Debug)]
+pub struct Probe {
+    pub qemu: Result<PathBuf, String>,
+    pub image: Result<GuestImage, String>,
+    pub accel: Result<(Accel, String), String>,
+}
+
+impl Probe {
+    /// Looks for QEMU, the guest image and the accelerator.
+    pub fn run() -> Probe {
+        Probe {
+            qemu: find_qemu().map_err(|e| e.to_string()),
+            image: GuestImage::locate(None).map_err(|e| e.to_string()),
+            accel: choose_accel().map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Whether the backend can start here.
+    pub fn usable(&self) -> bool {
+        self.qemu.is_ok() && self.image.is_ok() && self.accel.is_ok()
+    }
+}
+
+/// Boots the guest: resolves QEMU, the image and the accelerator, serves
+/// the devices (vsock, virtio-fs, the session disk `session_disk`, rng),
+/// starts QEMU and returns the machine with the future of the agent's
+/// stream.
+pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
+    let plan_parts = (
+        find_qemu(),
+        GuestImage::locate(opts.bundle_path.as_deref()).map_err(QemuError::from),
+        choose_accel(),
+    );
+    let (qemu, image, (accel, accel_why)) = match plan_parts {
+        (Ok(q), Ok(i), Ok(a)) => (q, i, a),
+        (q, i, a) => {
+            let errs: Vec<String> = [q.err(), i.err(), a.err()]
+                .into_iter()
+                .flatten()
+                .map(|e| e.to_string())
+                .collect();
+            return Err(errs.join("; "));
+        }
+    };
+    let host_cpus = sizing::host_cpus();
+    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())
+        .map_err(|e| e.to_string())?;
+    let run_dir = RunDir::create().map_err(|e| e.to_string())?;
+    let root_disks = userland
+        .disks
+        .iter()
+        .enumerate()
+        .map(|(i, disk)| RootDiskSocket {
+            disk: disk.clone(),
+            socket: run_dir.0.join(format!("root{i}.sock")),
+        })
+        .collect();
+    let plan = QemuPlan {
+        qemu,
+        image,
+        accel,
+        memory_mib: memory_mib(opts.memory_gb),
+        cpus: sizing::cpu_count(opts.cpu_count, host_cpus),
+        vsock_socket: run_dir.0.join("vsock.sock"),
+        fs_socket: run_dir.0.join("fs.sock"),
+        blk_socket: run_dir.0.join("blk.sock"),
+        rng_socket: run_dir.0.join("rng.sock"),
+        session_disk: session_disk.to_path_buf(),
+        root_disks,
+        extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
+            .into_iter()
+            .collect(),
+    };
+    start(plan, run_dir, &accel_why, opts.fs, userland)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn start(
+    plan: QemuPlan,
+    run_dir: RunDir,
+    accel_why: &str,
+    fs_options: SessionFsOptions,
+    userland: UserlandPlan,
+) -> Result<Booted, QemuError> {
+    let host = VsockHost::new()?;
+    let listener = host.listen(AGENT_PORT)?;
+    let server = VhostUserVsockServer::bind(
+        &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
+        &host,
+    )?;
+    let fs = Arc::new(SessionFs::new(fs_options));
+    let mut fs_config = VhostUserFsConfig::new(&plan.fs_socket);
+    fs_config.queue_size = FS_QUEUE_SIZE;
+    let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?;
+    // Locked exclusively from here until the blk server thread ends.
+    let disk = RawImage::open(&plan.session_disk)?;
+    let blk_server = VhostUserBlkServer::bind(
+        &plan.blk_socket,
+        Box::new(disk),
+        &BlkConfig::new(SESSION_DISK_SERIAL),
+    )?;
+    let blk_stats = blk_server.stats();
+    let rng_server = VhostUserRngServer::bind(&plan.rng_socket)?;
+    // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
+    let mut root_servers = Vec::with_capacity(plan.root_disks.len());
+    for root in &plan.root_disks {
+        let image =
+            RawImage::open_read_only(&root.disk.path).map_err(|source| QemuError::RootDisk {
+                path: root.disk.path.clone(),
+                source,
+            })?;
+        let server = VhostUserBlkServer::bind(
+            &root.socket,
+            Box::new(image),
+            &BlkConfig::new(root.disk.serial),
+        )?;
+        root_servers.push((server, root.socket.clone()));
+    }
+    let vhost = server.spawn().map_err(QemuError::Thread)?;
+    let fs_canceller = fs_server.canceller();
+    let vhost_fs = match fs_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_unconnected(&plan.vsock_socket, Some(vhost));
+            return Err(QemuError::Thread(e));
+        }
+    };
+    let end_vsock_fs = |vhost, vhost_fs: std::thread::JoinHandle<_>| {
+        end_unconnected(&plan.vsock_socket, Some(vhost));
+        fs_canceller.cancel();
+        let _ = vhost_fs.join();
+    };
+    let vhost_blk = match blk_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_vsock_fs(vhost, vhost_fs);
+            return Err(QemuError::Thread(e));
+        }
+    };
+    let vhost_rng = match rng_server.spawn() {
+        Ok(t) => t,
+        Err(e) => {
+            end_vsock_fs(vhost, vhost_fs);
+            end_unconnected(&plan.blk_socket, Some(vhost_blk));
+            return Err(QemuError::Thread(e));
+        }
+    };
+    let mut roots = Vec::with_capacity(root_servers.len());
+    for (server, socket) in root_servers {
+        match server.spawn() {
+            Ok(t) => roots.push((Some(t), socket)),
+            Err(e) => {
+                end_vsock_fs(vhost, vhost_fs);
+                end_unconnected(&plan.blk_socket, Some(vhost_blk));
+                end_unconnected(&plan.rng_socket, Some(vhost_rng));
+                for (t, socket) in roots {
+                    end_unconnected(&socket, t);
+                }
+                return Err(QemuError::Thread(e));
+            }
+        }
+    }
+
+    let mut cmd = Command::new(&plan.qemu);
+    cmd.args(plan.args())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .process_group(0);
+    // SAFETY: the closure only calls async-signal-safe functions (prctl,
+    // getppid, _exit) between fork and exec.
+    let parent = std::process::id();
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The helper died before prctl took effect: do not start at all.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let spawned = cmd.spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(source) => {
+            // Unblock and end the vhost-user threads: no frontend will come.
+            end_vsock_fs(vhost, vhost_fs);
+            end_unconnected(&plan.blk_socket, Some(vhost_blk));
+            end_unconnected(&plan.rng_socket, Some(vhost_rng));
+            for (t, socket) in roots {
+                end_unconnected(&socket, t);
+            }
+            return Err(QemuError::Spawn {
+                qemu: plan.qemu.clone(),
+                source,
+            });
+        }
+    };
+    let pid = child.id();
+    tracing::info!(
+        pid,
+        qemu = %plan.qemu.display(),
+        image = %plan.image.dir.display(),
+        accel = plan.accel.as_str(),
+        accel_reason = accel_why,
+        memory_mib = plan.memory_mib,
+        cpus = plan.cpus,
+        "qemu started"
+    );
+    let console = Console::default();
+    let mut pumps = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        pumps.push(tokio::spawn(pump_console(out, console.clone(), "serial")));
+    }
+    if let Some(err) = child.stderr.take() {
+        pumps.push(tokio::spawn(pump_console(err, console.clone(), "qemu")));
+    }
+    let connected = Arc::new(AtomicBool::new(false));
+    let agent = agent_stream(listener, console.clone(), connected.clone());
+    let machine = QemuMachine {
+        child,
+        pid,
+        console,
+        pumps,
+        connected,
+        vhost: Some(vhost),
+        vhost_socket: plan.vsock_socket.clone(),
+        vhost_fs: Some(vhost_fs),
+        fs_canceller,
+        single_queue: Box::new(SingleQueueThreads {
+            blk: Some(vhost_blk),
+            blk_socket: plan.blk_socket.clone(),
+            blk_stats,
+            rng: Some(vhost_rng),
+            rng_socket: plan.rng_socket.clone(),
+            roots,
+        }),
+        _host: host,
+        ended: None,
+        _run_dir: run_dir,
+    };
+    Ok(Booted {
+        machine: Machine::Qemu(machine),
+        agent,
+        host_paths: HostPaths::Shared(SharedFolders::new(fs)),
+        userland: Some(userland),
+    })
+}
+
+/// Ends a vhost-user server thread whose frontend never connected: a
+/// throwaway connection unblocks its accept.
+fn end_unconnected<T>(socket: &Path, thread: Option<std::thread::JoinHandle<T>>) {
+    let _ = std::os::unix::net::UnixStream::connect(socket);
+    if let Some(t) = thread {
+        let _ = t.join();
+    }
+}

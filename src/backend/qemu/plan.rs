@@ -1,0 +1,235 @@
+//! QEMU's command line: which binary ([`find_qemu`]), which accelerator
+//! ([`choose_accel`]) and the arguments of one machine ([`QemuPlan::args`]):
+//! an i440fx `pc` machine with memfd-shared memory (vhost-user needs it),
+//! no default devices, the serial console on stdout, and every device ours
+//! over vhost-user sockets (vsock, virtio-fs, the session disk, rng, and
+//! the read-only root disks).
+//!
+//! Limits: x86_64 guests only; paths reach QEMU's option syntax escaped
+//! ([`qemu_opt_escape`]), never the disk images themselves (our servers
+//! open those).
+
+use std::ffi::OsString;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use super::QemuError;
+use crate::backend::guest::kvm_for_linux;
+use crate::backend::image::GuestImage;
+use crate::backend::userland::RootDisk;
+
+/// Environment variable naming the QEMU binary (a path or a name in `PATH`).
+pub const QEMU_ENV: &str = "COWORK_QEMU";
+/// QEMU binary looked up in `PATH` when [`QEMU_ENV`] is unset.
+pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
+/// Environment variable forcing the accelerator (`kvm` or `tcg`).
+pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
+
+/// Kernel command line (the agent is `/init`; `panic=-1` plus `-no-reboot`
+/// turn a guest panic into QEMU exiting).
+pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
+/// Queue size of the virtio-fs device (QEMU's largest; deep queues let
+/// the guest keep readahead and writeback requests in flight).
+pub const FS_QUEUE_SIZE: u16 = 1024;
+
+/// The QEMU binary: `$COWORK_QEMU` (a path, or a name looked up in `PATH`)
+/// or `qemu-system-x86_64` in `PATH`.
+pub fn find_qemu() -> Result<PathBuf, QemuError> {
+    let wanted = std::env::var_os(QEMU_ENV)
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| DEFAULT_QEMU.into());
+    let wanted = PathBuf::from(wanted);
+    if wanted.components().count() > 1 {
+        return if is_executable(&wanted) {
+            Ok(wanted)
+        } else {
+            Err(QemuError::NoQemu(format!(
+                "{} is not an executable file",
+                wanted.display()
+            )))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(&wanted))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| QemuError::NoQemu(format!("{} is not in PATH", wanted.display())))
+}
+
+fn is_executable(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// QEMU's accelerator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// KVM when this host's `/dev/kvm` can run Linux, else TCG; with the reason.
+pub fn choose_accel() -> Result<(Accel, String), QemuError> {
+    match std::env::var(ACCEL_ENV).ok().filter(|v| !v.is_empty()) {
+        Some(v) if v == "kvm" => return Ok((Accel::Kvm, format!("{ACCEL_ENV}=kvm"))),
+        Some(v) if v == "tcg" => return Ok((Accel::Tcg, format!("{ACCEL_ENV}=tcg"))),
+        Some(v) => return Err(QemuError::BadAccel(v)),
+        None => {}
+    }
+    Ok(match kvm_for_linux() {
+        Ok(()) => (Accel::Kvm, "/dev/kvm can run Linux guests".into()),
+        Err(why) => (Accel::Tcg, format!("TCG because {why}")),
+    })
+}
+
+/// Everything QEMU is started with.
+#[derive(Clone, Debug)]
+pub struct QemuPlan {
+    pub qemu: PathBuf,
+    pub image: GuestImage,
+    pub accel: Accel,
+    pub memory_mib: u64,
+    pub cpus: u32,
+    pub vsock_socket: PathBuf,
+    /// The vhost-user socket of the session share (virtio-fs).
+    pub fs_socket: PathBuf,
+    /// The vhost-user socket of the session disk (virtio-blk).
+    pub blk_socket: PathBuf,
+    /// The vhost-user socket of the entropy device (virtio-rng).
+    pub rng_socket: PathBuf,
+    /// The session disk image, served read-write on [`Self::blk_socket`].
+    pub session_disk: PathBuf,
+    /// Read-only root disks (the userland), each on its own vhost-user socket.
+    pub root_disks: Vec<RootDiskSocket>,
+    /// Extra kernel command-line words (`COWORK_LOG=...`).
+    pub extra_cmdline: Vec<String>,
+}
+
+/// A read-only root disk and the vhost-user socket it is served on.
+#[derive(Clone, Debug)]
+pub struct RootDiskSocket {
+    pub disk: RootDisk,
+    pub socket: PathBuf,
+}
+
+impl QemuPlan {
+    /// QEMU's arguments.
+    pub fn args(&self) -> Vec<OsString> {
+        let mem = self.memory_mib;
+        let mut cmdline = KERNEL_CMDLINE.to_string();
+        for w in &self.extra_cmdline {
+            cmdline.push(' ');
+            cmdline.push_str(w);
+        }
+        let cpu = match self.accel {
+            Accel::Kvm => "host",
+            Accel::Tcg => "max",
+        };
+        let mut a: Vec<OsString> = [
+            "-name",
+            "cowork-guest",
+            "-nodefaults",
+            "-nographic",
+            "-no-user-config",
+            "-no-reboot",
+            "-accel",
+            self.accel.as_str(),
+            "-cpu",
+            cpu,
+            "-M",
+            "pc",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
+        let mut push = |k: &str, v: String| {
+            a.push(k.into());
+            a.push(v.into());
+        };
+        push("-smp", self.cpus.to_string());
+        push("-m", format!("{mem}M"));
+        push(
+            "-object",
+            format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
+        );
+        push("-numa", "node,memdev=mem".into());
+        push("-serial", "stdio".into());
+        push(
+            "-chardev",
+            format!(
+                "socket,id=vsock,path={}",
+                qemu_opt_escape(&self.vsock_socket.to_string_lossy())
+            ),
+        );
+        push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
+        push(
+            "-chardev",
+            format!(
+                "socket,id=fs0,path={}",
+                qemu_opt_escape(&self.fs_socket.to_string_lossy())
+            ),
+        );
+        push(
+            "-device",
+            format!(
+                "vhost-user-fs-pci,chardev=fs0,tag={},queue-size={FS_QUEUE_SIZE}",
+                guest_agent::proto::SESSIONS_FS_TAG
+            ),
+        );
+        push(
+            "-chardev",
+            format!(
+                "socket,id=blk0,path={}",
+                qemu_opt_escape(&self.blk_socket.to_string_lossy())
+            ),
+        );
+        // One request queue: the device model serves exactly one.
+        push(
+            "-device",
+            "vhost-user-blk-pci,chardev=blk0,num-queues=1".into(),
+        );
+        push(
+            "-chardev",
+            format!(
+                "socket,id=rng0,path={}",
+                qemu_opt_escape(&self.rng_socket.to_string_lossy())
+            ),
+        );
+        push("-device", "vhost-user-rng-pci,chardev=rng0".into());
+        for (i, root) in self.root_disks.iter().enumerate() {
+            push(
+                "-chardev",
+                format!(
+                    "socket,id=root{i},path={}",
+                    qemu_opt_escape(&root.socket.to_string_lossy())
+                ),
+            );
+            // Read-only comes from the backend (VIRTIO_BLK_F_RO), the serial
+            // from its GET_ID answer.
+            push(
+                "-device",
+                format!("vhost-user-blk-pci,chardev=root{i},num-queues=1"),
+            );
+        }
+        a.push("-kernel".into());
+        a.push(self.image.vmlinuz.clone().into());
+        a.push("-initrd".into());
+        a.push(self.image.initramfs.clone().into());
+        a.push("-append".into());
+        a.push(cmdline.into());
+        a
+    }
+}
+
+/// Escapes a value for QEMU's `key=value,...` option syntax (commas double).
+pub fn qemu_opt_escape(v: &str) -> String {
+    v.replace(',', ",,")
+}
