@@ -202,7 +202,7 @@ async fn connect(shared: Arc<Shared>, grant: Grant, req: Request<Incoming>) -> R
         match hyper::upgrade::on(req).await {
             Ok(upgraded) => {
                 let mut client = TokioIo::new(upgraded);
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                let _ = super::relay(&mut client, &mut upstream).await;
             }
             Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
         }

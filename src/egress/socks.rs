@@ -215,7 +215,7 @@ where
     };
     stream.write_all(&reply(Reply::Succeeded)).await?;
     let _slot = slot;
-    let _ = tokio::io::copy_bidirectional(&mut stream, &mut upstream).await;
+    let _ = super::relay(&mut stream, &mut upstream).await;
     Ok(())
 }
 
