@@ -1,0 +1,293 @@
+//! Starting and stopping a profile's machine: boot through the backend,
+//! wait for the agent's hello (checking the userland it reports against
+//! the backend's plan), wire the link, publish the startup steps, notice
+//! the machine or the agent going away, and stop it (the agent ends its
+//! processes, then the machine is killed).
+//!
+//! Limits: the agent must say hello within [`HELLO_TIMEOUT`]; `stopVM`
+//! gives the agent [`super::SHUTDOWN_GRACE`] before the machine is killed.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use guest_agent::proto::{Hello, Op};
+use tokio::sync::{oneshot, watch};
+
+use super::link::{read_hello, AgentLink};
+use super::{lock, Machine, Vm, VmError, SHUTDOWN_GRACE};
+use crate::backend::{HostPaths, Machine as BackendMachine, HELLO_TIMEOUT};
+use crate::protocol::{event, step};
+
+impl Vm {
+    pub async fn start(
+        self: &Arc<Self>,
+        api_probe_url: Option<String>,
+        boot: crate::backend::BootOptions,
+    ) -> Result<(), VmError> {
+        let mut lifecycle = self.lifecycle.lock().await;
+        if lifecycle.is_some() && self.is_guest_connected() {
+            return Ok(());
+        }
+        if let Some(old) = lifecycle.take() {
+            // A machine whose agent is gone: clear it before booting anew.
+            self.teardown(old).await;
+        }
+        let began = Instant::now();
+        self.hub
+            .publish(&event::startup_step(step::VM_BOOT, "started"))
+            .await;
+        if let Err(e) = self.create_storage(None) {
+            self.hub
+                .publish(&event::startup_step(step::VM_BOOT, "failed"))
+                .await;
+            return Err(e);
+        }
+        let booted = crate::backend::boot(&self.cfg, &boot)
+            .await
+            .map_err(VmError::Start);
+        let crate::backend::Booted {
+            machine: backend_machine,
+            agent,
+            host_paths,
+            userland,
+        } = match booted {
+            Ok(b) => b,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::VM_BOOT, "failed"))
+                    .await;
+                tracing::error!(error = %e, "vm boot failed");
+                return Err(e);
+            }
+        };
+        self.hub
+            .publish(&event::startup_step(step::VM_BOOT, "completed"))
+            .await;
+        self.hub
+            .publish(&event::startup_step(step::GUEST_CONNECT, "started"))
+            .await;
+
+        let (kill_tx, kill_rx) = oneshot::channel();
+        let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<String>();
+        let done = tokio::spawn(run_machine(backend_machine, kill_rx, machine_gone_tx));
+        let (probe_stop, probe_rx) = watch::channel(false);
+        let machine = Machine {
+            kill: Some(kill_tx),
+            done,
+            probe_stop,
+            host_paths,
+        };
+
+        let hello = tokio::select! {
+            h = tokio::time::timeout(HELLO_TIMEOUT, async move {
+                let stream = agent.await.map_err(VmError::Start)?;
+                read_hello(stream).await
+            }) => match h {
+                Ok(Ok(h)) => Ok(h),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(VmError::HelloTimeout(HELLO_TIMEOUT)),
+            },
+            gone = &mut machine_gone_rx => Err(VmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
+        };
+        let hello = hello.and_then(|(hello, stream)| {
+            check_userland(userland.as_ref(), &hello)?;
+            Ok((hello, stream))
+        });
+        let (hello, stream) = match hello {
+            Ok(h) => h,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::GUEST_CONNECT, "failed"))
+                    .await;
+                tracing::error!(error = %e, "guest agent did not connect");
+                self.teardown(machine).await;
+                return Err(e);
+            }
+        };
+        tracing::info!(
+            backend = self.cfg.backend.as_str(),
+            agent = %hello.version,
+            kernel = %hello.kernel,
+            boot_ms = began.elapsed().as_secs_f64() * 1e3,
+            agent_start_us = hello.boot.agent_start_us,
+            connected_us = hello.boot.connected_us,
+            "guest agent connected"
+        );
+        let link = self.attach(hello, stream);
+        self.running.store(true, Ordering::Release);
+        self.hub
+            .publish(&event::startup_step(step::GUEST_CONNECT, "completed"))
+            .await;
+        self.hub.publish(&event::network_status("connected")).await;
+        tokio::spawn(crate::probe::monitor(
+            api_probe_url,
+            self.hub.clone(),
+            probe_rx,
+        ));
+
+        // Watch for the machine ending on its own.
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            if let Ok(reason) = machine_gone_rx.await {
+                if let Some(vm) = me.upgrade() {
+                    vm.machine_gone(&reason).await;
+                }
+            }
+        });
+        *lifecycle = Some(machine);
+        drop(lifecycle);
+
+        // Re-apply a previously requested SDK install.
+        let pending_sdk = lock(&self.sdk).clone();
+        if let Some((rel, version)) = pending_sdk {
+            self.hub
+                .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+                .await;
+            let outcome = self.apply_sdk(&link, &rel, &version).await;
+            if let Err(e) = &outcome {
+                tracing::warn!(error = %e, "installing the SDK after boot failed");
+            }
+            self.publish_sdk_outcome(outcome.is_ok()).await;
+        }
+        Ok(())
+    }
+
+    /// The agent's stream ended: every process it ran is gone.
+    pub(super) async fn agent_gone(&self, link: &Arc<AgentLink>) {
+        link.fail_pending();
+        {
+            let mut slot = self.link.write().unwrap_or_else(|p| p.into_inner());
+            if !slot.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+                // Already accounted for (stop and the link reader both get here).
+                return;
+            }
+            *slot = None;
+        }
+        self.running.store(false, Ordering::Release);
+        let orphans: Vec<String> = {
+            let procs = lock(&self.procs);
+            procs
+                .map
+                .iter()
+                .filter(|(_, r)| r.running)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in orphans {
+            // The agent could not report these processes' ends: they died
+            // with the machine. Say so, then close them with an exit.
+            self.flush_output(&id).await;
+            lock(&self.procs).mark_exited(&id, None);
+            self.hub
+                .publish(&event::error(
+                    &id,
+                    "the VM stopped unexpectedly; the process was killed with it",
+                    true,
+                ))
+                .await;
+            self.hub
+                .publish(&event::exit(&id, None, Some("SIGKILL"), None))
+                .await;
+        }
+        self.hub
+            .publish(&event::network_status("disconnected"))
+            .await;
+        tracing::info!("guest agent disconnected");
+    }
+
+    async fn machine_gone(self: &Arc<Self>, reason: &str) {
+        let mut lifecycle = self.lifecycle.lock().await;
+        if let Some(m) = lifecycle.take() {
+            tracing::warn!(reason, "the VM ended unexpectedly");
+            let _ = m.probe_stop.send(true);
+            self.running.store(false, Ordering::Release);
+        }
+    }
+
+    async fn teardown(&self, mut m: Machine) {
+        let _ = m.probe_stop.send(true);
+        if let Some(kill) = m.kill.take() {
+            let _ = kill.send(());
+        }
+        let _ = (&mut m.done).await;
+        if let Some(link) = self.link() {
+            // Make sure everything that ran is accounted for.
+            self.agent_gone(&link).await;
+        }
+        self.running.store(false, Ordering::Release);
+    }
+
+    /// Stops the VM: processes end (exit events delivered), then the machine.
+    pub async fn stop(&self) -> Result<(), VmError> {
+        let mut lifecycle = self.lifecycle.lock().await;
+        let Some(machine) = lifecycle.take() else {
+            return Ok(());
+        };
+        if let Some(link) = self.link() {
+            if let Err(e) = link.call(Op::Shutdown, &[], SHUTDOWN_GRACE).await {
+                tracing::warn!(error = %e, "agent shutdown did not complete; killing the VM");
+            }
+        }
+        self.teardown(machine).await;
+        tracing::info!("vm stopped");
+        Ok(())
+    }
+
+    pub(super) async fn current_host_paths(&self) -> Result<HostPaths, VmError> {
+        let lifecycle = self.lifecycle.lock().await;
+        lifecycle
+            .as_ref()
+            .map(|m| m.host_paths.clone())
+            .ok_or(VmError::NotRunning)
+    }
+}
+
+/// Logs the userland the agent reports against the backend's plan: why
+/// candidates were skipped on the host, which one the guest took and why it
+/// rejected others. A forced `--userland` the guest did not honour fails the
+/// start.
+fn check_userland(
+    plan: Option<&crate::backend::userland::UserlandPlan>,
+    hello: &Hello,
+) -> Result<(), VmError> {
+    let Some(plan) = plan else {
+        return Ok(());
+    };
+    for why in &plan.skipped {
+        tracing::warn!(reason = %why, "userland candidate skipped on the host");
+    }
+    let (kind, fallbacks, os) = match &hello.userland {
+        Some(u) => (
+            Some(u.kind.as_str()),
+            u.fallbacks.as_slice(),
+            u.pretty_name.as_deref(),
+        ),
+        None => (None, &[][..], None),
+    };
+    match crate::backend::userland::check_hello(plan, kind, fallbacks) {
+        Ok(line) => {
+            tracing::info!(os = os.unwrap_or("-"), "{line}");
+            Ok(())
+        }
+        Err(line) => Err(VmError::Start(format!(
+            "the guest did not boot the requested userland: {line}"
+        ))),
+    }
+}
+
+/// Owns the machine until it ends or is killed; reports how it ended.
+async fn run_machine(
+    mut machine: BackendMachine,
+    kill: oneshot::Receiver<()>,
+    gone: oneshot::Sender<String>,
+) {
+    tokio::select! {
+        how = machine.wait() => {
+            let _ = gone.send(how);
+        }
+        _ = kill => {
+            machine.kill().await;
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! One profile's sandbox VM: its lifecycle, the link to the guest agent, and
+//! the table of the processes it runs.
+//!
+//! A [`Vm`] is started by `startVM`: the backend boots a machine whose agent
+//! dials back over the link returned by the backend; the agent's hello makes
+//! the guest "connected". From then on every session method is one request on
+//! the [`AgentLink`], and the agent's unsolicited messages (output, exits,
+//! guest requests) become client events on the profile's [`EventHub`].
+//!
+//! Concurrency: start and stop are serialized by an async mutex; the hot
+//! queries (`isRunning`, `isGuestConnected`, `isProcessRunning`) read atomics
+//! and short std mutexes only, so a slow boot never delays them.
+//!
+//! Modules (each adds methods to [`Vm`]): `lifecycle` (start, stop, the
+//! machine ending), `link` (the framed agent link: requests, answers,
+//! unsolicited messages), `processes` (spawn, stdio, kill, mounts, the
+//! process table), `storage` (the session disk or directory, the janitor),
+//! `sdk` (`installSdk`, re-applied after every boot). The machine itself
+//! comes from [`crate::backend`], which does not depend on this module.
+//!
+//! Limits: one machine per profile; exited process records are kept for the
+//! last [`EXITED_RECORDS`] processes.
+
+mod lifecycle;
+mod link;
+mod processes;
+mod sdk;
+mod storage;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use guest_agent::proto;
+use tokio::sync::{oneshot, watch};
+
+use crate::backend::{HostPaths, VmConfig};
+use crate::events::EventHub;
+pub use link::{AgentLink, PendingCall};
+use processes::Procs;
+pub use processes::{SpawnRequest, EXITED_RECORDS};
+pub use storage::{session_disk_bytes, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB};
+
+/// Default deadline of one agent request.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long `stopVM` lets the agent end its processes before the machine is killed.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Errors of VM operations, worded for the client's log.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("the VM is not running: call startVM first")]
+    NotRunning,
+    #[error("the VM failed to start: {0}")]
+    Start(String),
+    #[error("the guest agent did not connect within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("the guest agent disconnected")]
+    AgentGone,
+    #[error("the guest agent did not answer {op} within {timeout:?}")]
+    Timeout { op: &'static str, timeout: Duration },
+    #[error("{0}")]
+    Agent(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("cannot prepare the session disk: {0}")]
+    SessionDisk(String),
+    #[error("{op} needs a connected guest under the {backend} backend: the sessions live in the ext4 session disk {disk}, which only the guest reads; call startVM first")]
+    JanitorNeedsGuest {
+        op: &'static str,
+        backend: &'static str,
+        disk: PathBuf,
+    },
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A running machine as the controller holds it.
+struct Machine {
+    kill: Option<oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<()>,
+    probe_stop: watch::Sender<bool>,
+    host_paths: HostPaths,
+}
+
+/// One profile's VM.
+pub struct Vm {
+    cfg: VmConfig,
+    pub hub: Arc<EventHub>,
+    lifecycle: tokio::sync::Mutex<Option<Machine>>,
+    link: RwLock<Option<Arc<AgentLink>>>,
+    running: AtomicBool,
+    procs: Mutex<Procs>,
+    sdk: Mutex<Option<(String, String)>>,
+    approved_token: Mutex<Option<proto::Secret>>,
+    last_activity: Mutex<Instant>,
+}
+
+impl Vm {
+    pub fn new(cfg: VmConfig) -> Arc<Vm> {
+        Arc::new(Vm {
+            cfg,
+            hub: Arc::new(EventHub::default()),
+            lifecycle: tokio::sync::Mutex::new(None),
+            link: RwLock::new(None),
+            running: AtomicBool::new(false),
+            procs: Mutex::new(Procs::default()),
+            sdk: Mutex::new(None),
+            approved_token: Mutex::new(None),
+            last_activity: Mutex::new(Instant::now()),
+        })
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.cfg
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+
+    pub fn touch(&self) {
+        *lock(&self.last_activity) = Instant::now();
+    }
+
+    pub fn idle_for(&self) -> Duration {
+        lock(&self.last_activity).elapsed()
+    }
+
+    fn link(&self) -> Option<Arc<AgentLink>> {
+        self.link.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn is_guest_connected(&self) -> bool {
+        self.link()
+            .is_some_and(|l| !l.closed.load(Ordering::Acquire))
+    }
+
+    fn connected_link(&self) -> Result<Arc<AgentLink>, VmError> {
+        match self.link() {
+            Some(l) if !l.closed.load(Ordering::Acquire) => Ok(l),
+            _ => Err(VmError::NotRunning),
+        }
+    }
+
+    /// Remembers a token approved by the client (never logged).
+    pub fn approve_token(&self, token: String) {
+        *lock(&self.approved_token) = Some(proto::Secret(token));
+    }
+}

@@ -1,0 +1,89 @@
+//! `installSdk`: the Claude Code CLI under the client's SDK directory,
+//! validated on the host, granted read-only to the guest and installed by
+//! the agent; remembered so every later boot installs it again (with its
+//! startup steps).
+//!
+//! Limits: one SDK per VM (the last request wins); the version must be a
+//! valid name and `<subpath>/<version>/claude` a file.
+
+use std::path::Path;
+
+use guest_agent::proto::Op;
+use serde_json::{json, Value};
+
+use super::link::AgentLink;
+use super::{lock, Vm, VmError, CALL_TIMEOUT};
+use crate::protocol::{event, step};
+
+impl Vm {
+    /// Records the SDK to install and installs it now when the guest is up.
+    pub async fn install_sdk(&self, sdk_subpath: &str, version: &str) -> Result<Value, VmError> {
+        let rel = match check_sdk(sdk_subpath, version) {
+            Ok(rel) => rel,
+            Err(e) => {
+                self.hub
+                    .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+                    .await;
+                self.publish_sdk_outcome(false).await;
+                return Err(e);
+            }
+        };
+        *lock(&self.sdk) = Some((rel.clone(), version.to_string()));
+        let Ok(link) = self.connected_link() else {
+            // Installed (with its startup steps) when the guest connects.
+            return Ok(json!({"installed": false, "pending": true}));
+        };
+        self.hub
+            .publish(&event::startup_step(step::SDK_INSTALL, "started"))
+            .await;
+        let outcome = self.apply_sdk(&link, &rel, version).await;
+        self.publish_sdk_outcome(outcome.is_ok()).await;
+        outcome
+    }
+
+    pub(super) async fn publish_sdk_outcome(&self, ok: bool) {
+        let status = if ok { "completed" } else { "failed" };
+        self.hub
+            .publish(&event::startup_step(step::SDK_INSTALL, status))
+            .await;
+    }
+
+    pub(super) async fn apply_sdk(
+        &self,
+        link: &AgentLink,
+        rel: &str,
+        version: &str,
+    ) -> Result<Value, VmError> {
+        let host_paths = self.current_host_paths().await?;
+        let real = std::fs::canonicalize(Path::new("/").join(rel))
+            .map_err(|e| VmError::Invalid(format!("installSdk: /{rel}: {e}")))?;
+        let real_rel = real.to_string_lossy().trim_start_matches('/').to_string();
+        let op = Op::InstallSdk {
+            source: host_paths
+                .grant_sdk(&real_rel)
+                .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?,
+            version: version.to_string(),
+        };
+        link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v)
+    }
+}
+
+/// Validates an `installSdk` request against the host file system; returns
+/// the CLI's path relative to `/`.
+fn check_sdk(sdk_subpath: &str, version: &str) -> Result<String, VmError> {
+    let sub = guest_agent::names::host_relative_path(sdk_subpath)
+        .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?;
+    guest_agent::names::session_name(version)
+        .map_err(|_| VmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
+    let rel = format!("{sub}/{version}/claude");
+    let host = Path::new("/").join(&rel);
+    let meta = std::fs::metadata(&host)
+        .map_err(|e| VmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
+    if !meta.is_file() {
+        return Err(VmError::Invalid(format!(
+            "installSdk: {} is not a file",
+            host.display()
+        )));
+    }
+    Ok(rel)
+}
