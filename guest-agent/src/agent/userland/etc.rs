@@ -11,7 +11,11 @@
 //!   link to systemd-resolved's stub file, which dangles without systemd;
 //! * an empty `/etc/machine-id` when there is none;
 //! * a higher open-file limit for PID 1, inherited by every session
-//!   ([`nofile_limits`]).
+//!   ([`nofile_limits`]);
+//! * the link protections ([`SYSCTLS`]: `fs.protected_hardlinks` and
+//!   `fs.protected_symlinks`), which Debian sets through systemd's
+//!   `sysctl.d` and the kernel leaves off: several session users share
+//!   `/tmp` and `/dev/shm`.
 //!
 //! The files are written on the userland's writable layer (a tmpfs upper,
 //! or the initramfs itself), never on the read-only image.
@@ -62,6 +66,24 @@ pub const NOFILE_SOFT: u64 = 65_536;
 /// The kernel's ceiling on any process's open-file limit.
 pub const NR_OPEN_PATH: &str = "/proc/sys/fs/nr_open";
 
+/// Where procfs is mounted on the running machine (the kernel's sysctls are
+/// below its `sys/`).
+pub const PROC_DIR: &str = "/proc";
+
+/// Sysctls set at boot: (file below [`PROC_DIR`], value). Sessions run as
+/// different users that share the sticky, world-writable `/tmp` and
+/// `/dev/shm`:
+/// * `fs.protected_symlinks=1`: a symlink there is followed only by its
+///   owner or when the directory's owner owns it, so a link one session
+///   plants cannot redirect another session's (or the agent's) open;
+/// * `fs.protected_hardlinks=1`: no one may hard-link a file they cannot
+///   read and write, so a session cannot pin another user's file under a
+///   name of its own choosing.
+pub const SYSCTLS: [(&str, &str); 2] = [
+    ("sys/fs/protected_hardlinks", "1"),
+    ("sys/fs/protected_symlinks", "1"),
+];
+
 /// Mode of the files written in `/etc`.
 const ETC_FILE_MODE: u32 = 0o644;
 
@@ -79,6 +101,12 @@ pub enum EtcError {
     Link {
         path: PathBuf,
         target: &'static str,
+        source: io::Error,
+    },
+    #[error("cannot set {path} to {value}: {source}")]
+    Sysctl {
+        path: PathBuf,
+        value: &'static str,
         source: io::Error,
     },
     #[error("cannot set the host name to {HOSTNAME:?}: {0}")]
@@ -224,12 +252,37 @@ pub fn raise_nofile(nr_open_path: &Path) -> Result<(u64, u64), EtcError> {
     })
 }
 
+/// Writes the [`SYSCTLS`] below `proc_dir` (procfs; the files must exist:
+/// nothing is created). Returns one error per sysctl not set.
+pub fn write_sysctls(proc_dir: &Path) -> Vec<EtcError> {
+    SYSCTLS
+        .iter()
+        .filter_map(|&(name, value)| {
+            let path = proc_dir.join(name);
+            // Truncating as a shell's `>` does (procfs ignores it).
+            OpenOptions::new()
+                .write(true)
+                .truncate(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+                .and_then(|mut f| f.write_all(value.as_bytes()))
+                .err()
+                .map(|source| EtcError::Sysctl {
+                    path,
+                    value,
+                    source,
+                })
+        })
+        .collect()
+}
+
 /// Everything above on the running machine (root `/`), logging each
 /// failure on its own line.
 pub fn prepare_machine() {
     let mut errors = make_dev_links(Path::new("/dev"));
     errors.extend(write_identity_files(Path::new("/")));
     errors.extend(set_hostname().err());
+    errors.extend(write_sysctls(Path::new(PROC_DIR)));
     match raise_nofile(Path::new(NR_OPEN_PATH)) {
         Ok((soft, hard)) => tracing::debug!(soft, hard, "open-file limit"),
         Err(e) => errors.push(e),
@@ -327,6 +380,29 @@ mod tests {
         let errors = write_identity_files(t2.path());
         assert_eq!(errors.len(), 1, "{errors:?}");
         assert!(errors[0].to_string().contains("etc/hosts"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn link_protections_are_written_to_existing_sysctls_only() {
+        let t = tempfile::tempdir().unwrap();
+        let fs = t.path().join("sys/fs");
+        std::fs::create_dir_all(&fs).unwrap();
+        for name in ["protected_hardlinks", "protected_symlinks"] {
+            std::fs::write(fs.join(name), b"0\n").unwrap();
+        }
+        assert!(write_sysctls(t.path()).is_empty());
+        for name in ["protected_hardlinks", "protected_symlinks"] {
+            assert_eq!(std::fs::read(fs.join(name)).unwrap(), b"1", "{name}");
+        }
+        // Without procfs (or on a kernel without one of them): an error per
+        // sysctl naming its file, and nothing created.
+        std::fs::remove_file(fs.join("protected_symlinks")).unwrap();
+        let errors = write_sysctls(t.path());
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let shown = errors[0].to_string();
+        assert!(shown.contains("sys/fs/protected_symlinks to 1"), "{shown}");
+        assert!(!fs.join("protected_symlinks").exists());
+        assert_eq!(write_sysctls(&t.path().join("noproc")).len(), SYSCTLS.len());
     }
 
     #[test]
