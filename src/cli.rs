@@ -3,11 +3,16 @@
 //!
 //! The client passes Go-style single-dash long flags (`-socket PATH`,
 //! `-socket=PATH`); they are normalised to `--socket` before clap sees them.
+//!
+//! Each command shows only its own options: serving's (`--socket`,
+//! `--data-dir`, ...) belong to the top level, `doctor` takes the two it
+//! explains (`--backend`, `--userland`), `bench` and `vm run` take theirs.
+//! Limits: serving options given after a subcommand are refused, not ignored.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::backend::userland::UserlandChoice;
 use crate::backend::BackendKind;
@@ -60,20 +65,14 @@ impl From<UserlandArg> for UserlandChoice {
 )]
 pub struct Cli {
     /// Unix socket to serve (default: $XDG_RUNTIME_DIR/claude-cowork-vm.sock).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Which backend runs the sessions.
-    #[arg(
-        long,
-        env = "COWORK_BACKEND",
-        value_enum,
-        default_value = "auto",
-        global = true
-    )]
+    #[arg(long, env = "COWORK_BACKEND", value_enum, default_value = "auto")]
     pub backend: BackendChoice,
     /// Where per-profile state (session directories) lives
     /// (default: $XDG_DATA_HOME/cowork-helper).
-    #[arg(long, env = "COWORK_DATA_DIR", global = true)]
+    #[arg(long, env = "COWORK_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Stop a VM after this many seconds without any connected client (0 = never).
     #[arg(long, env = "COWORK_IDLE_TIMEOUT", default_value_t = 900)]
@@ -97,7 +96,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Report which backends work on this machine and why.
-    Doctor,
+    Doctor(DoctorArgs),
     /// Measure RPC latency, spawn latency and output throughput.
     Bench {
         /// Fewer iterations.
@@ -107,6 +106,31 @@ pub enum Command {
     /// The in-process KVM machine.
     #[command(subcommand)]
     Vm(VmCommand),
+}
+
+/// `doctor`'s options: the serving choices it explains. Unset, they are
+/// the top level's (`cowork-helper --backend qemu doctor` still works),
+/// which fall back to `$COWORK_BACKEND` / `$COWORK_USERLAND` and `auto`.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// The backend to explain (default: the top-level --backend, else
+    /// $COWORK_BACKEND, else auto).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendChoice>,
+    /// The userland to explain (default: the top-level --userland, else
+    /// $COWORK_USERLAND, else auto).
+    #[arg(long, value_enum)]
+    pub userland: Option<UserlandArg>,
+}
+
+impl DoctorArgs {
+    /// The choices to explain: these options, else the top level's.
+    pub fn choices(&self, cli: &Cli) -> (BackendChoice, UserlandArg) {
+        (
+            self.backend.unwrap_or(cli.backend),
+            self.userland.unwrap_or(cli.userland),
+        )
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -278,7 +302,10 @@ pub fn main(args: Vec<String>) -> i32 {
             }
             crate::bench::main_with_args(a)
         }
-        Some(Command::Doctor) => doctor(&cli),
+        Some(Command::Doctor(ref d)) => {
+            let (backend, userland) = d.choices(&cli);
+            doctor(backend, userland)
+        }
         Some(Command::Vm(VmCommand::Run {
             kernel,
             initrd,
@@ -301,10 +328,10 @@ pub fn main(args: Vec<String>) -> i32 {
     }
 }
 
-fn doctor(cli: &Cli) -> i32 {
-    let (kind, why) = resolve_backend(cli.backend);
+fn doctor(backend: BackendChoice, userland: UserlandArg) -> i32 {
+    let (kind, why) = resolve_backend(backend);
     println!("auto picks: {} ({why})", kind.as_str());
-    println!("userland: {}", userland_line(cli.userland.into()));
+    println!("userland: {}", userland_line(userland.into()));
     match crate::sandbox::probe() {
         Ok(()) => {
             println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
@@ -523,5 +550,66 @@ mod tests {
             assert_eq!(UserlandChoice::from(cli.userland), choice);
         }
         assert!(Cli::try_parse_from(["h", "--userland", "ubuntu"]).is_err());
+    }
+
+    /// The help text of `args` (the last one being `--help`).
+    fn help(args: &[&str]) -> String {
+        let e = Cli::try_parse_from(args).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp, "{e}");
+        e.render().to_string()
+    }
+
+    #[test]
+    fn each_command_shows_only_its_own_options() {
+        let top = help(&["h", "--help"]);
+        for serving in ["--socket", "--backend", "--data-dir", "--idle-timeout"] {
+            assert!(top.contains(serving), "{serving} missing:\n{top}");
+        }
+        for sub in [&["h", "vm", "run", "--help"][..], &["h", "bench", "--help"]] {
+            let text = help(sub);
+            for serving in ["--socket", "--backend", "--data-dir", "--userland"] {
+                assert!(!text.contains(serving), "{sub:?} lists {serving}:\n{text}");
+            }
+        }
+        assert!(help(&["h", "vm", "run", "--help"]).contains("--kernel"));
+        assert!(help(&["h", "bench", "--help"]).contains("--quick"));
+        let doctor = help(&["h", "doctor", "--help"]);
+        assert!(doctor.contains("--backend") && doctor.contains("--userland"));
+        assert!(!doctor.contains("--socket") && !doctor.contains("--data-dir"));
+        // Serving options after a subcommand are refused, not ignored.
+        assert!(
+            Cli::try_parse_from(["h", "vm", "run", "--kernel", "k", "--socket", "/x"]).is_err()
+        );
+        assert!(Cli::try_parse_from(["h", "bench", "--data-dir", "/d"]).is_err());
+    }
+
+    #[test]
+    fn doctor_takes_its_choices_or_the_serving_ones() {
+        let parse = |v: &[&str]| {
+            let cli = Cli::try_parse_from(v).unwrap();
+            match &cli.command {
+                Some(Command::Doctor(d)) => d.choices(&cli),
+                other => panic!("not doctor: {other:?}"),
+            }
+        };
+        assert_eq!(
+            parse(&[
+                "h",
+                "doctor",
+                "--backend",
+                "qemu",
+                "--userland",
+                "initramfs"
+            ]),
+            (BackendChoice::Qemu, UserlandArg::Initramfs)
+        );
+        assert_eq!(
+            parse(&["h", "--backend", "kvm", "doctor"]).0,
+            BackendChoice::Kvm
+        );
+        assert_eq!(
+            parse(&["h", "--backend", "kvm", "doctor", "--backend", "sandbox"]).0,
+            BackendChoice::Sandbox
+        );
     }
 }
