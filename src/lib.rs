@@ -5,9 +5,14 @@
 //! [`protocol`]), keeps per-profile state ([`daemon`]), runs one sandbox VM
 //! per profile with the guest agent inside ([`vm`]), and fans the agent's
 //! process events out to the client's subscriptions ([`events`]).
-//! Backends ([`backend`]): the namespace sandbox ([`sandbox`]) and QEMU
-//! driving our own virtio devices over vhost-user; the in-process KVM
-//! machine lives in the `vmm` crate.
+//! Backends ([`backend`]): the namespace sandbox ([`sandbox`]), QEMU
+//! driving our own virtio devices over vhost-user ([`backend::qemu`]), and
+//! the in-process KVM machine of the `vmm` crate ([`backend::kvm`]).
+//! [`cli`] is the command line (serving, `doctor`, `bench`, `vm run`).
+//!
+//! Dependencies point one way: [`daemon`] → [`vm`] → [`backend`] (which
+//! never reaches back into [`vm`]); README.md's "Architecture" has the
+//! module map.
 
 pub mod backend;
 pub mod bench;

@@ -75,6 +75,8 @@ pub enum VmError {
     },
 }
 
+/// Locks `m`, taking over a lock poisoned by a panicking holder (the
+/// daemon keeps serving rather than panicking in turn).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
