@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use cowork_helper::egress::{
     AddressGuard, Credential, EgressDialer, EgressProxy, NoProxy, Policy, ProxyConfig,
+    UpstreamProxy,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
@@ -618,6 +619,60 @@ fn inner_egress() {
         )
         .await;
         assert_eq!(code, 0xff, "auth failure");
+
+        // Upstream (corporate) proxy: a front proxy dials through a back
+        // proxy, as it would through the helper's HTTPS_PROXY, except for
+        // NO_PROXY names. The back proxy admits only allowed.test, which
+        // shows which way each connection went.
+        let back = EgressProxy::new(
+            EgressDialer::new(AddressGuard::new(), None, NoProxy::default()),
+            ProxyConfig::default(),
+        );
+        let bl = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind back");
+        let bport = bl.local_addr().expect("addr").port();
+        let p = back.clone();
+        tokio::spawn(async move { p.serve_tcp(bl).await });
+        let corp = back.issue("corp", list(&["allowed.test"])).expect("issue");
+        let up = UpstreamProxy::parse(&format!("http://corp:{}@127.0.0.1:{bport}", corp.expose()))
+            .expect("upstream url");
+        let front = EgressProxy::new(
+            EgressDialer::new(AddressGuard::new(), Some(up), NoProxy::parse("other.test")),
+            ProxyConfig::default(),
+        );
+        let fdir = tempfile::tempdir().expect("tempdir");
+        let fsock = fdir.path().join("front.sock");
+        let fl = tokio::net::UnixListener::bind(&fsock).expect("bind front");
+        let p = front.clone();
+        tokio::spawn(async move { p.serve_unix(fl).await });
+        let fvia = Via::Unix(fsock);
+        let fc = front
+            .issue("front", list(&["allowed.test", "other.test", "v6.test"]))
+            .expect("issue");
+        let af = basic(&fc);
+        let (h, body) = connect_get(&fvia, "allowed.test:8080", &af, "/ok-upstream").await;
+        assert!(
+            h.starts_with("HTTP/1.1 200") && body.contains("srv4 GET /ok-upstream"),
+            "{h}{body}"
+        );
+        expected.insert("/ok-upstream".into());
+        let resp = absolute_get(&fvia, "http://allowed.test:8080/ok-upstream-abs", &af, "x").await;
+        assert!(resp.contains("srv4 GET /ok-upstream-abs"), "{resp}");
+        expected.insert("/ok-upstream-abs".into());
+        // v6.test goes to the back proxy, which refuses it: a 502 here.
+        let (h, _) = connect_get(&fvia, "v6.test:8080", &af, "/REFUSED-by-upstream").await;
+        assert!(h.starts_with("HTTP/1.1 502"), "{h}");
+        // other.test is in NO_PROXY: direct, so the back proxy's list does not apply.
+        let (h, body) = connect_get(&fvia, "other.test:8080", &af, "/ok-no-proxy").await;
+        assert!(
+            h.starts_with("HTTP/1.1 200") && body.contains("/ok-no-proxy"),
+            "{h}{body}"
+        );
+        expected.insert("/ok-no-proxy".into());
+        // The front's own list still applies first.
+        let (h, _) = connect_get(&fvia, "a.b.wild.test:8080", &af, "/REFUSED-front").await;
+        assert!(blocked(&h), "{h}");
 
         // Real clients, if present: curl through the proxy (absolute-form,
         // CONNECT tunnel, SOCKS by name), allowed and refused.

@@ -202,7 +202,7 @@ async fn connect(shared: Arc<Shared>, grant: Grant, req: Request<Incoming>) -> R
         match hyper::upgrade::on(req).await {
             Ok(upgraded) => {
                 let mut client = TokioIo::new(upgraded);
-                let _ = super::relay(&mut client, &mut upstream).await;
+                super::relay(&mut client, &mut upstream, &grant.session, &host, port).await;
             }
             Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
         }

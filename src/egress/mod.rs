@@ -347,13 +347,35 @@ impl EgressProxy {
 }
 
 /// Copies both ways until both sides are done; a side's EOF is passed on as
-/// a write shutdown (half-close), the other direction keeps flowing.
-pub(crate) async fn relay<A, B>(a: &mut A, b: &mut B) -> std::io::Result<(u64, u64)>
-where
+/// a write shutdown (half-close), the other direction keeps flowing. Logs
+/// one debug line at the end (session, destination, bytes, duration).
+pub(crate) async fn relay<A, B>(
+    client: &mut A,
+    upstream: &mut B,
+    session: &str,
+    host: &Host,
+    port: u16,
+) where
     A: AsyncRead + AsyncWrite + Unpin + ?Sized,
     B: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
-    tokio::io::copy_bidirectional_with_sizes(a, b, RELAY_BUFFER_BYTES, RELAY_BUFFER_BYTES).await
+    let started = Instant::now();
+    let result = tokio::io::copy_bidirectional_with_sizes(
+        client,
+        upstream,
+        RELAY_BUFFER_BYTES,
+        RELAY_BUFFER_BYTES,
+    )
+    .await;
+    let ms = started.elapsed().as_millis() as u64;
+    match result {
+        Ok((up, down)) => {
+            tracing::debug!(session, %host, port, up, down, ms, "egress closed")
+        }
+        Err(e) => {
+            tracing::debug!(session, %host, port, ms, error = %e, "egress closed with an error")
+        }
+    }
 }
 
 /// Transient accept errors back off; others end the accept loop.
@@ -387,6 +409,38 @@ pub fn proxy_url(session: &str, cred: &Credential, port: u16) -> String {
         }
     }
     format!("http://{user}:{}@127.0.0.1:{port}", cred.expose())
+}
+
+/// `NO_PROXY` for session processes: only the guest's own loopback
+/// bypasses the proxy (there is nothing else to reach directly).
+pub const SESSION_NO_PROXY: &str = "localhost,127.0.0.1,::1";
+
+/// The environment a spawn needs to use the proxy at `url` (from
+/// [`proxy_url`]): both spellings of the proxy variables (curl reads only
+/// lowercase `http_proxy`), `NO_PROXY`, `NODE_USE_ENV_PROXY=1` (Node's
+/// built-in `fetch` ignores the variables otherwise), and git's
+/// `http.proxyAuthMethod=basic` through `GIT_CONFIG_*` so git sends the
+/// credential without waiting for a 407. The caller merges these over the
+/// client's environment; `GIT_CONFIG_COUNT` replaces any the client set.
+pub fn proxy_env(url: &str) -> Vec<(&'static str, String)> {
+    let mut env: Vec<(&'static str, String)> = [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .into_iter()
+    .map(|k| (k, url.to_owned()))
+    .collect();
+    env.push(("NO_PROXY", SESSION_NO_PROXY.to_owned()));
+    env.push(("no_proxy", SESSION_NO_PROXY.to_owned()));
+    env.push(("NODE_USE_ENV_PROXY", "1".to_owned()));
+    env.push(("GIT_CONFIG_COUNT", "1".to_owned()));
+    env.push(("GIT_CONFIG_KEY_0", "http.proxyAuthMethod".to_owned()));
+    env.push(("GIT_CONFIG_VALUE_0", "basic".to_owned()));
+    env
 }
 
 /// A stream with one byte pushed back in front (the mux's peek).

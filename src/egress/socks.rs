@@ -215,7 +215,7 @@ where
     };
     stream.write_all(&reply(Reply::Succeeded)).await?;
     let _slot = slot;
-    let _ = super::relay(&mut stream, &mut upstream).await;
+    super::relay(&mut stream, &mut upstream, &grant.session, &host, port).await;
     Ok(())
 }
 

@@ -400,3 +400,23 @@ fn proxy_url_shape() {
         format!("http://my%20session%2F1:{}@127.0.0.1:3128", cred.expose())
     );
 }
+
+#[test]
+fn proxy_env_covers_every_spelling() {
+    let env = proxy_env("http://s:c@127.0.0.1:3128");
+    let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+    for k in [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ] {
+        assert_eq!(get(k), Some("http://s:c@127.0.0.1:3128"), "{k}");
+    }
+    assert_eq!(get("no_proxy"), Some("localhost,127.0.0.1,::1"));
+    assert_eq!(get("NODE_USE_ENV_PROXY"), Some("1"));
+    assert_eq!(get("GIT_CONFIG_KEY_0"), Some("http.proxyAuthMethod"));
+    assert_eq!(get("GIT_CONFIG_VALUE_0"), Some("basic"));
+}
