@@ -1,6 +1,7 @@
 //! This process's mount table: which mounts sit at or below a directory
-//! (read from `/proc/self/mountinfo`), detaching them, and the one lock that
-//! serializes every mount change the process makes.
+//! (read from `/proc/self/mountinfo`), detaching them, mounting a
+//! filesystem where none is yet ([`mount_unless_mounted`]), and the one lock
+//! that serializes the mount changes of sessions.
 //!
 //! A library-level module: the [`crate::janitor`] detaches the mounts below a
 //! session before deleting it (in the agent, and on the host when no agent
@@ -10,7 +11,9 @@
 //! Limits: only this process's mount namespace is seen; mount points are
 //! compared lexically (the caller passes a canonical path).
 
+use std::ffi::{CStr, OsStr};
 use std::io;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -25,8 +28,10 @@ const MOUNT_POINT_FIELD: usize = 4;
 
 static MOUNT_LOCK: Mutex<()> = Mutex::new(());
 
-/// Takes the lock that serializes all mount changes of this process. A
-/// poisoned lock is taken over: it guards no data, only ordering.
+/// Takes the lock that serializes the mount changes made while requests are
+/// served (the agent's session mounts and SDK bind, [`unmount_below`]); the
+/// boot-time mounts run before any request and do not take it. A poisoned
+/// lock is taken over: it guards no data, only ordering.
 pub(crate) fn lock() -> MutexGuard<'static, ()> {
     MOUNT_LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -84,6 +89,29 @@ pub fn unmount_below(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Mounts `source` as `fstype` with `flags` on `target`, creating `target`
+/// and its missing parents with `dir_mode`. A `target` that is a mount point
+/// already is left as it is (whatever is mounted there): boot steps that run
+/// again find their work done.
+pub fn mount_unless_mounted(
+    source: impl AsRef<OsStr>,
+    target: &Path,
+    fstype: &CStr,
+    flags: libc::c_ulong,
+    dir_mode: u32,
+) -> io::Result<()> {
+    if sys::is_mount_point(target).unwrap_or(false) {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(dir_mode)
+        .create(target)?;
+    let c_source = sys::cstring(source)?;
+    let c_target = sys::cstring(target)?;
+    sys::mount(Some(&c_source), &c_target, Some(fstype), flags, None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +121,21 @@ mod tests {
         assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
         assert_eq!(unescape_mountinfo("/x\\"), "/x\\");
+    }
+
+    #[test]
+    fn a_mount_point_is_left_alone_and_a_missing_target_is_made() {
+        // /proc is mounted: nothing is tried (the bogus type would fail).
+        mount_unless_mounted("none", Path::new("/proc"), c"no-such-fs", 0, 0o700).unwrap();
+        let t = tempfile::tempdir().unwrap();
+        let target = t.path().join("a/b");
+        let err = mount_unless_mounted("none", &target, c"no-such-fs", 0, 0o700).unwrap_err();
+        assert!(err.raw_os_error().is_some(), "{err}");
+        use std::os::unix::fs::PermissionsExt;
+        for dir in [target.as_path(), target.parent().unwrap()] {
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}", dir.display());
+        }
     }
 
     #[test]

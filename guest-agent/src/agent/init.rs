@@ -30,10 +30,10 @@
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use super::{clock, modules, userland};
+use crate::mounttable;
 use crate::proto;
 use crate::sys;
 
@@ -247,22 +247,12 @@ pub fn mount_sessions_share(tag: &'static str, target: &Path) -> Result<(), Init
         target: target.to_path_buf(),
         source,
     };
-    if sys::is_mount_point(target).unwrap_or(false) {
-        return Ok(());
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(SHARE_DIR_MODE)
-        .create(target)
-        .map_err(fail)?;
-    let c_target = sys::cstring(target).map_err(fail)?;
-    let c_tag = sys::cstring(tag).map_err(fail)?;
-    sys::mount(
-        Some(&c_tag),
-        &c_target,
-        Some(c"virtiofs"),
+    mounttable::mount_unless_mounted(
+        tag,
+        target,
+        c"virtiofs",
         libc::MS_NOSUID | libc::MS_NODEV,
-        None,
+        SHARE_DIR_MODE,
     )
     .map_err(fail)
 }

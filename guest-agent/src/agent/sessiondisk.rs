@@ -35,14 +35,13 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::extfs::{self, FsSize, Superblock};
+use crate::mounttable;
 use crate::proto;
-use crate::sys;
 
 /// Where block devices are listed in sysfs.
 pub const SYS_BLOCK: &str = "/sys/block";
@@ -289,22 +288,12 @@ pub fn mount(dev: &Path, target: &Path) -> Result<(), SessionDiskError> {
         target: target.to_path_buf(),
         source,
     };
-    if sys::is_mount_point(target).unwrap_or(false) {
-        return Ok(());
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(MOUNT_DIR_MODE)
-        .create(target)
-        .map_err(fail)?;
-    let c_dev = sys::cstring(dev).map_err(fail)?;
-    let c_target = sys::cstring(target).map_err(fail)?;
-    sys::mount(
-        Some(&c_dev),
-        &c_target,
-        Some(FSTYPE),
+    mounttable::mount_unless_mounted(
+        dev,
+        target,
+        FSTYPE,
         libc::MS_NOSUID | libc::MS_NODEV,
-        None,
+        MOUNT_DIR_MODE,
     )
     .map_err(fail)
 }
