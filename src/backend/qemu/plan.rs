@@ -162,21 +162,9 @@ impl QemuPlan {
         );
         push("-numa", "node,memdev=mem".into());
         push("-serial", "stdio".into());
-        push(
-            "-chardev",
-            format!(
-                "socket,id=vsock,path={}",
-                qemu_opt_escape(&self.vsock_socket.to_string_lossy())
-            ),
-        );
+        push("-chardev", chardev("vsock", &self.vsock_socket));
         push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
-        push(
-            "-chardev",
-            format!(
-                "socket,id=fs0,path={}",
-                qemu_opt_escape(&self.fs_socket.to_string_lossy())
-            ),
-        );
+        push("-chardev", chardev("fs0", &self.fs_socket));
         push(
             "-device",
             format!(
@@ -184,34 +172,16 @@ impl QemuPlan {
                 guest_agent::proto::SESSIONS_FS_TAG
             ),
         );
-        push(
-            "-chardev",
-            format!(
-                "socket,id=blk0,path={}",
-                qemu_opt_escape(&self.blk_socket.to_string_lossy())
-            ),
-        );
+        push("-chardev", chardev("blk0", &self.blk_socket));
         // One request queue: the device model serves exactly one.
         push(
             "-device",
             "vhost-user-blk-pci,chardev=blk0,num-queues=1".into(),
         );
-        push(
-            "-chardev",
-            format!(
-                "socket,id=rng0,path={}",
-                qemu_opt_escape(&self.rng_socket.to_string_lossy())
-            ),
-        );
+        push("-chardev", chardev("rng0", &self.rng_socket));
         push("-device", "vhost-user-rng-pci,chardev=rng0".into());
         for (i, root) in self.root_disks.iter().enumerate() {
-            push(
-                "-chardev",
-                format!(
-                    "socket,id=root{i},path={}",
-                    qemu_opt_escape(&root.socket.to_string_lossy())
-                ),
-            );
+            push("-chardev", chardev(&format!("root{i}"), &root.socket));
             // Read-only comes from the backend (VIRTIO_BLK_F_RO), the serial
             // from its GET_ID answer.
             push(
@@ -227,6 +197,14 @@ impl QemuPlan {
         a.push(cmdline.into());
         a
     }
+}
+
+/// The `-chardev` value of a vhost-user socket: a client of `path` named `id`.
+fn chardev(id: &str, path: &Path) -> String {
+    format!(
+        "socket,id={id},path={}",
+        qemu_opt_escape(&path.to_string_lossy())
+    )
 }
 
 /// Escapes a value for QEMU's `key=value,...` option syntax (commas double).

@@ -20,6 +20,18 @@ fn no_userland() -> UserlandPlan {
     }
 }
 
+/// Starts `plan` with default shared-folder options and no root disk.
+async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuError> {
+    start(
+        plan,
+        run_dir,
+        "test",
+        SessionFsOptions::default(),
+        no_userland(),
+    )
+    .await
+}
+
 fn plan(accel: Accel, socket: &str) -> QemuPlan {
     QemuPlan {
         qemu: "/usr/bin/qemu-system-x86_64".into(),
@@ -203,15 +215,9 @@ async fn a_failed_boot_quotes_the_console_and_cleans_up() {
         std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
         0o700
     );
-    let booted = start(
-        fake_plan(qemu, &run_dir),
-        run_dir,
-        "test",
-        SessionFsOptions::default(),
-        no_userland(),
-    )
-    .await
-    .unwrap();
+    let booted = start_plain(fake_plan(qemu, &run_dir), run_dir)
+        .await
+        .unwrap();
     let Machine::Qemu(mut m) = booted.machine else {
         panic!("not a QEMU machine")
     };
@@ -252,15 +258,9 @@ async fn kill_before_the_agent_connected_does_not_wait() {
     let tmp = tempfile::tempdir().unwrap();
     let qemu = fake_qemu(tmp.path(), "echo started; exec sleep 600");
     let run_dir = RunDir::create().unwrap();
-    let booted = start(
-        fake_plan(qemu, &run_dir),
-        run_dir,
-        "test",
-        SessionFsOptions::default(),
-        no_userland(),
-    )
-    .await
-    .unwrap();
+    let booted = start_plain(fake_plan(qemu, &run_dir), run_dir)
+        .await
+        .unwrap();
     let Machine::Qemu(mut m) = booted.machine else {
         panic!("not a QEMU machine")
     };
@@ -306,15 +306,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
     // Another VM holds the disk: refused, saying so.
     let holder = RawImage::open(&disk).unwrap();
     let run_dir = RunDir::create().unwrap();
-    match start(
-        plan_with_disk(&run_dir),
-        run_dir,
-        "test",
-        SessionFsOptions::default(),
-        no_userland(),
-    )
-    .await
-    {
+    match start_plain(plan_with_disk(&run_dir), run_dir).await {
         Err(e @ QemuError::SessionDisk(ImageError::Locked(_))) => {
             assert!(e.to_string().contains("in use by another VM"), "{e}")
         }
@@ -324,15 +316,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
     drop(holder);
     // A boot that fails after the disk was opened closes it again.
     let run_dir = RunDir::create().unwrap();
-    match start(
-        plan_with_disk(&run_dir),
-        run_dir,
-        "test",
-        SessionFsOptions::default(),
-        no_userland(),
-    )
-    .await
-    {
+    match start_plain(plan_with_disk(&run_dir), run_dir).await {
         Err(QemuError::Spawn { .. }) => {}
         Err(e) => panic!("unexpected error: {e}"),
         Ok(_) => panic!("started a missing binary"),
@@ -344,15 +328,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
 async fn a_missing_qemu_binary_is_a_clear_error() {
     let run_dir = RunDir::create().unwrap();
     let plan = fake_plan("/nonexistent/qemu-system-x86_64".into(), &run_dir);
-    match start(
-        plan,
-        run_dir,
-        "test",
-        SessionFsOptions::default(),
-        no_userland(),
-    )
-    .await
-    {
+    match start_plain(plan, run_dir).await {
         Err(QemuError::Spawn { qemu, .. }) => {
             assert_eq!(qemu, PathBuf::from("/nonexistent/qemu-system-x86_64"))
         }
