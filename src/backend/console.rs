@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex};
 /// Console lines kept for error messages.
 pub const CONSOLE_TAIL: usize = 40;
 /// Console lines quoted in an error.
-pub(crate) const QUOTED_LINES: usize = 15;
+pub const QUOTED_LINES: usize = 15;
 /// Longest console line kept; the rest of a longer one starts a new line.
-pub(crate) const MAX_CONSOLE_LINE: usize = 1024;
+pub const MAX_CONSOLE_LINE: usize = 1024;
 
 /// The last console lines, shared by the readers and the error paths.
 #[derive(Clone, Default)]

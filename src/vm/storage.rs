@@ -38,11 +38,12 @@ pub fn session_disk_bytes(disk_size_gb: u64) -> Result<u64, VmError> {
 impl Vm {
     /// Creates (or keeps) the persistent session storage. Sandbox: the
     /// host sessions directory (`disk_size_gb` does not apply). qemu and
-    /// kvm: the sparse session disk [`VmConfig::session_disk`]. An existing
-    /// disk is never truncated, shrunk or recreated: with `disk_size_gb` it
-    /// is grown sparsely when smaller (the guest's filesystem keeps its
-    /// size) and kept when larger; without it (`startVM`) it is kept as it
-    /// is, and a missing one is created with [`DEFAULT_SESSION_DISK_GIB`].
+    /// kvm: the sparse session disk
+    /// [`crate::backend::VmConfig::session_disk`]. An existing disk is never
+    /// truncated, shrunk or recreated: with `disk_size_gb` it is grown
+    /// sparsely when smaller (the guest's filesystem keeps its size) and
+    /// kept when larger; without it (`startVM`) it is kept as it is, and a
+    /// missing one is created with [`DEFAULT_SESSION_DISK_GIB`].
     pub fn create_storage(&self, disk_size_gb: Option<u64>) -> Result<(), VmError> {
         if !self.cfg.uses_session_disk() {
             return std::fs::create_dir_all(self.cfg.sessions_dir()).map_err(|e| {
