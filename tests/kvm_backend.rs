@@ -33,26 +33,23 @@
 //! `COWORK_KVM_E2E_VERBOSE=1` prints the helper's log (guest console included);
 //! `COWORK_KVM_E2E_HELPER=PATH` tests another helper binary (a release build).
 
-#[path = "support/nested.rs"]
-mod nested;
+mod support;
 
-#[path = "support/session_checks.rs"]
-mod session_checks;
-#[path = "support/vm_helper.rs"]
-mod vm_helper;
-
-use std::fs::File;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use cowork_helper::backend::image::{self, GuestImage};
-use cowork_helper::client::{Pipe, Subscription};
-use cowork_helper::daemon::profile_key;
-use serde_json::{json, Value};
-use vm_helper::VmHelper;
+use cowork_helper::client::Pipe;
+use serde_json::json;
+use support::nested::{self, Mode};
+use support::procfs::{kvm_fds, large_mappings_rss_kib, status_kib, thread_names};
+use support::session::{self, run};
+use support::session_checks::{self, HostFolders};
+use support::session_disk::{
+    self, assert_sparse, assert_unlocked, disk_info, read_kept, write_on_disk, GIB, KEPT_FILE,
+};
+use support::vm_helper::{self, VmHelper};
 
 /// Name of the test (also what the nested re-run selects).
 const TEST: &str = "kvm_backend_end_to_end";
@@ -97,26 +94,12 @@ const VM_THREADS: [&str; 6] = [
 ];
 /// `createVM.diskSizeGB` of the test.
 const DISK_GB: u64 = 1;
-/// One GiB.
-const GIB: u64 = 1 << 30;
-/// The session whose file lives on the session disk across boots.
+/// The session whose file ([`KEPT_FILE`]) lives on the session disk across boots.
 const KEPT_SESSION: &str = "keep";
-/// The file it writes (relative to its session directory) and its content.
-const KEPT_FILE: &str = "kept.txt";
+/// What it writes there.
 const KEPT_CONTENT: &str = "written on the first kvm boot\n";
-/// The agent's log lines (guest-agent/src/agent/sessiondisk.rs) for a
-/// blank disk it formats and for one it finds formatted.
-const DISK_FORMATTING: &str = "formatting the blank session disk";
-const DISK_FORMATTED: &str = "session disk formatted and mounted";
-const DISK_MOUNTED: &str = "session disk mounted";
 /// The helper's log line for a VM the guest powered off (stopVM's clean end).
 const POWERED_OFF: &str = "kvm vm stopped how=the guest powered the VM off";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Direct,
-    Nested,
-}
 
 /// Environment variable naming another helper binary to test (e.g. a
 /// release build, for its RSS); default: the one cargo built for the test.
@@ -160,29 +143,13 @@ fn build_image() -> Result<GuestImage, String> {
 /// How to run, or `None` after a loud skip. Panics when the test is
 /// required and something is missing.
 fn plan() -> Option<Mode> {
-    let required = nested::nested_tests_required();
     let unavailable = |reason: String| -> Option<Mode> {
-        assert!(
-            !required,
-            "COWORK_NESTED_TESTS=1 but {TEST} cannot run: {reason}"
-        );
-        nested::loud_skip(TEST, &reason);
+        nested::unavailable(TEST, &reason);
         None
     };
-    let mode = match std::env::var("COWORK_NESTED_MODE").as_deref() {
-        Ok("direct") => Mode::Direct,
-        Ok("nested") => Mode::Nested,
-        Ok("") | Err(_) => {
-            if nested::host_kvm_boots_linux().is_ok() {
-                Mode::Direct
-            } else {
-                Mode::Nested
-            }
-        }
-        Ok(other) => panic!("COWORK_NESTED_MODE must be 'direct' or 'nested', not '{other}'"),
-    };
+    let mode = nested::mode();
     if let Err(why) = vm_helper::image_for(&helper_exe()) {
-        if !required {
+        if !nested::nested_tests_required() {
             return unavailable(format!(
                 "no guest image ({why}); build it with scripts/mkguestimage.sh"
             ));
@@ -280,17 +247,6 @@ fn nested_run() {
     }
 }
 
-/// Names of the threads of `pid`.
-fn thread_names(pid: u32) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
-        .map(|c| c.trim().to_string())
-        .collect()
-}
-
 /// Threads of `pid` that belong to a running VM.
 fn vm_threads(pid: u32) -> Vec<String> {
     thread_names(pid)
@@ -299,78 +255,23 @@ fn vm_threads(pid: u32) -> Vec<String> {
         .collect()
 }
 
-/// Open fds of `pid` on `/dev/kvm` or KVM's anonymous inodes (VM, vCPUs).
-fn kvm_fds(pid: u32) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .map(|t| t.to_string_lossy().into_owned())
-        .filter(|t| t == "/dev/kvm" || t.starts_with("anon_inode:kvm"))
-        .collect()
-}
-
-/// Resident KiB of the mappings of `pid` at least `min_kib` large (the
-/// guest's RAM: nothing else in the helper maps that much).
-fn large_mappings_rss_kib(pid: u32, min_kib: u64) -> Option<u64> {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
-    let kib = |l: &str, key: &str| -> Option<u64> {
-        l.strip_prefix(key)?.split_whitespace().next()?.parse().ok()
-    };
-    let mut total = 0;
-    let mut size = 0;
-    for l in smaps.lines() {
-        if let Some(s) = kib(l, "Size:") {
-            size = s;
-        } else if let Some(r) = kib(l, "Rss:") {
-            if size >= min_kib {
-                total += r;
-            }
-        }
-    }
-    Some(total)
-}
-
-/// `field` (e.g. `VmRSS`) of `/proc/<pid>/status`, in KiB.
-fn status_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-}
-
-/// The image is not locked by anyone (the helper closed it): an exclusive
-/// `flock` succeeds.
-fn assert_unlocked(disk: &Path) {
-    let f = File::open(disk).expect("open the session disk");
-    // SAFETY: flock on an owned descriptor, released when `f` closes.
-    let r = unsafe {
-        libc::flock(
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            libc::LOCK_EX | libc::LOCK_NB,
-        )
-    };
-    assert_eq!(r, 0, "the session disk is still locked after stopVM");
-}
-
 /// startVM with the test's size, timed; panics with the helper's log.
 async fn start_vm(pipe: &Pipe, helper: &VmHelper, what: &str) -> Duration {
-    let t0 = Instant::now();
-    tokio::time::timeout(
-        START_LIMIT,
-        pipe.call("startVM", json!({"memoryGB": MEMORY_GB, "cpuCount": CPUS})),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("{what}: startVM took over {START_LIMIT:?}"))
-    .unwrap_or_else(|e| panic!("{what}: startVM: {e}\n{}", helper.log_text()));
-    t0.elapsed()
+    let params = json!({"memoryGB": MEMORY_GB, "cpuCount": CPUS});
+    session::start_vm(pipe, helper, params, START_LIMIT, what).await
 }
 
-/// stopVM, timed, and checks the VM is gone from the helper: not running,
+/// stopVM (the `stops`-th of the test), timed, and checks the guest
+/// powered off by itself and the VM is gone from the helper: not running,
 /// agent disconnected, no VM thread or KVM fd left, the disk unlocked.
-async fn stop_vm(pipe: &Pipe, pid: u32, disk: &Path, what: &str) -> Duration {
+async fn stop_vm(
+    pipe: &Pipe,
+    helper: &VmHelper,
+    disk: &Path,
+    stops: usize,
+    what: &str,
+) -> Duration {
+    let pid = helper.pid();
     let t0 = Instant::now();
     pipe.call("stopVM", json!({}))
         .await
@@ -394,22 +295,17 @@ async fn stop_vm(pipe: &Pipe, pid: u32, disk: &Path, what: &str) -> Duration {
     let fds = kvm_fds(pid);
     assert!(fds.is_empty(), "{what}: KVM fds left after stopVM: {fds:?}");
     assert_unlocked(disk);
+    let log = helper.log_text();
+    assert_eq!(
+        log.matches(POWERED_OFF).count(),
+        stops,
+        "{what}: the guest did not power off cleanly: {log}"
+    );
+    assert!(
+        !log.contains("did not power off in time"),
+        "{what}: the VM had to be stopped by the host: {log}"
+    );
     took
-}
-
-/// readFile of the kept session's file, decoded.
-async fn read_kept(pipe: &Pipe) -> Result<String, String> {
-    let r = pipe
-        .call(
-            "readFile",
-            json!({"processName": KEPT_SESSION, "filePath": KEPT_FILE}),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(r["content"].as_str().unwrap_or_default())
-        .map_err(|e| e.to_string())?;
-    String::from_utf8(bytes).map_err(|e| e.to_string())
 }
 
 fn body() {
@@ -431,38 +327,17 @@ async fn body_async() {
     );
     let pid = helper.pid();
     let root = "/tmp/kvm-e2e-profile";
-    let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
-        .await
-        .expect("connect");
-    pipe.call(
-        "configure",
-        json!({"userDataName": PROFILE, "userDataRoot": root, "sessionOnly": true}),
-    )
-    .await
-    .expect("configure");
-    let mut sub = Subscription::connect(&helper.socket, PROFILE, root)
-        .await
-        .expect("subscribe");
+    let (pipe, mut sub) = session::client(&helper, PROFILE, root, START_LIMIT).await;
     let rss_idle = status_kib(pid, "VmRSS");
     assert!(vm_threads(pid).is_empty(), "VM threads before startVM");
 
     // createVM makes the profile's sparse session disk at the asked size
     // (before any startVM, which would create the default size).
-    let disk = helper
-        .dir
-        .join("data/profiles")
-        .join(profile_key(Some(PROFILE), Some(root)))
-        .join("sessiondata.img");
+    let disk = session_disk::image_path(&helper.dir, PROFILE, root);
     pipe.call("createVM", json!({"diskSizeGB": DISK_GB}))
         .await
         .expect("createVM");
-    let meta = std::fs::metadata(&disk).expect("createVM made no session disk");
-    assert_eq!(meta.len(), DISK_GB * GIB);
-    assert!(
-        meta.blocks() * 512 < 1 << 20,
-        "the session disk is not sparse: {} blocks",
-        meta.blocks()
-    );
+    assert_sparse(&disk, DISK_GB * GIB);
 
     // A bundle whose kernel is not one: startVM fails with the reason and
     // leaves nothing running.
@@ -493,42 +368,22 @@ async fn body_async() {
 
     // Boot: startVM returns once the agent said hello over vsock.
     let boot = start_vm(&pipe, &helper, "first boot").await;
-    for step in ["vm_boot", "guest_vsock_connect"] {
-        let ev = sub
-            .next_matching(T, |v: &Value| {
-                v["type"] == "startupStep" && v["step"] == step && v["status"] == "completed"
-            })
-            .await
-            .unwrap_or_else(|e| panic!("no completed {step}: {e}"));
-        assert_eq!(ev["status"], "completed");
-    }
-    assert_eq!(
-        pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"],
-        json!(true)
-    );
+    session::assert_booted(&pipe, &mut sub, &helper, "kvm", T).await;
     let log = helper.log_text();
-    assert!(
-        log.contains("guest agent connected") && log.contains("backend=\"kvm\""),
-        "the helper log lacks the agent's hello: {log}"
-    );
     assert!(
         log.contains("kvm vm started"),
         "the in-process VM did not start: {log}"
-    );
-    assert!(
-        log.contains("agent starting as the VM's init"),
-        "the guest console (agent as PID 1) is not in the helper log: {log}"
     );
     assert!(
         log.contains("session share mounted"),
         "the agent did not mount the in-process virtio-fs share: {log}"
     );
     assert!(
-        log.contains(DISK_FORMATTING) && log.contains(DISK_FORMATTED),
+        log.contains(session_disk::FORMATTING) && log.contains(session_disk::FORMATTED),
         "the agent did not format the blank session disk: {log}"
     );
     assert!(
-        !log.contains(DISK_MOUNTED),
+        !log.contains(session_disk::MOUNTED),
         "the blank disk was mounted unformatted: {log}"
     );
     let running = vm_threads(pid);
@@ -541,17 +396,8 @@ async fn body_async() {
 
     // A process in the guest: its stdout and exit code come back.
     let t_spawn = Instant::now();
-    pipe.call(
-        "spawn",
-        json!({"id": "echo-1", "name": "s1", "command": "/bin/echo",
-               "args": ["hello-from-kvm"], "isResume": false}),
-    )
-    .await
-    .expect("spawn");
-    let out = sub
-        .collect_process("echo-1", T)
-        .await
-        .expect("echo's events");
+    let echo = session::spawn("echo-1", "s1", "/bin/echo", &["hello-from-kvm"]);
+    let out = run(&pipe, &mut sub, echo, T).await;
     let spawn_time = t_spawn.elapsed();
     assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
     assert_eq!(out.stdout_str(), "hello-from-kvm\n");
@@ -588,166 +434,75 @@ async fn body_async() {
     // Host folders through the in-process virtio-fs share: an ro mount is
     // read and refuses writes (enforced by the host), an rw mount's write
     // reaches the host.
-    let host_dir = helper.dir.join("shared");
-    let (ro, rw) = (host_dir.join("ro"), host_dir.join("rw"));
-    for d in [&ro, &rw] {
-        std::fs::create_dir_all(d).expect("host dir");
-    }
-    std::fs::write(ro.join("readme.txt"), "host ro content\n").unwrap();
-    let m = "/sessions/s2/mnt";
-    let script = format!(
-        "cat {m}/ro/readme.txt
-         (echo x > {m}/ro/evil.txt) 2>/dev/null && echo create-ro=ok || echo create-ro=refused
-         echo from-kvm-guest > {m}/rw/new.txt && echo write-rw=ok"
-    );
-    let rel = |p: &Path| p.to_string_lossy().trim_start_matches('/').to_string();
-    let r = pipe
-        .call(
-            "spawn",
-            json!({"id": "fs-1", "name": "s2", "command": "/bin/sh", "args": ["-c", script],
-                   "isResume": false, "additionalMounts": {
-                       "ro": {"path": rel(&ro), "mode": "ro"},
-                       "rw": {"path": rel(&rw), "mode": "rw"}}}),
-        )
-        .await
-        .expect("spawn with mounts");
-    assert_eq!(r["failedMounts"], json!([]), "{r}");
-    let out = sub.collect_process("fs-1", T).await.expect("fs-1 events");
-    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
-    assert_eq!(
-        out.stdout_str(),
-        "host ro content\ncreate-ro=refused\nwrite-rw=ok\n",
-        "stderr: {}",
-        out.stderr_str()
-    );
-    assert_eq!(
-        std::fs::read_to_string(rw.join("new.txt")).unwrap(),
-        "from-kvm-guest\n"
-    );
-    assert!(!ro.join("evil.txt").exists());
+    let folders = HostFolders::create(&helper.dir.join("shared"));
+    let more = session_checks::host_folders(&pipe, &mut sub, &folders, "fs-1", "s2", "", T).await;
+    assert_eq!(more, "", "output nobody asked for");
 
     // The session disk: a session's working directory is on it (ext4 at
     // /sessions) and the janitor measures it and lists the session.
-    let script = format!(
-        "printf '{}' > {KEPT_FILE} && pwd && grep ' /sessions ' /proc/mounts",
-        KEPT_CONTENT.replace('\n', "\\n")
-    );
-    pipe.call(
-        "spawn",
-        json!({"id": "keep-1", "name": KEPT_SESSION, "command": "/bin/sh",
-               "args": ["-c", script], "isResume": false}),
-    )
-    .await
-    .expect("spawn the writer");
-    let out = sub
-        .collect_process("keep-1", T)
-        .await
-        .expect("keep-1 events");
-    let text = out.stdout_str();
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{} {}",
-        out.exit,
-        out.stderr_str()
-    );
+    let (sessions_mount, text) =
+        write_on_disk(&pipe, &mut sub, "keep-1", KEPT_SESSION, KEPT_CONTENT, "", T).await;
     assert!(
-        text.starts_with(&format!("/sessions/{KEPT_SESSION}\n")),
-        "{text}"
-    );
-    let sessions_mount = text
-        .lines()
-        .find(|l| l.split_whitespace().nth(1) == Some("/sessions"))
-        .unwrap_or_default()
-        .to_string();
-    assert!(
-        sessions_mount.split_whitespace().nth(2) == Some("ext4")
-            && sessions_mount.starts_with("/dev/vd"),
+        sessions_mount.starts_with("/dev/vd"),
         "/sessions is not the ext4 session disk: {text}"
     );
-    let info = pipe
-        .call("getSessionsDiskInfo", json!({"lowWaterBytes": 0}))
-        .await
-        .expect("getSessionsDiskInfo");
-    let total = info["totalBytes"].as_u64().unwrap_or(0);
+    let info = disk_info(&pipe).await;
+    let total = info.total;
     assert!(
-        total > DISK_GB * GIB * 85 / 100 && total <= DISK_GB * GIB,
-        "totalBytes {total} is not the {DISK_GB} GiB disk: {info}"
+        info.spans(DISK_GB * GIB),
+        "totalBytes {total} is not the {DISK_GB} GiB disk: {}",
+        info.reply
     );
     assert!(
-        info["sessions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|s| s["name"] == KEPT_SESSION),
-        "getSessionsDiskInfo does not list {KEPT_SESSION}: {info}"
+        info.lists(KEPT_SESSION),
+        "getSessionsDiskInfo does not list {KEPT_SESSION}: {}",
+        info.reply
     );
 
     // stopVM: the guest powers off and the VM is gone from the helper.
-    let stop_time = stop_vm(&pipe, pid, &disk, "first boot").await;
-    let log = helper.log_text();
-    assert_eq!(
-        log.matches(POWERED_OFF).count(),
-        1,
-        "the guest did not power off cleanly: {log}"
-    );
-    assert!(
-        !log.contains("did not power off in time"),
-        "the VM had to be stopped by the host: {log}"
-    );
+    let stop_time = stop_vm(&pipe, &helper, &disk, 1, "first boot").await;
     let rss_stopped = status_kib(pid, "VmRSS");
 
     // Second boot in the same helper: the agent mounts the disk it
     // formatted (no second format) and the session's file is there.
     let boot2 = start_vm(&pipe, &helper, "second boot").await;
-    assert_eq!(read_kept(&pipe).await.as_deref(), Ok(KEPT_CONTENT));
+    assert_eq!(
+        read_kept(&pipe, KEPT_SESSION).await.as_deref(),
+        Ok(KEPT_CONTENT)
+    );
     let log = helper.log_text();
     assert_eq!(
-        log.matches(DISK_FORMATTING).count(),
+        log.matches(session_disk::FORMATTING).count(),
         1,
         "the session disk was formatted again: {log}"
     );
     assert_eq!(
-        log.matches(DISK_FORMATTED).count(),
+        log.matches(session_disk::FORMATTED).count(),
         1,
         "the session disk was formatted again: {log}"
     );
     assert_eq!(
-        log.matches(DISK_MOUNTED).count(),
+        log.matches(session_disk::MOUNTED).count(),
         1,
         "the second boot did not mount the formatted session disk: {log}"
     );
     assert!(
-        !log.contains("not cleanly unmounted"),
+        !log.contains(session_disk::NOT_CLEAN),
         "the first power-off left the session disk's journal to replay: {log}"
     );
     let mounted_line = log
         .lines()
-        .find(|l| l.contains(DISK_MOUNTED))
+        .find(|l| l.contains(session_disk::MOUNTED))
         .unwrap_or_default()
         .trim()
         .to_string();
-    let stop2_time = stop_vm(&pipe, pid, &disk, "second boot").await;
-    let log = helper.log_text();
-    assert_eq!(
-        log.matches(POWERED_OFF).count(),
-        2,
-        "the guest did not power off cleanly twice: {log}"
-    );
-    assert!(
-        !log.contains("did not power off in time"),
-        "the VM had to be stopped by the host: {log}"
-    );
+    let stop2_time = stop_vm(&pipe, &helper, &disk, 2, "second boot").await;
     let hwm = status_kib(pid, "VmHWM");
 
     drop(sub);
     drop(pipe);
-    let st = helper.stop().expect("helper exit status");
-    assert!(st.success(), "helper exit: {st:?}\n{}", helper.log_text());
+    helper.stop_clean(VERBOSE_ENV);
 
-    if std::env::var_os(VERBOSE_ENV).is_some() {
-        println!("---- helper log ----\n{}---- end ----", helper.log_text());
-    }
     let boot_line = helper
         .log_text()
         .lines()

@@ -17,14 +17,13 @@
 //! same kernel and initramfs with `qemu-system-x86_64 -enable-kvm -M microvm` instead of
 //! cowork-helper, to validate the harness and the test itself independently of our VMM.
 
-#[path = "support/nested.rs"]
-mod nested;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nested::{shell_quote, Kernel};
+use support::nested::{self, shell_quote, Kernel, Mode};
 
 const BOOT_MARKER: &str = "COWORK-BOOT-OK";
 const CPUS_MARKER: &str = "COWORK-BOOT-CPUS ";
@@ -38,12 +37,6 @@ const NESTED_VMM_TIMEOUT: Duration = Duration::from_secs(240);
 const NESTED_HARNESS_TIMEOUT: Duration = Duration::from_secs(330);
 /// Limit for one guest boot on a host with hardware KVM.
 const DIRECT_TIMEOUT: Duration = Duration::from_secs(60);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Direct,
-    Nested,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Vmm {
@@ -69,10 +62,7 @@ struct Plan {
 fn plan(test: &str) -> Option<Plan> {
     let required = nested::nested_tests_required();
     let unavailable = |reason: String| -> Option<Plan> {
-        if required {
-            panic!("COWORK_NESTED_TESTS=1 but {test} cannot run: {reason}");
-        }
-        nested::loud_skip(test, &reason);
+        nested::unavailable(test, &reason);
         None
     };
 
@@ -81,18 +71,7 @@ fn plan(test: &str) -> Option<Plan> {
         Ok("cowork-helper") | Ok("") | Err(_) => Vmm::CoworkHelper,
         Ok(other) => panic!("COWORK_NESTED_VMM must be 'qemu' or 'cowork-helper', not '{other}'"),
     };
-    let mode = match std::env::var("COWORK_NESTED_MODE").as_deref() {
-        Ok("direct") => Mode::Direct,
-        Ok("nested") => Mode::Nested,
-        Ok("") | Err(_) => {
-            if nested::host_kvm_boots_linux().is_ok() {
-                Mode::Direct
-            } else {
-                Mode::Nested
-            }
-        }
-        Ok(other) => panic!("COWORK_NESTED_MODE must be 'direct' or 'nested', not '{other}'"),
-    };
+    let mode = nested::mode();
 
     let kernel = match nested::cached_kernel() {
         Some(k) => k,

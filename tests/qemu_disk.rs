@@ -16,27 +16,21 @@
 //! (rebuild it with `scripts/mkguestimage.sh`). With `COWORK_QEMU_TESTS=1`
 //! a missing prerequisite fails the test instead of skipping it.
 
-#[path = "support/vm_helper.rs"]
-mod vm_helper;
+mod support;
 
-use std::fs::File;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use base64::Engine;
 use cowork_helper::backend::image::GuestImage;
-use cowork_helper::backend::qemu;
-use cowork_helper::client::{Pipe, Subscription};
-use cowork_helper::daemon::profile_key;
-use serde_json::{json, Value};
-use vm_helper::VmHelper;
+use cowork_helper::client::{Pipe, Subscription, DEFAULT_TIMEOUT};
+use serde_json::json;
+use support::gate::{qemu_gate, qemu_missing};
+use support::session;
+use support::session_disk::{
+    self, assert_sparse, assert_unlocked, disk_info, read_kept, write_on_disk, GIB,
+};
+use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
 
-/// Environment variable that makes missing prerequisites a failure.
-const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
-/// Environment variable that prints the helpers' whole logs at the end.
-const VERBOSE_ENV: &str = "COWORK_QEMU_E2E_VERBOSE";
 /// Profile of the test.
 const PROFILE: &str = "qemu-disk";
 /// `userDataRoot` of the profile.
@@ -44,21 +38,17 @@ const ROOT: &str = "/tmp/qemu-disk-profile";
 /// Limit for one request or one process's events (a TCG boot takes a few
 /// seconds; the machine is shared).
 const T: Duration = Duration::from_secs(120);
-/// One GiB.
-const GIB: u64 = 1 << 30;
+/// How long the helper gets to listen on its socket.
+const LISTEN_LIMIT: Duration = Duration::from_secs(15);
 /// The session whose file must survive.
 const SESSION: &str = "keep";
 /// What it writes.
 const CONTENT: &str = "written before the first stopVM\n";
 
-fn helper_exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
-}
-
 /// The guest image the helper binary will use, or why there is none or
 /// it is too old to format the session disk.
 fn image_for_helper() -> Result<GuestImage, String> {
-    let img = vm_helper::image_for(&helper_exe())?;
+    let img = vm_helper::image_for(&built_helper())?;
     let listing = Command::new("sh")
         .arg("-c")
         .arg("gzip -dc \"$1\" | cpio -t --quiet")
@@ -80,116 +70,28 @@ fn image_for_helper() -> Result<GuestImage, String> {
 
 /// Whether the test may run; panics when it must run but cannot.
 fn prerequisites() -> bool {
-    let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
-    let missing: Vec<String> = [
-        qemu::find_qemu().err().map(|e| e.to_string()),
-        image_for_helper()
-            .err()
-            .map(|e| format!("no usable guest image ({e}); build it with scripts/mkguestimage.sh")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !required,
-        "{REQUIRE_ENV}=1 but the QEMU session-disk test cannot run: {}",
-        missing.join("; ")
-    );
-    eprintln!(
-        "\n========================================================================\n\
-         SKIPPED qemu_disk: {}\n\
-         (set {REQUIRE_ENV}=1 to make this a failure)\n\
-         ========================================================================\n",
-        missing.join("; ")
-    );
-    false
+    qemu_gate(
+        "qemu_disk",
+        "the QEMU session-disk test",
+        [
+            qemu_missing(),
+            image_for_helper().err().map(|e| {
+                format!("no usable guest image ({e}); build it with scripts/mkguestimage.sh")
+            }),
+        ],
+    )
 }
 
-/// SIGTERM; asserts a clean exit (bounded), printing the log when
-/// `VERBOSE_ENV` is set.
-fn stop_clean(helper: &mut VmHelper) {
-    let status = helper.stop();
-    if std::env::var_os(VERBOSE_ENV).is_some() {
-        eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
-    }
-    let status = status.expect("helper exit status");
-    assert!(
-        status.success(),
-        "helper exit: {status}\n{}",
-        helper.log_text()
-    );
-}
-
-/// A connected, configured pipe and a subscription for the test's profile.
+/// A client of the test's profile (calls wait the client's default time).
 async fn connect(helper: &VmHelper) -> (Pipe, Subscription) {
-    let pipe = Pipe::connect_profile(&helper.socket, PROFILE, ROOT)
-        .await
-        .expect("connect");
-    let sub = Subscription::connect(&helper.socket, PROFILE, ROOT)
-        .await
-        .expect("subscribe");
-    (pipe, sub)
+    session::client(helper, PROFILE, ROOT, DEFAULT_TIMEOUT).await
 }
 
 /// startVM, timed.
-async fn start_vm(pipe: &Pipe, what: &str) {
-    let t0 = Instant::now();
-    tokio::time::timeout(
-        T,
-        pipe.call("startVM", json!({"memoryGB": 1, "cpuCount": 1})),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("{what}: startVM took over {T:?}"))
-    .unwrap_or_else(|e| panic!("{what}: startVM: {e}"));
-    eprintln!("qemu_disk: {what}: startVM took {:?}", t0.elapsed());
-}
-
-/// readFile of the session's file, decoded.
-async fn read_kept(pipe: &Pipe) -> Result<String, String> {
-    let r = pipe
-        .call(
-            "readFile",
-            json!({"processName": SESSION, "filePath": "kept.txt"}),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(r["content"].as_str().unwrap_or_default())
-        .map_err(|e| e.to_string())?;
-    String::from_utf8(bytes).map_err(|e| e.to_string())
-}
-
-/// getSessionsDiskInfo: (totalBytes, session names).
-async fn disk_info(pipe: &Pipe) -> (u64, Vec<String>, Value) {
-    let info = pipe
-        .call("getSessionsDiskInfo", json!({"lowWaterBytes": 0}))
-        .await
-        .expect("getSessionsDiskInfo");
-    let total = info["totalBytes"].as_u64().unwrap_or(0);
-    let names = info["sessions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|s| s["name"].as_str().map(String::from))
-        .collect();
-    (total, names, info)
-}
-
-/// The image is not locked by anyone (the helper closed it): an exclusive
-/// `flock` succeeds.
-fn assert_unlocked(disk: &Path) {
-    let f = File::open(disk).expect("open the session disk");
-    // SAFETY: flock on an owned descriptor, released when `f` closes.
-    let r = unsafe {
-        libc::flock(
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            libc::LOCK_EX | libc::LOCK_NB,
-        )
-    };
-    assert_eq!(r, 0, "the session disk is still locked after stopVM");
+async fn start_vm(pipe: &Pipe, helper: &VmHelper, what: &str) {
+    let params = json!({"memoryGB": 1, "cpuCount": 1});
+    let took = session::start_vm(pipe, helper, params, T, what).await;
+    eprintln!("qemu_disk: {what}: startVM took {took:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,85 +103,51 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
         .prefix("cowork-qemu-disk-")
         .tempdir()
         .expect("tempdir");
-    let disk = dir
-        .path()
-        .join("data/profiles")
-        .join(profile_key(Some(PROFILE), Some(ROOT)))
-        .join("sessiondata.img");
+    let disk = session_disk::image_path(dir.path(), PROFILE, ROOT);
 
     // Helper 1: createVM makes the sparse 1 GiB disk; the first boot
     // formats it and a session writes a file.
-    let mut helper = VmHelper::start_in(
-        &helper_exe(),
-        dir.path(),
-        "helper1",
-        "qemu",
-        Duration::from_secs(15),
-    );
+    let mut helper =
+        VmHelper::start_in(&built_helper(), dir.path(), "helper1", "qemu", LISTEN_LIMIT);
     let (pipe, mut sub) = connect(&helper).await;
     pipe.call("createVM", json!({"bundlePath": "", "diskSizeGB": 1}))
         .await
         .expect("createVM");
-    let meta = std::fs::metadata(&disk).expect("createVM made no session disk");
-    assert_eq!(meta.len(), GIB);
-    assert!(
-        meta.blocks() * 512 < 1 << 20,
-        "not sparse: {} blocks",
-        meta.blocks()
-    );
-    start_vm(&pipe, "first boot").await;
-    let script = format!(
-        "printf '{}' > kept.txt && pwd && grep ' /sessions ' /proc/mounts && \
-         test -c /dev/hwrng && echo hwrng=$(cat /sys/class/misc/hw_random/rng_current)",
-        CONTENT.replace('\n', "\\n")
-    );
-    pipe.call(
-        "spawn",
-        json!({"id": "w-1", "name": SESSION, "command": "/bin/sh", "args": ["-c", script],
-               "isResume": false}),
+    assert_sparse(&disk, GIB);
+    start_vm(&pipe, &helper, "first boot").await;
+    let (_, text) = write_on_disk(
+        &pipe,
+        &mut sub,
+        "w-1",
+        SESSION,
+        CONTENT,
+        "test -c /dev/hwrng && echo hwrng=$(cat /sys/class/misc/hw_random/rng_current)",
+        T,
     )
-    .await
-    .expect("spawn");
-    let out = sub.collect_process("w-1", T).await.expect("w-1 events");
-    let text = out.stdout_str();
-    eprintln!("qemu_disk: first boot: {text:?} {:?}", out.stderr_str());
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{} {}",
-        out.exit,
-        out.stderr_str()
-    );
-    assert!(
-        text.starts_with(&format!("/sessions/{SESSION}\n")),
-        "{text}"
-    );
-    assert!(
-        text.lines()
-            .any(|l| l.split_whitespace().nth(1) == Some("/sessions")
-                && l.split_whitespace().nth(2) == Some("ext4")),
-        "/sessions is not the ext4 session disk: {text}"
-    );
+    .await;
+    eprintln!("qemu_disk: first boot: {text:?}");
     assert!(text.contains("hwrng=virtio_rng"), "no virtio-rng: {text}");
     let log = helper.log_text();
     assert!(
-        log.contains("session disk formatted and mounted"),
+        log.contains(session_disk::FORMATTED),
         "the agent did not format the blank disk: {log}"
     );
-    let (total, names, info) = disk_info(&pipe).await;
-    eprintln!("qemu_disk: getSessionsDiskInfo: {info}");
+    let info = disk_info(&pipe).await;
+    eprintln!("qemu_disk: getSessionsDiskInfo: {}", info.reply);
     assert!(
-        total > GIB * 85 / 100 && total <= GIB,
-        "totalBytes {total} is not the 1 GiB disk: {info}"
+        info.spans(GIB),
+        "totalBytes {} is not the 1 GiB disk: {}",
+        info.total,
+        info.reply
     );
-    assert!(names.iter().any(|n| n == SESSION), "{info}");
+    assert!(info.lists(SESSION), "{}", info.reply);
 
     // stopVM closes the disk (flushed, unlocked); the janitor then refuses
     // instead of measuring some host directory.
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     assert_unlocked(&disk);
     assert!(
-        helper.log_text().contains("session disk closed"),
+        helper.log_text().contains(session_disk::CLOSED),
         "{}",
         helper.log_text()
     );
@@ -290,38 +158,33 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
     assert!(e.to_string().contains("call startVM first"), "{e}");
 
     // Same helper, second boot: the file is there; the disk is not formatted again.
-    start_vm(&pipe, "second boot").await;
-    assert_eq!(read_kept(&pipe).await.as_deref(), Ok(CONTENT));
+    start_vm(&pipe, &helper, "second boot").await;
+    assert_eq!(read_kept(&pipe, SESSION).await.as_deref(), Ok(CONTENT));
     let log = helper.log_text();
     assert_eq!(
-        log.matches("formatting the blank session disk").count(),
+        log.matches(session_disk::FORMATTING).count(),
         1,
         "the disk was formatted twice: {log}"
     );
     // The first boot's power-off remounted it read-only: no journal replay.
     assert!(
-        log.contains("session disk remounted read-only"),
+        log.contains(session_disk::REMOUNTED_READ_ONLY),
         "the agent did not settle the session disk at power-off: {log}"
     );
     assert!(
-        !log.contains("not cleanly unmounted"),
+        !log.contains(session_disk::NOT_CLEAN),
         "the session disk's journal was replayed: {log}"
     );
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);
-    stop_clean(&mut helper);
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 
     // Helper 2 on the same data directory: createVM with other sizes keeps
     // the disk (grown sparsely when larger, never shrunk), and the file is
     // still there.
-    let mut helper = VmHelper::start_in(
-        &helper_exe(),
-        dir.path(),
-        "helper2",
-        "qemu",
-        Duration::from_secs(15),
-    );
+    let mut helper =
+        VmHelper::start_in(&built_helper(), dir.path(), "helper2", "qemu", LISTEN_LIMIT);
     let (pipe, _sub) = connect(&helper).await;
     pipe.call("createVM", json!({"diskSizeGB": 2}))
         .await
@@ -331,19 +194,19 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
         .await
         .expect("createVM 1 GiB");
     assert_eq!(std::fs::metadata(&disk).unwrap().len(), 2 * GIB);
-    start_vm(&pipe, "new helper").await;
-    assert_eq!(read_kept(&pipe).await.as_deref(), Ok(CONTENT));
-    let (total, names, info) = disk_info(&pipe).await;
-    assert!(names.iter().any(|n| n == SESSION), "{info}");
+    start_vm(&pipe, &helper, "new helper").await;
+    assert_eq!(read_kept(&pipe, SESSION).await.as_deref(), Ok(CONTENT));
+    let info = disk_info(&pipe).await;
+    assert!(info.lists(SESSION), "{}", info.reply);
     // The agent grew the 1 GiB filesystem to the 2 GiB disk, online.
     assert!(
-        total > 2 * GIB * 85 / 100 && total <= 2 * GIB,
-        "totalBytes {total}: the filesystem did not grow with the disk: {info}"
+        info.spans(2 * GIB),
+        "totalBytes {}: the filesystem did not grow with the disk: {}",
+        info.total,
+        info.reply
     );
     assert!(
-        helper
-            .log_text()
-            .contains("session disk filesystem grown to the whole disk"),
+        helper.log_text().contains(session_disk::GROWN),
         "{}",
         helper.log_text()
     );
@@ -354,14 +217,14 @@ async fn the_session_disk_survives_stop_restart_and_a_new_helper() {
         .await
         .expect("deleteSessionDirs");
     assert_eq!(r["deleted"], json!([SESSION]), "{r}");
-    let (_, names, info) = disk_info(&pipe).await;
-    assert!(!names.iter().any(|n| n == SESSION), "{info}");
-    let e = read_kept(&pipe)
+    let info = disk_info(&pipe).await;
+    assert!(!info.lists(SESSION), "{}", info.reply);
+    let e = read_kept(&pipe, SESSION)
         .await
         .expect_err("the deleted session's file is still readable");
     eprintln!("qemu_disk: readFile after deleteSessionDirs: {e}");
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     assert_unlocked(&disk);
     drop(pipe);
-    stop_clean(&mut helper);
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 }

@@ -16,20 +16,19 @@
 //! installed; with `COWORK_QEMU_TESTS=1` a missing prerequisite fails the
 //! test instead of skipping it.
 
-#[path = "support/vm_helper.rs"]
-mod vm_helper;
+mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use cowork_helper::backend::qemu;
-use cowork_helper::client::{Pipe, ProcessOutput, Subscription};
-use serde_json::{json, Value};
-use vm_helper::VmHelper;
+use cowork_helper::client::{Pipe, Subscription};
+use serde_json::json;
+use support::gate::{qemu_gate, qemu_missing};
+use support::procfs::children_named;
+use support::session::{self, assert_exit_0, read_file, rel, run, sh, wait_stdout};
+use support::session_checks::{self, HostFolders};
+use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
 
-/// Environment variable that makes missing prerequisites a failure.
-const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
 /// Profile name used by the test.
 const PROFILE: &str = "qemu-e2e";
 /// Limit for startVM (a TCG boot takes a few seconds; the machine is shared).
@@ -40,88 +39,19 @@ const T: Duration = Duration::from_secs(60);
 const SEQ_LINES: usize = 20_000;
 /// One VM at a time: TCG is CPU heavy and the machine is shared.
 static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-/// Environment variable that prints the helper's whole log at the end.
-const VERBOSE_ENV: &str = "COWORK_QEMU_E2E_VERBOSE";
-
-fn helper_exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
-}
 
 /// Whether the test may run; panics when it must run but cannot.
 fn prerequisites() -> bool {
-    let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
-    let missing: Vec<String> = [
-        qemu::find_qemu().err().map(|e| e.to_string()),
-        vm_helper::image_for(&helper_exe())
-            .err()
-            .map(|e| format!("no guest image ({e}); build it with scripts/mkguestimage.sh")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !required,
-        "{REQUIRE_ENV}=1 but the QEMU end-to-end test cannot run: {}",
-        missing.join("; ")
-    );
-    eprintln!(
-        "\n========================================================================\n\
-         SKIPPED qemu_e2e: {}\n\
-         (set {REQUIRE_ENV}=1 to make this a failure)\n\
-         ========================================================================\n",
-        missing.join("; ")
-    );
-    false
-}
-
-/// Children of `pid` whose command name starts with `prefix`.
-fn children_named(pid: u32, prefix: &str) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| {
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-                return false;
-            };
-            // pid (comm) state ppid ...
-            let Some((head, rest)) = stat.rsplit_once(") ") else {
-                return false;
-            };
-            let comm = head.split_once(" (").map_or("", |(_, c)| c);
-            let ppid = rest.split_whitespace().nth(1).and_then(|s| s.parse().ok());
-            ppid == Some(pid) && comm.starts_with(prefix)
-        })
-        .collect()
-}
-
-fn sh(id: &str, session: &str, script: &str) -> Value {
-    json!({"id": id, "name": session, "command": "/bin/sh", "args": ["-c", script], "isResume": false})
-}
-
-async fn run(pipe: &Pipe, sub: &mut Subscription, params: Value) -> ProcessOutput {
-    let id = params["id"].as_str().expect("id").to_string();
-    pipe.call("spawn", params).await.expect("spawn");
-    sub.collect_process(&id, T).await.expect("process events")
-}
-
-/// Waits for stdout of `id` to contain `want` (other events stay stashed).
-async fn wait_stdout(sub: &mut Subscription, id: &str, want: &str) -> String {
-    let mut seen = String::new();
-    let deadline = Instant::now() + T;
-    while !seen.contains(want) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let ev = sub
-            .next_matching(left, |v| v["type"] == "stdout" && v["id"] == id)
-            .await
-            .unwrap_or_else(|e| panic!("no {want:?} on {id}'s stdout (got {seen:?}): {e}"));
-        seen.push_str(ev["data"].as_str().unwrap_or_default());
-    }
-    seen
+    qemu_gate(
+        "qemu_e2e",
+        "the QEMU end-to-end test",
+        [
+            qemu_missing(),
+            vm_helper::image_for(&built_helper())
+                .err()
+                .map(|e| format!("no guest image ({e}); build it with scripts/mkguestimage.sh")),
+        ],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -130,58 +60,17 @@ async fn qemu_backend_end_to_end() {
         return;
     }
     let _one = ONE_VM.lock().await;
-    let mut helper = VmHelper::start_temp(
-        &helper_exe(),
-        "cowork-qemu-e2e-",
-        &std::env::temp_dir(),
-        "qemu",
-        Duration::from_secs(15),
-    );
-    let root = "/tmp/qemu-e2e-profile";
-    let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
-        .await
-        .expect("connect");
-    pipe.call(
-        "configure",
-        json!({"userDataName": PROFILE, "userDataRoot": root, "sessionOnly": true}),
-    )
-    .await
-    .expect("configure");
-    let mut sub = Subscription::connect(&helper.socket, PROFILE, root)
-        .await
-        .expect("subscribe");
+    let mut helper = VmHelper::start_qemu("cowork-qemu-e2e-", &[]);
+    let (pipe, mut sub) =
+        session::client(&helper, PROFILE, "/tmp/qemu-e2e-profile", START_LIMIT).await;
 
     // Boot: startVM returns once the agent said hello over vsock.
-    let t0 = Instant::now();
-    pipe.call("startVM", json!({"memoryGB": 1, "cpuCount": 1}))
-        .await
-        .expect("startVM");
-    let boot = t0.elapsed();
+    let params = json!({"memoryGB": 1, "cpuCount": 1});
+    let boot = session::start_vm(&pipe, &helper, params, START_LIMIT, "boot").await;
     eprintln!("qemu_e2e: startVM (QEMU start to agent hello) took {boot:?}");
-    for step in ["vm_boot", "guest_vsock_connect"] {
-        let ev = sub
-            .next_matching(T, |v| {
-                v["type"] == "startupStep" && v["step"] == step && v["status"] == "completed"
-            })
-            .await
-            .unwrap_or_else(|e| panic!("no completed {step}: {e}"));
-        assert_eq!(ev["status"], "completed");
-    }
-    assert_eq!(
-        pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"],
-        json!(true)
-    );
+    session::assert_booted(&pipe, &mut sub, &helper, "qemu", T).await;
     let qemus = children_named(helper.pid(), "qemu-system");
     assert_eq!(qemus.len(), 1, "one QEMU child expected: {qemus:?}");
-    let log = helper.log_text();
-    assert!(
-        log.contains("guest agent connected") && log.contains("backend=\"qemu\""),
-        "the helper log lacks the agent's hello: {log}"
-    );
-    assert!(
-        log.contains("agent starting as the VM's init"),
-        "the guest console (agent as PID 1) is not in the helper log: {log}"
-    );
 
     // 1. /bin/sh in the guest: stdout, stderr and the exit code; PID 1 is the agent.
     let out = run(
@@ -192,6 +81,7 @@ async fn qemu_backend_end_to_end() {
             "s1",
             "echo out-$(cat /proc/1/comm); echo err >&2; uname -r; exit 3",
         ),
+        T,
     )
     .await;
     assert_eq!(out.exit_code(), Some(3), "{}", out.exit);
@@ -208,18 +98,15 @@ async fn qemu_backend_end_to_end() {
     assert_eq!(out.stderr_str(), "err\n");
 
     // 2. stdin to cat, then kill it.
-    pipe.call(
-        "spawn",
-        json!({"id": "cat-1", "name": "s1", "command": "/bin/cat", "args": [], "isResume": false}),
-    )
-    .await
-    .expect("spawn cat");
+    pipe.call("spawn", session::spawn("cat-1", "s1", "/bin/cat", &[]))
+        .await
+        .expect("spawn cat");
     for line in ["alpha\n", "beta\n"] {
         pipe.call("writeStdin", json!({"id": "cat-1", "data": line}))
             .await
             .expect("writeStdin");
     }
-    let echoed = wait_stdout(&mut sub, "cat-1", "alpha\nbeta\n").await;
+    let echoed = wait_stdout(&mut sub, "cat-1", "alpha\nbeta\n", T).await;
     assert_eq!(echoed, "alpha\nbeta\n");
     assert_eq!(
         pipe.call("isProcessRunning", json!({"id": "cat-1"}))
@@ -243,20 +130,14 @@ async fn qemu_backend_end_to_end() {
         &pipe,
         &mut sub,
         sh("w-1", "s2", "printf 'from the guest\\n' > note.txt"),
+        T,
     )
     .await;
     assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
-    let r = pipe
-        .call(
-            "readFile",
-            json!({"processName": "s2", "filePath": "note.txt"}),
-        )
-        .await
-        .expect("readFile");
-    let content = base64::engine::general_purpose::STANDARD
-        .decode(r["content"].as_str().expect("content"))
-        .expect("base64");
-    assert_eq!(content, b"from the guest\n");
+    assert_eq!(
+        read_file(&pipe, "s2", "note.txt").await.as_deref(),
+        Ok("from the guest\n")
+    );
 
     // 4. 20,000 lines whole and in order.
     let t_seq = Instant::now();
@@ -264,6 +145,7 @@ async fn qemu_backend_end_to_end() {
         &pipe,
         &mut sub,
         sh("seq-1", "s1", &format!("seq 1 {SEQ_LINES}")),
+        T,
     )
     .await;
     eprintln!(
@@ -286,7 +168,7 @@ async fn qemu_backend_end_to_end() {
     // 6. stopVM: the running process gets its exit event, QEMU powers off.
     pipe.call(
         "spawn",
-        json!({"id": "sleep-1", "name": "s1", "command": "/bin/sleep", "args": ["1000"], "isResume": false}),
+        session::spawn("sleep-1", "s1", "/bin/sleep", &["1000"]),
     )
     .await
     .expect("spawn sleep");
@@ -318,19 +200,7 @@ async fn qemu_backend_end_to_end() {
     );
     drop(sub);
     drop(pipe);
-    let st = helper.stop().expect("helper exit status");
-    if std::env::var_os(VERBOSE_ENV).is_some() {
-        eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
-    }
-    assert!(st.success(), "helper exit: {st}");
-}
-
-/// A host path as the client sends it (relative to `/`).
-fn rel(p: &Path) -> String {
-    p.to_str()
-        .expect("UTF-8 temp path")
-        .trim_start_matches('/')
-        .to_string()
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 }
 
 /// Host folders in the guest: `ro` and `rw` mounts at spawn, what the host
@@ -341,55 +211,31 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
         .prefix("cowork-qemu-e2e-fs-")
         .tempdir()
         .expect("tempdir");
-    let (ro, rw, late, sdk) = (
-        host.path().join("ro"),
-        host.path().join("rw"),
-        host.path().join("late"),
-        host.path().join("sdk"),
-    );
-    for d in [&ro, &rw, &late, &sdk.join("2.0.1")] {
+    let folders = HostFolders::create(host.path());
+    let (ro, rw) = (&folders.ro, &folders.rw);
+    let (late, sdk) = (host.path().join("late"), host.path().join("sdk"));
+    for d in [&late, &sdk.join("2.0.1")] {
         std::fs::create_dir_all(d).expect("host dir");
     }
-    std::fs::write(ro.join("readme.txt"), "host ro content\n").unwrap();
     std::fs::write(rw.join("pre.txt"), "pre-existing\n").unwrap();
     std::fs::write(late.join("late.txt"), "added at runtime\n").unwrap();
     let claude = sdk.join("2.0.1/claude");
     std::fs::write(&claude, "#!/bin/sh\necho claude-sdk-ok \"$@\"\n").unwrap();
     std::fs::set_permissions(&claude, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 
-    let m = "/sessions/fs1/mnt";
-    let script = format!(
-        "cat {m}/ro/readme.txt
-         echo from-guest > {m}/rw/new.txt && echo write-rw=ok
-         (echo x > {m}/ro/evil.txt) 2>/dev/null && echo create-ro=ok || echo create-ro=refused
-         (echo x >> {m}/ro/readme.txt) 2>/dev/null && echo append-ro=ok || echo append-ro=refused
+    // `ro` and `rw` at spawn (the checks both backends make), and more
+    // refusals the host enforces: appending in `ro`, deleting a file the
+    // session did not create in `rw`; the share itself stays hidden.
+    let m = session::mounts_dir("fs1");
+    let more = format!(
+        "(echo x >> {m}/ro/readme.txt) 2>/dev/null && echo append-ro=ok || echo append-ro=refused
          rm -f {m}/rw/pre.txt 2>/dev/null && echo rm-pre=ok || echo rm-pre=refused
          echo mine > {m}/rw/mine.txt && rm {m}/rw/mine.txt && echo rm-mine=ok || echo rm-mine=refused
          test -e /run/cowork/fs/fs1 && echo share=visible || echo share=hidden
          grep -c virtiofs /proc/self/mounts"
     );
-    let r = pipe
-        .call(
-            "spawn",
-            json!({"id": "fs-1", "name": "fs1", "command": "/bin/sh", "args": ["-c", script],
-                   "isResume": false, "additionalMounts": {
-                       "ro": {"path": rel(&ro), "mode": "ro"},
-                       "rw": {"path": rel(&rw), "mode": "rw"}}}),
-        )
-        .await
-        .expect("spawn with mounts");
-    assert_eq!(r["failedMounts"], json!([]), "{r}");
-    let out = sub.collect_process("fs-1", T).await.expect("fs-1 exit");
-    let text = out.stdout_str();
-    eprintln!(
-        "qemu_e2e: shared folders: {text:?} stderr {:?}",
-        out.stderr_str()
-    );
-    assert_eq!(out.exit_code(), Some(0), "{}", out.exit);
+    let text = session_checks::host_folders(pipe, sub, &folders, "fs-1", "fs1", &more, T).await;
     for want in [
-        "host ro content\n",
-        "write-rw=ok\n",
-        "create-ro=refused\n",
         "append-ro=refused\n",
         "rm-pre=refused\n",
         "rm-mine=ok\n",
@@ -397,21 +243,12 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
     ] {
         assert!(text.contains(want), "{want:?} missing from {text:?}");
     }
-    // The host sees the guest's write; the refused changes did not happen.
-    assert_eq!(
-        std::fs::read_to_string(rw.join("new.txt")).unwrap(),
-        "from-guest\n"
-    );
+    // The refused changes did not happen.
     assert!(
         rw.join("pre.txt").exists(),
         "a pre-existing file was deleted"
     );
     assert!(!rw.join("mine.txt").exists());
-    assert!(!ro.join("evil.txt").exists());
-    assert_eq!(
-        std::fs::read_to_string(ro.join("readme.txt")).unwrap(),
-        "host ro content\n"
-    );
 
     // A symlink to / planted by the guest resolves in the guest, never on the host.
     let out = run(
@@ -425,6 +262,7 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
                  echo link=$(readlink x); test -e x/work && echo host-root=reached || echo host-root=not-reached"
             ),
         ),
+        T,
     )
     .await;
     let text = out.stdout_str();
@@ -473,13 +311,7 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
         .collect_process("fs-wait", T)
         .await
         .expect("fs-wait exit");
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{} {}",
-        out.exit,
-        out.stderr_str()
-    );
+    assert_exit_0("fs-wait", &out);
     assert_eq!(out.stdout_str(), "added at runtime\n");
 
     // installSdk: the CLI is bound from the share and runs.
@@ -494,17 +326,11 @@ async fn shared_folders(pipe: &Pipe, sub: &mut Subscription, helper: &VmHelper) 
     let out = run(
         pipe,
         sub,
-        json!({"id": "sdk-1", "name": "s1", "command": "/usr/local/bin/claude",
-               "args": ["--version"], "isResume": false}),
+        session::spawn("sdk-1", "s1", "/usr/local/bin/claude", &["--version"]),
+        T,
     )
     .await;
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{} {}",
-        out.exit,
-        out.stderr_str()
-    );
+    assert_exit_0("sdk-1", &out);
     assert_eq!(out.stdout_str(), "claude-sdk-ok --version\n");
     // Again (it is re-sent on every startVM): idempotent.
     pipe.call(
@@ -539,13 +365,7 @@ async fn qemu_dies_with_a_killed_helper() {
         return;
     }
     let _one = ONE_VM.lock().await;
-    let mut helper = VmHelper::start_temp(
-        &helper_exe(),
-        "cowork-qemu-e2e-",
-        &std::env::temp_dir(),
-        "qemu",
-        Duration::from_secs(15),
-    );
+    let mut helper = VmHelper::start_qemu("cowork-qemu-e2e-", &[]);
     let pipe = Pipe::connect_profile(&helper.socket, PROFILE, "/tmp/qemu-e2e-kill")
         .await
         .expect("connect");

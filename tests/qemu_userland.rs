@@ -22,23 +22,20 @@
 //! skipping. The CLI check skips loudly only where npm cannot reach its
 //! registry and `COWORK_QEMU_TESTS` is not 1.
 
-#[path = "support/session_checks.rs"]
-mod session_checks;
-#[path = "support/vm_helper.rs"]
-mod vm_helper;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use cowork_helper::backend::qemu;
 use cowork_helper::client::{Pipe, Subscription};
-use serde_json::json;
-use session_checks::{bash, ok, run};
-use vm_helper::VmHelper;
+use serde_json::{json, Value};
+use support::gate::{qemu_gate, qemu_missing, qemu_tests_required, QEMU_TESTS_ENV};
+use support::procfs::{children_named, status_kib};
+use support::session::{self, assert_exit_0, bash, ok, rel, run};
+use support::session_checks;
+use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
 
-/// Environment variable that makes missing prerequisites a failure.
-const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
 /// Limit for startVM (a TCG boot takes seconds; the machine is shared).
 const START_LIMIT: Duration = Duration::from_secs(180);
 /// Limit for one session command (python and node start slowly under TCG).
@@ -48,91 +45,47 @@ const CLI_LIMIT: Duration = Duration::from_secs(300);
 /// One VM at a time: TCG is CPU heavy and the machine is shared.
 static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn helper_exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
-}
-
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn required() -> bool {
-    std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1")
 }
 
 /// Our guest image's rootfs.img, when the test may run; panics when it
 /// must run but cannot.
 fn prerequisites(test: &str) -> Option<PathBuf> {
-    let image = vm_helper::image_for(&helper_exe());
-    let mut missing: Vec<String> = qemu::find_qemu()
-        .err()
-        .map(|e| e.to_string())
-        .into_iter()
-        .collect();
-    let rootfs = match image {
+    let (rootfs, no_rootfs) = match vm_helper::image_for(&built_helper()) {
         Ok(img) => match img.rootfs {
-            Some(r) => Some(r),
-            None => {
-                missing.push(format!(
+            Some(r) => (Some(r), None),
+            None => (
+                None,
+                Some(format!(
                     "the guest image {} has no rootfs.img; build it with scripts/setup.sh",
                     img.dir.display()
-                ));
-                None
-            }
+                )),
+            ),
         },
-        Err(e) => {
-            missing.push(format!("no guest image ({e})"));
-            None
-        }
+        Err(e) => (None, Some(format!("no guest image ({e})"))),
     };
-    if missing.is_empty() {
-        return rootfs;
+    if qemu_gate(test, test, [qemu_missing(), no_rootfs]) {
+        rootfs
+    } else {
+        None
     }
-    assert!(
-        !required(),
-        "{REQUIRE_ENV}=1 but {test} cannot run: {}",
-        missing.join("; ")
-    );
-    eprintln!(
-        "\n========================================================================\n\
-         SKIPPED {test}: {}\n(set {REQUIRE_ENV}=1 to make this a failure)\n\
-         ========================================================================\n",
-        missing.join("; ")
-    );
-    None
-}
-
-/// A host path as the client sends it (relative to `/`).
-fn rel(p: &Path) -> String {
-    p.to_str()
-        .expect("UTF-8 temp path")
-        .trim_start_matches('/')
-        .to_string()
 }
 
 /// A connected client of `helper`'s profile `profile`.
 async fn client(helper: &VmHelper, profile: &str) -> (Pipe, Subscription) {
-    let root = format!("/tmp/{profile}-profile");
-    let pipe = Pipe::connect_with_timeout(&helper.socket, START_LIMIT)
-        .await
-        .expect("connect");
-    pipe.call(
-        "configure",
-        json!({"userDataName": profile, "userDataRoot": root, "sessionOnly": true}),
+    session::client(
+        helper,
+        profile,
+        &format!("/tmp/{profile}-profile"),
+        START_LIMIT,
     )
     .await
-    .expect("configure");
-    let sub = Subscription::connect(&helper.socket, profile, &root)
-        .await
-        .expect("subscribe");
-    (pipe, sub)
 }
 
 /// startVM with `params`; returns how long it took.
-async fn start(pipe: &Pipe, params: serde_json::Value) -> Duration {
-    let t0 = Instant::now();
-    pipe.call("startVM", params).await.expect("startVM");
-    t0.elapsed()
+async fn start(pipe: &Pipe, helper: &VmHelper, params: Value) -> Duration {
+    session::start_vm(pipe, helper, params, START_LIMIT, "startVM").await
 }
 
 /// Resident memory the guest uses after boot, as it sees it (MemTotal −
@@ -141,43 +94,15 @@ async fn guest_used_mib(pipe: &Pipe, sub: &mut Subscription, id: &str) -> u64 {
     // /bin/sh: the initramfs userland has no bash.
     let script =
         "awk '/^MemTotal/{t=$2} /^MemAvailable/{a=$2} END{print int((t-a)/1024)}' /proc/meminfo";
-    let out = run(
-        pipe,
-        sub,
-        json!({"id": id, "name": "mem", "command": "/bin/sh", "args": ["-c", script], "isResume": false}),
-        T,
-    )
-    .await;
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{}: {}",
-        out.exit,
-        out.stderr_str()
-    );
+    let out = run(pipe, sub, session::sh(id, "mem", script), T).await;
+    assert_exit_0(id, &out);
     out.stdout_str().trim().parse().expect("MiB")
 }
 
 /// Resident set of the helper's QEMU child, in MiB.
 fn qemu_rss_mib(helper_pid: u32) -> Option<u64> {
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
-            continue;
-        };
-        let field = |k: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(k))
-                .map(|v| v.trim().to_string())
-        };
-        if field("PPid:").as_deref() == Some(&helper_pid.to_string())
-            && field("Name:").is_some_and(|n| n.starts_with("qemu-system"))
-        {
-            let kb: u64 = field("VmRSS:")?.split_whitespace().next()?.parse().ok()?;
-            return Some(kb / 1024);
-        }
-    }
-    None
+    let qemu = *children_named(helper_pid, "qemu-system").first()?;
+    Some(status_kib(qemu, "VmRSS")? / 1024)
 }
 
 /// The Claude Code CLI from npm (cached by the script), or why not.
@@ -212,8 +137,8 @@ async fn real_cli(pipe: &Pipe, sub: &mut Subscription, host_dir: &Path) {
         Ok(c) => c,
         Err(why) => {
             assert!(
-                !required(),
-                "{REQUIRE_ENV}=1 but the CLI is unavailable: {why}"
+                !qemu_tests_required(),
+                "{QEMU_TESTS_ENV}=1 but the CLI is unavailable: {why}"
             );
             eprintln!(
                 "\n====================================================\n\
@@ -244,14 +169,7 @@ async fn real_cli(pipe: &Pipe, sub: &mut Subscription, host_dir: &Path) {
     )
     .await;
     eprintln!("qemu_userland: claude --version took {:?}", t0.elapsed());
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "claude --version: {} stdout {:?} stderr {:?}",
-        out.exit,
-        out.stdout_str(),
-        out.stderr_str()
-    );
+    assert_exit_0("claude --version", &out);
     let text = out.stdout_str();
     assert!(
         text.starts_with("/usr/local/bin/claude\n")
@@ -270,15 +188,9 @@ async fn default_userland_sessions() {
         .prefix("cowork-userland-")
         .tempdir()
         .expect("tempdir");
-    let mut helper = VmHelper::start_temp(
-        &helper_exe(),
-        "cowork-qemu-userland-",
-        &std::env::temp_dir(),
-        "qemu",
-        Duration::from_secs(15),
-    );
+    let mut helper = VmHelper::start_qemu("cowork-qemu-userland-", &[]);
     let (pipe, mut sub) = client(&helper, "userland").await;
-    let boot_rootfs = start(&pipe, json!({"memoryGB": 2, "cpuCount": 2})).await;
+    let boot_rootfs = start(&pipe, &helper, json!({"memoryGB": 2, "cpuCount": 2})).await;
     let log = helper.log_text();
     assert!(
         log.contains("userland default"),
@@ -303,21 +215,19 @@ async fn default_userland_sessions() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);
-    let st = helper.stop().expect("helper exit status");
-    assert!(st.success(), "helper exit: {st}");
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 
     // Same helper binary, initramfs-only userland, same machine: the boot
     // figure to compare with.
-    let mut initramfs_helper = VmHelper::start_temp_with(
-        &helper_exe(),
-        "cowork-qemu-initramfs-",
-        &std::env::temp_dir(),
-        "qemu",
-        &["--userland", "initramfs"],
-        Duration::from_secs(15),
-    );
+    let mut initramfs_helper =
+        VmHelper::start_qemu("cowork-qemu-initramfs-", &["--userland", "initramfs"]);
     let (pipe, mut sub) = client(&initramfs_helper, "initramfs").await;
-    let boot_initramfs = start(&pipe, json!({"memoryGB": 2, "cpuCount": 2})).await;
+    let boot_initramfs = start(
+        &pipe,
+        &initramfs_helper,
+        json!({"memoryGB": 2, "cpuCount": 2}),
+    )
+    .await;
     assert!(
         initramfs_helper.log_text().contains("userland initramfs"),
         "{}",
@@ -442,6 +352,20 @@ fn client_bundle(dir: &Path, rootfs: &Path) {
     std::fs::write(dir.join("initrd"), b"this is not an initrd\n").unwrap();
 }
 
+/// A helper (in a temporary directory `prefix…`) whose profile `profile`
+/// started its VM with the client's bundle at `bundle`, and that client.
+async fn boot_bundle(prefix: &str, profile: &str, bundle: &Path) -> (VmHelper, Pipe, Subscription) {
+    let helper = VmHelper::start_qemu(prefix, &[]);
+    let (pipe, sub) = client(&helper, profile).await;
+    start(
+        &pipe,
+        &helper,
+        json!({"memoryGB": 1, "cpuCount": 1, "bundlePath": rel(bundle)}),
+    )
+    .await;
+    (helper, pipe, sub)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_bundle_rootfs() {
     let Some(rootfs) = prerequisites("client_bundle_rootfs") else {
@@ -456,19 +380,8 @@ async fn client_bundle_rootfs() {
     let img = bundle.path().join("rootfs.img");
     let before = sha256(&img);
 
-    let mut helper = VmHelper::start_temp(
-        &helper_exe(),
-        "cowork-qemu-bundle-",
-        &std::env::temp_dir(),
-        "qemu",
-        Duration::from_secs(15),
-    );
-    let (pipe, mut sub) = client(&helper, "bundle").await;
-    start(
-        &pipe,
-        json!({"memoryGB": 1, "cpuCount": 1, "bundlePath": rel(bundle.path())}),
-    )
-    .await;
+    let (mut helper, pipe, mut sub) =
+        boot_bundle("cowork-qemu-bundle-", "bundle", bundle.path()).await;
     let log = helper.log_text();
     assert!(
         log.contains("userland bundle"),
@@ -489,24 +402,13 @@ async fn client_bundle_rootfs() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);
-    assert!(helper.stop().expect("exit").success());
+    helper.stop_clean(QEMU_VERBOSE_ENV);
     assert_eq!(sha256(&img), before, "the bundle's rootfs.img changed");
 
     // A corrupt rootfs.img: our image, with the reason in the log.
     std::fs::write(&img, vec![0x5Au8; 1 << 20]).unwrap();
-    let mut helper = VmHelper::start_temp(
-        &helper_exe(),
-        "cowork-qemu-bundle-bad-",
-        &std::env::temp_dir(),
-        "qemu",
-        Duration::from_secs(15),
-    );
-    let (pipe, mut sub) = client(&helper, "badbundle").await;
-    start(
-        &pipe,
-        json!({"memoryGB": 1, "cpuCount": 1, "bundlePath": rel(bundle.path())}),
-    )
-    .await;
+    let (mut helper, pipe, mut sub) =
+        boot_bundle("cowork-qemu-bundle-bad-", "badbundle", bundle.path()).await;
     let log = helper.log_text();
     assert!(
         log.contains("userland candidate skipped") && log.contains("not a GPT disk"),
@@ -526,5 +428,5 @@ async fn client_bundle_rootfs() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     drop(sub);
     drop(pipe);
-    assert!(helper.stop().expect("exit").success());
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 }

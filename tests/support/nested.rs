@@ -5,16 +5,13 @@
 //! this host's `/` over virtiofs, where `/dev/kvm` does boot Linux. On hosts whose KVM can boot
 //! Linux (vmx/svm in /proc/cpuinfo, not PVM) the same tests run directly.
 //!
-//! Include it from an integration test with
-//! `#[path = "support/nested.rs"] mod nested;`.
+//! Part of the VM tests' support code (`mod support;`, then `support::nested`).
 //!
 //! Environment:
 //! - `COWORK_NESTED_TESTS=1`: the tests are required; missing prerequisites fail instead of skip.
 //! - `COWORK_NESTED_MODE=direct|nested`: force a mode instead of detecting it.
 //! - `COWORK_GUEST_CACHE`, `XDG_CACHE_HOME`: where the kernel cache lives (see
 //!   `scripts/lib/common.sh`; [`guest_cache_dir`] resolves it the same way).
-
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -48,6 +45,43 @@ pub fn guest_cache_dir() -> PathBuf {
 /// Whether `COWORK_NESTED_TESTS=1`: then missing prerequisites are failures, not skips.
 pub fn nested_tests_required() -> bool {
     env::var("COWORK_NESTED_TESTS").is_ok_and(|v| v == "1")
+}
+
+/// Where a nested-KVM test runs its VMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// On this host's `/dev/kvm`.
+    Direct,
+    /// Inside the nested-KVM harness (`scripts/nested-run.sh`).
+    Nested,
+}
+
+/// The mode `COWORK_NESTED_MODE` forces, else [`Mode::Direct`] where this
+/// host's KVM boots Linux and [`Mode::Nested`] where it does not. Panics on
+/// another value.
+pub fn mode() -> Mode {
+    match env::var("COWORK_NESTED_MODE").as_deref() {
+        Ok("direct") => Mode::Direct,
+        Ok("nested") => Mode::Nested,
+        Ok("") | Err(_) => {
+            if host_kvm_boots_linux().is_ok() {
+                Mode::Direct
+            } else {
+                Mode::Nested
+            }
+        }
+        Ok(other) => panic!("COWORK_NESTED_MODE must be 'direct' or 'nested', not '{other}'"),
+    }
+}
+
+/// `test` cannot run for `reason`: a failure when the nested tests are
+/// required ([`nested_tests_required`]), else a [`loud_skip`].
+pub fn unavailable(test: &str, reason: &str) {
+    assert!(
+        !nested_tests_required(),
+        "COWORK_NESTED_TESTS=1 but {test} cannot run: {reason}"
+    );
+    loud_skip(test, reason);
 }
 
 /// Print a skip notice that shows even though libtest captures test output.

@@ -1,56 +1,100 @@
-//! Session-driving code shared by the VM end-to-end suites (`qemu_userland`,
-//! `kvm_backend`): run a command in a session and collect its events, and
-//! the checks that a VM's default userland is one a Claude Code session can
-//! work in (GNU bash, python with ssl/sqlite3/venv, node, git, curl, jq,
-//! file, its own non-root user, homes closed to other sessions, a
-//! read-only `/usr`).
+//! The checks both VM backends (`qemu_e2e`/`qemu_userland` under QEMU,
+//! `kvm_backend` in-process) make of a session: host folders mounted `ro`
+//! and `rw` through the backend's virtio-fs share (host-enforced modes), and
+//! that a VM's default userland is one a Claude Code session can work in
+//! (GNU bash, python with ssl/sqlite3/venv, node, git, curl, jq, file, its
+//! own non-root user, homes closed to other sessions, a read-only `/usr`).
+//!
+//! Limits: the userland checks need the default Debian userland
+//! (`rootfs.img`); host folders must have UTF-8 paths (they are sent as
+//! JSON strings).
 
-// Each test binary compiles this file and uses a different part of it.
-#![allow(dead_code)]
-
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use cowork_helper::client::{Pipe, ProcessOutput, Subscription};
-use serde_json::{json, Value};
+use cowork_helper::client::{Pipe, Subscription};
+use serde_json::json;
 
-/// Spawn parameters of `bash -c script` in `session`.
-pub fn bash(id: &str, session: &str, script: &str) -> Value {
-    json!({"id": id, "name": session, "command": "bash", "args": ["-c", script], "isResume": false})
+use super::session::{assert_exit_0, bash, mounts_dir, ok, read_file, rel, run, sh};
+
+/// What `readme.txt` in the `ro` host folder holds.
+pub const RO_README: &str = "host ro content\n";
+/// What the guest writes to `rw/new.txt` (one word: it is echoed).
+pub const RW_WRITTEN: &str = "from-guest";
+
+/// Two host folders a session mounts: `ro` (holding `readme.txt`) and `rw`.
+pub struct HostFolders {
+    /// Mounted `ro` as `ro`.
+    pub ro: PathBuf,
+    /// Mounted `rw` as `rw`.
+    pub rw: PathBuf,
 }
 
-/// Spawns `params` and collects the process's output and exit (within `limit`).
-pub async fn run(
-    pipe: &Pipe,
-    sub: &mut Subscription,
-    params: Value,
-    limit: Duration,
-) -> ProcessOutput {
-    let id = params["id"].as_str().expect("id").to_string();
-    pipe.call("spawn", params).await.expect("spawn");
-    sub.collect_process(&id, limit)
-        .await
-        .unwrap_or_else(|e| panic!("process {id}: {e}"))
+impl HostFolders {
+    /// Makes `<base>/ro` (with `readme.txt`) and `<base>/rw`.
+    pub fn create(base: &Path) -> HostFolders {
+        let (ro, rw) = (base.join("ro"), base.join("rw"));
+        for d in [&ro, &rw] {
+            std::fs::create_dir_all(d).expect("host dir");
+        }
+        std::fs::write(ro.join("readme.txt"), RO_README).expect("ro/readme.txt");
+        HostFolders { ro, rw }
+    }
 }
 
-/// Runs `script` under bash in `session`; asserts exit 0 and returns stdout.
-pub async fn ok(
+/// The host folders at spawn: process `id` in `session` runs `/bin/sh` with
+/// `ro` and `rw` in `additionalMounts` (none may fail), reads `ro`'s readme,
+/// is refused a new file in `ro` and writes `rw/new.txt`, then
+/// runs `more` (shell lines). Asserts exit 0 and those three lines, and on
+/// the host: the write arrived, the refused file does not exist, the readme
+/// is unchanged. Returns the stdout of `more`.
+pub async fn host_folders(
     pipe: &Pipe,
     sub: &mut Subscription,
+    folders: &HostFolders,
     id: &str,
     session: &str,
-    script: &str,
+    more: &str,
     limit: Duration,
 ) -> String {
-    let out = run(pipe, sub, bash(id, session, script), limit).await;
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{id}: `{script}` failed ({}): stdout {:?} stderr {:?}",
-        out.exit,
-        out.stdout_str(),
-        out.stderr_str()
+    let m = mounts_dir(session);
+    let script = format!(
+        "cat {m}/ro/readme.txt
+         (echo x > {m}/ro/evil.txt) 2>/dev/null && echo create-ro=ok || echo create-ro=refused
+         echo {RW_WRITTEN} > {m}/rw/new.txt && echo write-rw=ok
+         {more}"
     );
-    out.stdout_str()
+    let mut params = sh(id, session, &script);
+    params["additionalMounts"] = json!({
+        "ro": {"path": rel(&folders.ro), "mode": "ro"},
+        "rw": {"path": rel(&folders.rw), "mode": "rw"}});
+    let r = pipe.call("spawn", params).await.expect("spawn with mounts");
+    assert_eq!(r["failedMounts"], json!([]), "{r}");
+    let out = sub
+        .collect_process(id, limit)
+        .await
+        .unwrap_or_else(|e| panic!("process {id}: {e}"));
+    let text = out.stdout_str();
+    eprintln!("{id}: host folders: {text:?} stderr {:?}", out.stderr_str());
+    assert_exit_0(id, &out);
+    let checked = format!("{RO_README}create-ro=refused\nwrite-rw=ok\n");
+    let Some(rest) = text.strip_prefix(&checked) else {
+        panic!(
+            "expected {checked:?} first, got {text:?} (stderr: {})",
+            out.stderr_str()
+        );
+    };
+    // The host sees the guest's write; the refused change did not happen.
+    assert_eq!(
+        std::fs::read_to_string(folders.rw.join("new.txt")).unwrap(),
+        format!("{RW_WRITTEN}\n")
+    );
+    assert!(!folders.ro.join("evil.txt").exists());
+    assert_eq!(
+        std::fs::read_to_string(folders.ro.join("readme.txt")).unwrap(),
+        RO_README
+    );
+    rest.to_string()
 }
 
 /// The checks of a default (Debian) userland session, in sessions
@@ -240,16 +284,8 @@ pub async fn default_userland(pipe: &Pipe, sub: &mut Subscription, tag: &str, li
         "b must be refused twice: {text}"
     );
     // The host still reads it (readFile runs as the agent).
-    let r = pipe
-        .call(
-            "readFile",
-            json!({"processName": a, "filePath": "secret.txt"}),
-        )
-        .await
-        .expect("readFile");
-    use base64::Engine;
-    let content = base64::engine::general_purpose::STANDARD
-        .decode(r["content"].as_str().expect("content"))
-        .expect("base64");
-    assert_eq!(content, b"secret-of-a\n");
+    assert_eq!(
+        read_file(pipe, &a, "secret.txt").await.as_deref(),
+        Ok("secret-of-a\n")
+    );
 }

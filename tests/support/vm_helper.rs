@@ -1,23 +1,39 @@
 //! The helper process of the VM-backend end-to-end tests (`qemu_e2e`,
-//! `qemu_disk`, `kvm_backend`): started with a given backend on a socket in
-//! a directory of the test's, stdout and stderr in a log file there; stopped
-//! with SIGTERM, or killed on drop with its log printed when the test is
-//! failing. (The sandbox protocol tests use `tests/common`, which keeps the
-//! log in memory and runs many helpers at once.)
-
-// Each test binary compiles this file and uses a different part of it.
-#![allow(dead_code)]
+//! `qemu_disk`, `qemu_userland`, `kvm_backend`): started with a given
+//! backend on a socket in a directory of the test's, stdout and stderr in a
+//! log file there; stopped with SIGTERM, or killed on drop with its log
+//! printed when the test is failing. (The sandbox protocol tests use
+//! `tests/common`, which keeps the log in memory and runs many helpers at
+//! once.)
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+/// The helper binary cargo built for the test.
+pub fn built_helper() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
+}
+
 /// The guest image the helper binary `exe` will use, or why there is none.
 pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::image::GuestImage, String> {
     cowork_helper::backend::image::GuestImage::locate_for(Some(exe), None)
         .map_err(|e| e.to_string())
 }
+
+/// The helper's data directory (`--data-dir`) when it was started in `dir`.
+pub fn data_dir(dir: &Path) -> PathBuf {
+    dir.join("data")
+}
+
+/// Environment variable that makes the QEMU suites print a helper's whole
+/// log (guest console included) when they stop it.
+pub const QEMU_VERBOSE_ENV: &str = "COWORK_QEMU_E2E_VERBOSE";
+
+/// How long a QEMU-backend helper gets to listen on its socket (it starts
+/// no VM before startVM; the machine is shared).
+const QEMU_LISTEN_LIMIT: Duration = Duration::from_secs(15);
 
 /// How long a stopping helper gets after SIGTERM before it is killed.
 const STOP_LIMIT: Duration = Duration::from_secs(30);
@@ -64,7 +80,7 @@ impl VmHelper {
             .arg("--socket")
             .arg(&socket)
             .args(["--backend", backend, "--data-dir"])
-            .arg(dir.join("data"))
+            .arg(data_dir(dir))
             .args(extra_args)
             .env_remove("COWORK_BACKEND")
             .env_remove("COWORK_USERLAND")
@@ -103,13 +119,7 @@ impl VmHelper {
         backend: &str,
         listen_limit: Duration,
     ) -> VmHelper {
-        let tmp = tempfile::Builder::new()
-            .prefix(prefix)
-            .tempdir_in(base)
-            .expect("tempdir");
-        let mut h = Self::start_in(exe, tmp.path(), "helper", backend, listen_limit);
-        h._tmp = Some(tmp);
-        h
+        Self::start_temp_with(exe, prefix, base, backend, &[], listen_limit)
     }
 
     /// [`VmHelper::start_temp`] with extra helper arguments.
@@ -129,6 +139,19 @@ impl VmHelper {
             Self::start_in_with(exe, tmp.path(), "helper", backend, extra_args, listen_limit);
         h._tmp = Some(tmp);
         h
+    }
+
+    /// The [`built_helper`] with `--backend qemu` in a new temporary
+    /// directory (named `prefix…`) under the system's, with `extra_args`.
+    pub fn start_qemu(prefix: &str, extra_args: &[&str]) -> VmHelper {
+        Self::start_temp_with(
+            &built_helper(),
+            prefix,
+            &std::env::temp_dir(),
+            "qemu",
+            extra_args,
+            QEMU_LISTEN_LIMIT,
+        )
     }
 
     /// The helper's pid (0 once it was stopped or taken).
@@ -160,6 +183,21 @@ impl VmHelper {
         }
         let _ = child.kill();
         child.wait().ok()
+    }
+
+    /// [`VmHelper::stop`], then asserts a clean exit; prints the whole log
+    /// first when `verbose_env` is set.
+    pub fn stop_clean(&mut self, verbose_env: &str) {
+        let status = self.stop();
+        if std::env::var_os(verbose_env).is_some() {
+            eprintln!("---- helper log ----\n{}---- end ----", self.log_text());
+        }
+        let status = status.expect("helper exit status");
+        assert!(
+            status.success(),
+            "helper exit: {status}\n{}",
+            self.log_text()
+        );
     }
 }
 

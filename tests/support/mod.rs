@@ -1,0 +1,31 @@
+//! Support code of the VM test suites (`qemu_e2e`, `qemu_disk`,
+//! `qemu_userland`, `kvm_backend`, `nested_boot`), included with `mod
+//! support;`. Each module has one concern:
+//!
+//! - [`gate`]: whether a QEMU suite may run here (a loud skip, or a failure
+//!   under `COWORK_QEMU_TESTS=1`);
+//! - [`nested`]: the nested-KVM harness and the guest-image scripts, and the
+//!   `COWORK_NESTED_TESTS` gate;
+//! - [`vm_helper`]: the helper process under test and the guest image it uses;
+//! - [`session`]: driving a VM's sessions over the socket protocol as the
+//!   client does (connect and configure, startVM, spawn and collect, readFile);
+//! - [`session_checks`]: the checks both VM backends make of a session
+//!   (host folders, the default userland);
+//! - [`session_disk`]: the profile's session disk (`sessiondata.img`) seen
+//!   from the host and through the protocol;
+//! - [`procfs`]: what `/proc` says about the helper and its children.
+//!
+//! It is test code: every failure panics with what was seen. The sandbox
+//! protocol tests use `tests/common` instead (many helpers at once, logs in
+//! memory).
+
+// Each test binary uses a different part of the support code.
+#![allow(dead_code)]
+
+pub mod gate;
+pub mod nested;
+pub mod procfs;
+pub mod session;
+pub mod session_checks;
+pub mod session_disk;
+pub mod vm_helper;
