@@ -16,6 +16,8 @@
 //! limits. Read-only; writes are ignored.
 //!
 //! Limits: one request queue; the worker serves one request at a time.
+//!
+//! [`VirtioDevice`]: vmm::virtio::VirtioDevice
 
 use std::io;
 use std::mem::offset_of;
@@ -30,12 +32,10 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
+use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
 use vmm::virtio::worker::StopError;
-use vmm::virtio::{
-    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
-    VirtioInterrupt,
-};
+use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
 use super::image::BlockBackend;
 use super::request::{self, Completion, DiskParams};
@@ -365,15 +365,17 @@ fn build_config(size: u64, queue_size: u16, params: &DiskParams) -> [u8; CONFIG_
 
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running a [`BlkModel`] on its own thread while active.
+///
+/// [`VirtioDevice`]: vmm::virtio::VirtioDevice
 pub struct BlkDevice {
     /// The model while inactive; the worker owns it while active and hands
     /// it back when stopped.
     model: Option<BlkModel>,
-    features: u64,
-    config: [u8; CONFIG_SIZE],
-    max_sizes: [u16; NUM_QUEUES],
+    /// Read-only config space: the model's.
+    common: DeviceCommon,
+    /// Capacity in sectors, for the activation log line.
+    capacity: u64,
     stats: Arc<BlkStats>,
-    acked: u64,
     /// Hands the model back when stopped.
     worker: SingleQueueWorker<BlkModel>,
 }
@@ -383,12 +385,16 @@ impl BlkDevice {
     pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, DeviceError> {
         let model = BlkModel::new(backend, config)?;
         Ok(Self {
-            features: model.features(),
-            config: model.config,
-            max_sizes: [model.queue_size],
+            common: DeviceCommon::new(
+                "blk",
+                VIRTIO_ID_BLOCK,
+                [model.queue_size],
+                model.features(),
+                model.config,
+            ),
+            capacity: model.capacity(),
             stats: model.stats(),
             model: Some(model),
-            acked: 0,
             worker: SingleQueueWorker::new("blk", REQUEST_QUEUE),
         })
     }
@@ -400,7 +406,7 @@ impl BlkDevice {
 
     /// Features the driver accepted at the last FEATURES_OK.
     pub fn acked_features(&self) -> u64 {
-        self.acked
+        self.common.acked_features()
     }
 
     /// Whether the worker runs.
@@ -437,37 +443,16 @@ impl Drop for BlkDevice {
     }
 }
 
-impl VirtioDevice for BlkDevice {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_BLOCK
+impl InProcessDevice for BlkDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.max_sizes
+    fn common_mut(&mut self) -> &mut DeviceCommon {
+        &mut self.common
     }
 
-    fn avail_features(&self) -> u64 {
-        self.features
-    }
-
-    fn ack_features(&mut self, features: u64) -> bool {
-        self.acked = features;
-        true
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        debug!(
-            offset,
-            len = data.len(),
-            "blk: config space is read-only; write ignored"
-        );
-    }
-
-    fn activate(
+    fn start(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -481,23 +466,15 @@ impl VirtioDevice for BlkDevice {
                 .take()
                 .ok_or_else(|| ActivateError::Device("the disk model was lost".into()))
         })?;
-        info!(capacity = self.config_capacity(), "blk: device activated");
+        info!(capacity = self.capacity, "blk: device activated");
         Ok(())
     }
 
-    fn reset(&mut self) -> bool {
+    fn stop(&mut self) -> bool {
         let stopped = self.stop_worker();
         if stopped {
             info!("blk: device reset");
         }
         stopped
-    }
-}
-
-impl BlkDevice {
-    fn config_capacity(&self) -> u64 {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&self.config[..8]);
-        u64::from_le_bytes(b)
     }
 }

@@ -36,14 +36,12 @@ use std::sync::Arc;
 use fuse_backend_rs::api::filesystem::FileSystem;
 use fuse_backend_rs::api::server::Server;
 use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
-use tracing::{debug, error, info, warn};
+use tracing::{error, info, warn};
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Address, Bytes};
+use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
-use vmm::virtio::{
-    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
-    VirtioInterrupt,
-};
+use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
 use super::SessionFs;
 
@@ -144,11 +142,10 @@ impl FsDeviceStats {
 pub struct FsDevice {
     /// First, so it is stopped before the rest is dropped.
     worker: DeviceWorker<()>,
-    config: [u8; CONFIG_SIZE],
-    queue_sizes: Vec<u16>,
+    /// Config space: the tag and the request queue count.
+    common: DeviceCommon,
     fs: Arc<SessionFs>,
     server: Arc<Server<Arc<SessionFs>>>,
-    acked: u64,
     stats: Arc<FsDeviceStats>,
     log_budget: Arc<AtomicU32>,
 }
@@ -177,11 +174,15 @@ impl FsDevice {
         config[TAG_LEN..].copy_from_slice(&u32::from(request_queues).to_le_bytes());
         Ok(Self {
             worker: DeviceWorker::new("virtio-fs"),
-            config,
-            queue_sizes: vec![QUEUE_SIZE; usize::from(request_queues) + 1],
+            common: DeviceCommon::new(
+                "virtio-fs",
+                FS_DEVICE_ID,
+                vec![QUEUE_SIZE; usize::from(request_queues) + 1],
+                features::VERSION_1 | features::RING_EVENT_IDX | features::RING_INDIRECT_DESC,
+                config,
+            ),
             server: Arc::new(Server::new(fs.clone())),
             fs,
-            acked: 0,
             stats: Arc::default(),
             log_budget: Arc::new(AtomicU32::new(MALFORMED_LOG_BUDGET)),
         })
@@ -199,7 +200,7 @@ impl FsDevice {
 
     /// Features the driver accepted at the last FEATURES_OK.
     pub fn acked_features(&self) -> u64 {
-        self.acked
+        self.common.acked_features()
     }
 
     /// Whether a worker is running.
@@ -208,37 +209,16 @@ impl FsDevice {
     }
 }
 
-impl VirtioDevice for FsDevice {
-    fn device_type(&self) -> u32 {
-        FS_DEVICE_ID
+impl InProcessDevice for FsDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.queue_sizes
+    fn common_mut(&mut self) -> &mut DeviceCommon {
+        &mut self.common
     }
 
-    fn avail_features(&self) -> u64 {
-        features::VERSION_1 | features::RING_EVENT_IDX | features::RING_INDIRECT_DESC
-    }
-
-    fn ack_features(&mut self, features: u64) -> bool {
-        self.acked = features;
-        true
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        debug!(
-            offset,
-            len = data.len(),
-            "virtio-fs: config space is read-only; write ignored"
-        );
-    }
-
-    fn activate(
+    fn start(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -247,7 +227,7 @@ impl VirtioDevice for FsDevice {
         if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
-        let declared = self.queue_sizes.len();
+        let declared = self.common.queue_max_sizes().len();
         let queues: Vec<ActiveQueue> = queues
             .into_iter()
             .filter(|q| usize::from(q.index) < declared)
@@ -273,13 +253,14 @@ impl VirtioDevice for FsDevice {
             .start("virtio-fs", setup, move |worker| ctx.run(worker))
             .map_err(ActivateError::Worker)?;
         info!(
-            tag = %String::from_utf8_lossy(&self.config[..TAG_LEN]).trim_end_matches('\0'),
+            tag = %String::from_utf8_lossy(self.common.config().get(..TAG_LEN).unwrap_or_default())
+                .trim_end_matches('\0'),
             "virtio-fs device activated"
         );
         Ok(())
     }
 
-    fn reset(&mut self) -> bool {
+    fn stop(&mut self) -> bool {
         let stopped = self.worker.stop().is_ok();
         if stopped {
             // End the FUSE session as DESTROY would: open files and inodes

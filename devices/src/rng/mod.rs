@@ -22,10 +22,9 @@ use std::sync::Arc;
 use tracing::{debug, info, warn};
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestMemory};
+use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
-use vmm::virtio::{
-    drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
-};
+use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
 #[cfg(test)]
 mod tests;
@@ -206,14 +205,15 @@ impl QueueModel for RngModel {
 
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running an [`RngModel`] on its own thread while active.
+///
+/// [`VirtioDevice`]: vmm::virtio::VirtioDevice
 pub struct RngDevice {
     /// First, so it is stopped before the rest is dropped. A fresh model
     /// (sharing the counters) serves each activation.
     worker: SingleQueueWorker<RngModel>,
     stats: Arc<RngStats>,
-    features: u64,
-    max_sizes: [u16; NUM_QUEUES],
-    acked: u64,
+    /// No config space.
+    common: DeviceCommon,
 }
 
 impl Default for RngDevice {
@@ -229,9 +229,7 @@ impl RngDevice {
         Self {
             worker: SingleQueueWorker::new("rng", REQUEST_QUEUE),
             stats: model.stats(),
-            features: model.features(),
-            max_sizes: [QUEUE_SIZE],
-            acked: 0,
+            common: DeviceCommon::new("rng", VIRTIO_ID_RNG, [QUEUE_SIZE], model.features(), []),
         }
     }
 
@@ -246,41 +244,16 @@ impl RngDevice {
     }
 }
 
-impl VirtioDevice for RngDevice {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_RNG
+impl InProcessDevice for RngDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.max_sizes
+    fn common_mut(&mut self) -> &mut DeviceCommon {
+        &mut self.common
     }
 
-    fn avail_features(&self) -> u64 {
-        self.features
-    }
-
-    fn ack_features(&mut self, features: u64) -> bool {
-        self.acked = features;
-        true
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        debug!(
-            offset,
-            len = data.len(),
-            "rng: no config space; read ignored"
-        );
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        debug!(
-            offset,
-            len = data.len(),
-            "rng: no config space; write ignored"
-        );
-    }
-
-    fn activate(
+    fn start(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -296,7 +269,7 @@ impl VirtioDevice for RngDevice {
         Ok(())
     }
 
-    fn reset(&mut self) -> bool {
+    fn stop(&mut self) -> bool {
         let stopped = self.worker.stop().is_ok();
         if stopped {
             info!("rng: device reset");

@@ -23,6 +23,7 @@ use vhost_user_backend::{VhostUserBackendMut, VhostUserDaemon, VringRwLock, Vrin
 use virtio_bindings::virtio_config::VIRTIO_F_NOTIFY_ON_EMPTY;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm::virtio::config_slice;
 use vmm::virtio::single_queue::QueueModel;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -133,13 +134,10 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let cfg = self.model.config();
-        let start = offset as usize;
-        match start.checked_add(size as usize) {
-            Some(end) if end <= cfg.len() => cfg[start..end].to_vec(),
-            // An empty answer tells the frontend the read failed.
-            _ => Vec::new(),
-        }
+        // An empty answer tells the frontend the read failed.
+        config_slice(self.model.config(), offset.into(), size as usize)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default()
     }
 
     fn update_memory(&mut self, mem: Mem) -> io::Result<()> {

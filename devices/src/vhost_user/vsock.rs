@@ -36,6 +36,7 @@ use virtio_bindings::virtio_config::{VIRTIO_F_NOTIFY_ON_EMPTY, VIRTIO_F_VERSION_
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm::virtio::config_slice;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -205,12 +206,14 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
-        let cfg = self.model.guest_cid().to_le_bytes();
-        let start = offset as usize;
-        match start.checked_add(size as usize) {
-            Some(end) if end <= cfg.len() => cfg[start..end].to_vec(),
-            _ => Vec::new(),
-        }
+        // An empty answer tells the frontend the read failed.
+        config_slice(
+            &self.model.guest_cid().to_le_bytes(),
+            offset.into(),
+            size as usize,
+        )
+        .map(<[u8]>::to_vec)
+        .unwrap_or_default()
     }
 
     fn update_memory(&mut self, mem: Mem) -> io::Result<()> {

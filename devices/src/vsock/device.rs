@@ -18,6 +18,8 @@
 //!
 //! Limits: no `VIRTIO_VSOCK_F_SEQPACKET`, no `VIRTIO_VSOCK_F_NO_IMPLIED_STREAM`
 //! (stream only); one RX packet per RX chain (no mergeable buffers).
+//!
+//! [`VirtioDevice`]: vmm::virtio::VirtioDevice
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -26,11 +28,9 @@ use std::sync::Arc;
 use tracing::{debug, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemory;
+use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
-use vmm::virtio::{
-    drain, features, read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice,
-    VirtioInterrupt,
-};
+use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
 use super::backend::VsockHost;
 use super::muxer::{Muxer, MuxerError, MuxerStats};
@@ -321,14 +321,16 @@ fn check_cid(cid: u64) -> Result<(), DeviceError> {
 
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running a [`VsockModel`] on its own thread while active.
+///
+/// [`VirtioDevice`]: vmm::virtio::VirtioDevice
 pub struct VsockDevice {
     /// First, so it is stopped before the rest is dropped.
     worker: DeviceWorker<()>,
     guest_cid: u64,
     config: VsockConfig,
     host: VsockHost,
-    acked: u64,
-    max_sizes: [u16; NUM_QUEUES],
+    /// Config space: the guest CID.
+    common: DeviceCommon,
 }
 
 impl VsockDevice {
@@ -340,14 +342,19 @@ impl VsockDevice {
             guest_cid,
             config,
             host,
-            acked: 0,
-            max_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            common: DeviceCommon::new(
+                "vsock",
+                VIRTIO_ID_VSOCK,
+                [QUEUE_SIZE; NUM_QUEUES],
+                features::VERSION_1 | features::RING_EVENT_IDX,
+                guest_cid.to_le_bytes(),
+            ),
         })
     }
 
     /// Features the driver accepted.
     pub fn acked_features(&self) -> u64 {
-        self.acked
+        self.common.acked_features()
     }
 
     /// Whether the worker runs.
@@ -356,33 +363,16 @@ impl VsockDevice {
     }
 }
 
-impl VirtioDevice for VsockDevice {
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_VSOCK
+impl InProcessDevice for VsockDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
     }
 
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.max_sizes
+    fn common_mut(&mut self) -> &mut DeviceCommon {
+        &mut self.common
     }
 
-    fn avail_features(&self) -> u64 {
-        features::VERSION_1 | features::RING_EVENT_IDX
-    }
-
-    fn ack_features(&mut self, features: u64) -> bool {
-        self.acked = features;
-        true
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, _data: &[u8]) {
-        debug!(offset, "vsock: config space is read-only, write ignored");
-    }
-
-    fn activate(
+    fn start(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -422,7 +412,7 @@ impl VirtioDevice for VsockDevice {
             .map_err(ActivateError::Worker)
     }
 
-    fn reset(&mut self) -> bool {
+    fn stop(&mut self) -> bool {
         self.worker.stop().is_ok()
     }
 }

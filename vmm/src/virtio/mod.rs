@@ -7,7 +7,9 @@
 //! [`VirtioDevice::activate`], where it moves its work to its own thread or
 //! event loop ([`worker`] holds the thread, stop and epoll machinery the
 //! in-process devices share; [`single_queue`] is the whole worker of a
-//! device that serves one queue). Devices know nothing of KVM: the transport
+//! device that serves one queue; [`in_process`] gives a device whose
+//! description and config space are fixed data its [`VirtioDevice`]
+//! half). Devices know nothing of KVM: the transport
 //! ([`mmio::MmioTransport`]) turns a [`VirtioInterrupt`] signal into an
 //! interrupt-status bit plus a write to an `EventFd` the machine registers as a
 //! KVM irqfd, and the machine registers each queue's notify `EventFd` as a KVM
@@ -26,6 +28,7 @@ use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod drain;
+pub mod in_process;
 pub mod mmio;
 pub mod single_queue;
 pub mod testdev;
@@ -243,9 +246,9 @@ pub trait VirtioDevice: Send {
 /// when the whole access is in range; otherwise leaves `data` untouched and
 /// returns `false`. Never panics, whatever the offset.
 pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) -> bool {
-    match config_range(config.len(), offset, data.len()) {
-        Some((start, end)) => {
-            data.copy_from_slice(&config[start..end]);
+    match config_slice(config, offset, data.len()) {
+        Some(bytes) => {
+            data.copy_from_slice(bytes);
             true
         }
         None => {
@@ -258,6 +261,14 @@ pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) -> bool {
             false
         }
     }
+}
+
+/// The `len` bytes of `config` at `offset`, if the whole access lies inside
+/// it (`None` otherwise, whatever the offset; never panics). For faces that
+/// answer a config read with a buffer of their own (vhost-user's
+/// GET_CONFIG).
+pub fn config_slice(config: &[u8], offset: u64, len: usize) -> Option<&[u8]> {
+    config_range(config.len(), offset, len).map(|(start, end)| &config[start..end])
 }
 
 /// Applies a config-space write to a byte image of the (writable part of the)
@@ -305,6 +316,9 @@ mod tests {
         assert!(!read_config_bytes(&cfg, u64::MAX, &mut d));
         assert!(!read_config_bytes(&cfg, u64::MAX - 1, &mut d[..1]));
         assert!(read_config_bytes(&cfg, 8, &mut []));
+        assert_eq!(config_slice(&cfg, 6, 2), Some(&cfg[6..]));
+        assert_eq!(config_slice(&cfg, 6, 3), None);
+        assert_eq!(config_slice(&cfg, u64::MAX, 2), None);
 
         assert!(write_config_bytes(&mut cfg, 6, &[9, 9]));
         assert_eq!(cfg, [1, 2, 3, 4, 5, 6, 9, 9]);

@@ -16,6 +16,7 @@ use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::QueueT;
 use vm_memory::{ByteValued, Bytes, GuestAddress};
+use vmm::virtio::VirtioDevice;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
