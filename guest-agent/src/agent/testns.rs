@@ -3,10 +3,11 @@
 //!
 //! The outer half (the test as `cargo test` runs it) makes a scratch
 //! directory, re-executes the test binary for exactly that test under
-//! `unshare <flags>` and checks that it ran and passed; the inner half finds
-//! the directory in [`NS_DIR_ENV`] and runs the body.
+//! `unshare <flags>`, checks that it ran and passed, and removes the
+//! directory; the inner half finds the directory in [`NS_DIR_ENV`] and runs
+//! the body.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Environment variable telling a re-executed test it runs inside its
 /// namespaces, and naming the scratch directory its outer half made for it.
@@ -17,20 +18,32 @@ pub fn inside() -> Option<PathBuf> {
     std::env::var_os(NS_DIR_ENV).map(PathBuf::from)
 }
 
-/// Re-runs test `name` (its full path) under `unshare <flags>` with `dir` as
-/// its scratch directory and returns `None` after checking it passed;
-/// inside, returns the directory so the test body runs.
-pub fn in_namespaces(name: &str, flags: &[&str], dir: &Path) -> Option<PathBuf> {
+/// Whether a test that needs real root (not the root of a user namespace:
+/// loop devices, ext4 mounts, `redirect_dir`) can run here; says why not.
+pub fn real_root_or_skip(why: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let ok = inside().is_some() || unsafe { libc::geteuid() } == 0;
+    if !ok {
+        eprintln!("skipping: {why} needs real root (not a user namespace)");
+    }
+    ok
+}
+
+/// Re-runs test `name` (its full path) under `unshare <flags>` with a fresh
+/// scratch directory and returns `None` after checking it passed; inside,
+/// returns the directory so the test body runs.
+pub fn in_namespaces(name: &str, flags: &[&str]) -> Option<PathBuf> {
     if let Some(d) = inside() {
         return Some(d);
     }
+    let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new("unshare")
         .args(flags)
         .arg("--")
         .arg(exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(NS_DIR_ENV, dir)
+        .env(NS_DIR_ENV, dir.path())
         .output()
         .expect("unshare(1) from util-linux runs");
     let stdout = String::from_utf8_lossy(&out.stdout);

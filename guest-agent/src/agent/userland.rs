@@ -420,16 +420,12 @@ mod tests {
     /// read-only, and neither image changes.
     #[test]
     fn ns_root_choose_rejects_with_reasons_and_mounts_a_dirty_image_read_only() {
-        // SAFETY: geteuid has no preconditions.
-        if testns::inside().is_none() && unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipping: loop devices and ext4 mounts need real root");
+        if !testns::real_root_or_skip("loop devices and ext4 mounts") {
             return;
         }
-        let outer = tempfile::tempdir().unwrap();
         let Some(dir) = testns::in_namespaces(
             "agent::userland::tests::ns_root_choose_rejects_with_reasons_and_mounts_a_dirty_image_read_only",
             &["-m"],
-            outer.path(),
         ) else {
             return;
         };

@@ -445,6 +445,15 @@ mod tests {
         mount_tmpfs(target, 16 << 20, 0o755).unwrap();
     }
 
+    /// Makes `root` this process's root and working directory (the fake
+    /// initramfs the agent would boot on).
+    fn chroot_into(root: &Path) {
+        let c = sys::cstring(root).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::chroot(c.as_ptr()) }, 0);
+        chdir(Path::new("/")).unwrap();
+    }
+
     fn names(dir: BorrowedFd<'_>) -> Vec<String> {
         let mut v: Vec<String> = list_dir(dir)
             .unwrap()
@@ -521,11 +530,9 @@ mod tests {
     /// submount) and the layers under its `/run`.
     #[test]
     fn ns_switch_root_moves_api_mounts_and_frees_the_initramfs() {
-        let outer = tempfile::tempdir().unwrap();
         let Some(dir) = in_namespaces(
             "agent::userland::switch::tests::ns_switch_root_moves_api_mounts_and_frees_the_initramfs",
             &["-Urm"],
-            outer.path(),
         ) else {
             return;
         };
@@ -552,10 +559,8 @@ mod tests {
         );
         std::fs::create_dir_all(fake.join("run/cowork/userland/lower/etc")).unwrap();
 
-        let c = sys::cstring(&fake).unwrap();
-        // SAFETY: NUL-terminated paths.
-        assert_eq!(unsafe { libc::chroot(c.as_ptr()) }, 0);
-        chdir(Path::new("/")).unwrap();
+        chroot_into(&fake);
+        // SAFETY: a NUL-terminated path.
         let old = owned(unsafe { libc::open(c"/".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) });
 
         let layers = Path::new("/run/cowork/userland");
@@ -617,11 +622,9 @@ mod tests {
     /// A failed switch leaves the root as it was, the moved mounts back.
     #[test]
     fn ns_a_failed_switch_moves_everything_back() {
-        let outer = tempfile::tempdir().unwrap();
         let Some(dir) = in_namespaces(
             "agent::userland::switch::tests::ns_a_failed_switch_moves_everything_back",
             &["-Urm"],
-            outer.path(),
         ) else {
             return;
         };
@@ -631,10 +634,7 @@ mod tests {
             tmpfs(&fake.join(d));
             put(&fake.join(d).join("marker"), d.as_bytes());
         }
-        let c = sys::cstring(&fake).unwrap();
-        // SAFETY: a NUL-terminated path.
-        assert_eq!(unsafe { libc::chroot(c.as_ptr()) }, 0);
-        chdir(Path::new("/")).unwrap();
+        chroot_into(&fake);
         // The "new root" is a plain directory, not a mount: the final move fails.
         std::fs::create_dir("/.cowork-newroot").unwrap();
         let e = switch_root(Path::new("/.cowork-newroot"), &["proc", "run"]).unwrap_err();
@@ -651,16 +651,12 @@ mod tests {
     /// the read-only image can be renamed.
     #[test]
     fn ns_root_redirect_dir_lets_image_directories_be_renamed() {
-        // SAFETY: geteuid has no preconditions.
-        if testns::inside().is_none() && unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipping: redirect_dir needs real root (not a user namespace)");
+        if !testns::real_root_or_skip("redirect_dir") {
             return;
         }
-        let outer = tempfile::tempdir().unwrap();
         let Some(dir) = in_namespaces(
             "agent::userland::switch::tests::ns_root_redirect_dir_lets_image_directories_be_renamed",
             &["-m"],
-            outer.path(),
         ) else {
             return;
         };
