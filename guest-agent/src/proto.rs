@@ -163,15 +163,8 @@ fn encode_into<T: Serialize>(out: &mut Vec<u8>, header: &T, payload: &[u8]) {
 
 /// Decodes a frame body into header and payload.
 pub fn decode<T: for<'de> Deserialize<'de>>(mut body: Vec<u8>) -> Result<Envelope<T>, ProtoError> {
-    if body.len() < 4 {
-        return Err(ProtoError::Short);
-    }
-    let hlen = u32::from_be_bytes([body[0], body[1], body[2], body[3]]) as usize;
-    if hlen > body.len() - 4 {
-        return Err(ProtoError::HeaderLength(hlen));
-    }
-    let header = serde_json::from_slice(&body[4..4 + hlen])?;
-    let payload = body.split_off(4 + hlen);
+    let (header, payload_len) = decode_ref(&body).map(|(h, p)| (h, p.len()))?;
+    let payload = body.split_off(body.len() - payload_len);
     Ok(Envelope { header, payload })
 }
 

@@ -10,6 +10,7 @@
 //! `EAGAIN` clears the readiness, so callers never see `WouldBlock`.
 
 use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,6 +23,19 @@ use crate::sys;
 
 /// Largest number of buffers handed to one `writev` (the kernel's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
+
+/// `read(2)` from `fd` into possibly uninitialized memory: returns how many
+/// bytes the kernel wrote, which are then initialized (the rest is not).
+fn read_uninit(fd: &OwnedFd, buf: &mut [MaybeUninit<u8>]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes and the kernel
+    // writes at most that many; `fd` is open for the call.
+    let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
 
 /// A non-blocking descriptor registered with the tokio reactor. Cloning
 /// shares it, so one clone can read while another writes.
@@ -55,18 +69,7 @@ impl FdIo {
             let mut guard = self.fd.readable().await?;
             let spare = buf.spare_capacity_mut();
             let want = spare.len().min(max);
-            let res = guard.try_io(|inner| {
-                // SAFETY: reading into `want` bytes of spare capacity we own;
-                // the kernel writes at most that many.
-                let n = unsafe {
-                    libc::read(inner.get_ref().as_raw_fd(), spare.as_mut_ptr().cast(), want)
-                };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            });
+            let res = guard.try_io(|inner| read_uninit(inner.get_ref(), &mut spare[..want]));
             match res {
                 Ok(Ok(n)) => {
                     // SAFETY: the kernel initialized exactly `n` bytes after len.
@@ -148,21 +151,7 @@ impl AsyncRead for FdReader {
             // SAFETY: we only hand the kernel uninitialized memory to write
             // into, and mark exactly the bytes it wrote as initialized.
             let unfilled = unsafe { buf.unfilled_mut() };
-            let res = guard.try_io(|inner| {
-                // SAFETY: `unfilled` is valid for `unfilled.len()` bytes.
-                let n = unsafe {
-                    libc::read(
-                        inner.get_ref().as_raw_fd(),
-                        unfilled.as_mut_ptr().cast(),
-                        unfilled.len(),
-                    )
-                };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            });
+            let res = guard.try_io(|inner| read_uninit(inner.get_ref(), unfilled));
             match res {
                 Ok(Ok(n)) => {
                     // SAFETY: the kernel initialized `n` bytes.
