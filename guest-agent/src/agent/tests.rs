@@ -19,6 +19,13 @@ use crate::proto::{Envelope, MountMode, MountSpec, Secret, SpawnSpec};
 /// Longest wait for any single agent message.
 const RECV_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Read buffer of the test host: large, so bulk output tests read in few calls.
+const CLIENT_READ_BUFFER: usize = 1 << 20;
+
+/// Read buffer of a test host that only exchanges small messages (tokio's
+/// default `BufReader` size).
+const SMALL_READ_BUFFER: usize = 8 * 1024;
+
 type Msg = (AgentMessage, Vec<u8>);
 
 /// A minimal host: sends requests, collects agent messages.
@@ -84,23 +91,7 @@ async fn start(config: Config) -> TestAgent {
             agent.run().await
         })
     });
-    b.set_nonblocking(true).unwrap();
-    let (rd, wr) = tokio::net::UnixStream::from_std(b).unwrap().into_split();
-    let mut client = Client {
-        rd: BufReader::with_capacity(1 << 20, rd),
-        wr: Some(wr),
-        next_id: 1,
-        buf: Vec::new(),
-        stash: VecDeque::new(),
-        hello: Hello {
-            protocol: 0,
-            version: String::new(),
-            is_init: false,
-            boot: BootTimes::default(),
-            kernel: String::new(),
-            userland: None,
-        },
-    };
+    let mut client = Client::new(b, CLIENT_READ_BUFFER);
     match client.recv_raw().await {
         Some((AgentMessage::Hello(h), _)) => client.hello = h,
         other => panic!("first message is not a hello: {other:?}"),
@@ -112,6 +103,21 @@ async fn start(config: Config) -> TestAgent {
 }
 
 impl Client {
+    /// The host's end of the link `b`, reading through a `capacity`-byte
+    /// buffer; the hello is not read yet.
+    fn new(b: std::os::unix::net::UnixStream, capacity: usize) -> Self {
+        b.set_nonblocking(true).unwrap();
+        let (rd, wr) = tokio::net::UnixStream::from_std(b).unwrap().into_split();
+        Client {
+            rd: BufReader::with_capacity(capacity, rd),
+            wr: Some(wr),
+            next_id: 1,
+            buf: Vec::new(),
+            stash: VecDeque::new(),
+            hello: Hello::default(),
+        }
+    }
+
     async fn recv_raw(&mut self) -> Option<Msg> {
         let read = framing::read_frame(&mut self.rd, proto::MAX_MESSAGE, &mut self.buf);
         let more = tokio::time::timeout(RECV_TIMEOUT, read)
@@ -847,23 +853,7 @@ async fn guest_requests_are_routed_by_id() {
             code
         })
     });
-    b.set_nonblocking(true).unwrap();
-    let (rd, wr) = tokio::net::UnixStream::from_std(b).unwrap().into_split();
-    let mut c = Client {
-        rd: BufReader::new(rd),
-        wr: Some(wr),
-        next_id: 1,
-        buf: Vec::new(),
-        stash: VecDeque::new(),
-        hello: Hello {
-            protocol: 0,
-            version: String::new(),
-            is_init: false,
-            boot: BootTimes::default(),
-            kernel: String::new(),
-            userland: None,
-        },
-    };
+    let mut c = Client::new(b, SMALL_READ_BUFFER);
     let mut answered = 0;
     while answered < 2 {
         match c.recv_raw().await.unwrap() {
