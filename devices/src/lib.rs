@@ -1,11 +1,24 @@
-//! Device models for cowork-helper's microVMs.
+//! Device models for cowork-helper's microVMs: virtio-vsock ([`vsock`]),
+//! virtio-fs with per-session grants ([`fs`]), virtio-blk ([`blk`]) and
+//! virtio-rng ([`rng`]).
 //!
-//! [`vsock`] is a virtio-vsock device model over `virtio-queue` that knows
-//! nothing of KVM or vhost-user. It has two faces: [`vsock::VsockDevice`]
-//! plugs into the vmm's in-process virtio-mmio transport, and
-//! [`vhost_user::vsock`] serves the same model to QEMU (or any vhost-user
-//! frontend) over a Unix socket. Either way the helper talks to the guest
-//! through a [`vsock::VsockHost`] handle.
+//! Each model works on `virtio-queue` queues and guest memory and knows
+//! nothing of KVM or vhost-user. It has two faces:
+//! * in-process, for the vmm's virtio-mmio transport ([`vsock::VsockDevice`],
+//!   [`fs::device::FsDevice`], [`blk::BlkDevice`], [`rng::RngDevice`]): each holds a
+//!   `vmm::virtio::in_process::DeviceCommon` (type, queue sizes, features,
+//!   read-only config space) and implements
+//!   `vmm::virtio::in_process::InProcessDevice`, which makes it a
+//!   `vmm::virtio::VirtioDevice`; its worker thread is
+//!   `vmm::virtio::worker`'s, and blk and rng, which serve one queue, run the
+//!   whole of `vmm::virtio::single_queue` over their model's
+//!   `vmm::virtio::single_queue::QueueModel`;
+//! * over vhost-user, for QEMU or any vhost-user frontend ([`vhost_user`]):
+//!   blk and rng through one single-queue backend driving the same
+//!   `QueueModel`, vsock and fs through backends of their own.
+//!
+//! The helper talks to the guest's vsock through a [`vsock::VsockHost`]
+//! handle and manages virtio-fs grants through [`fs::SessionFs`].
 
 pub mod blk;
 pub mod fs;
