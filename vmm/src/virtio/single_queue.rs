@@ -170,3 +170,158 @@ impl<M: QueueModel> WorkerCtx<M> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::{Duration, Instant};
+
+    use virtio_queue::QueueT;
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    use super::*;
+
+    /// Index of the queue the test device serves (not 0, to see that the
+    /// index is honoured).
+    const QUEUE: u16 = 3;
+
+    /// A model that counts its passes and fails on the pass numbered
+    /// `fail_on`.
+    struct Counting {
+        passes: u32,
+        fail_on: u32,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("pass {0} failed")]
+    struct PassFailed(u32);
+
+    impl QueueModel for Counting {
+        type Error = PassFailed;
+
+        fn process_queue(
+            &mut self,
+            _mem: &GuestMemoryMmap,
+            _queue: &mut Queue,
+        ) -> Result<bool, PassFailed> {
+            self.passes += 1;
+            if self.passes == self.fail_on {
+                return Err(PassFailed(self.passes));
+            }
+            Ok(true)
+        }
+    }
+
+    #[derive(Default)]
+    struct Irq {
+        used: AtomicU32,
+        needs_reset: AtomicU32,
+    }
+
+    impl VirtioInterrupt for Irq {
+        fn signal_used_queue(&self, queue: u16) -> io::Result<()> {
+            assert_eq!(queue, QUEUE);
+            self.used.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn signal_config_change(&self) -> io::Result<()> {
+            Ok(())
+        }
+        fn signal_needs_reset(&self) -> io::Result<()> {
+            self.needs_reset.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    /// The device's queue and a handle to kick it.
+    fn queue(index: u16) -> (ActiveQueue, EventFd) {
+        let notify = EventFd::new(EFD_NONBLOCK).unwrap();
+        let kick = notify.try_clone().unwrap();
+        let q = ActiveQueue {
+            index,
+            queue: Queue::new(16).unwrap(),
+            notify,
+        };
+        (q, kick)
+    }
+
+    fn wait_for(what: &str, counter: &AtomicU32, n: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while counter.load(Ordering::SeqCst) < n {
+            assert!(Instant::now() < deadline, "no {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    #[test]
+    fn serves_kicks_and_hands_the_model_back() {
+        let irq = Arc::new(Irq::default());
+        let mut w = SingleQueueWorker::new("test", QUEUE);
+        let model = || {
+            Ok(Counting {
+                passes: 0,
+                fail_on: 0,
+            })
+        };
+        let (other, _) = queue(0);
+        assert!(matches!(
+            w.start(GuestMemoryMmap::new(), irq.clone(), vec![other], model),
+            Err(ActivateError::MissingQueue { index: QUEUE })
+        ));
+        assert!(!w.is_running());
+
+        let (q, kick) = queue(QUEUE);
+        w.start(GuestMemoryMmap::new(), irq.clone(), vec![q], model)
+            .unwrap();
+        assert!(w.is_running());
+        let (again, _) = queue(QUEUE);
+        assert!(matches!(
+            w.start(GuestMemoryMmap::new(), irq.clone(), vec![again], model),
+            Err(ActivateError::AlreadyActive)
+        ));
+        kick.write(1).unwrap();
+        wait_for("used signal", &irq.used, 1);
+        kick.write(1).unwrap();
+        wait_for("second used signal", &irq.used, 2);
+        let back = w.stop().unwrap().expect("the model comes back");
+        assert_eq!(back.passes, 2);
+        assert!(!w.is_running());
+        assert!(w.stop().unwrap().is_none());
+        assert_eq!(irq.needs_reset.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_failed_pass_asks_for_a_reset_and_serves_nothing_more() {
+        let irq = Arc::new(Irq::default());
+        let mut w = SingleQueueWorker::new("test", QUEUE);
+        let (q, kick) = queue(QUEUE);
+        w.start(GuestMemoryMmap::new(), irq.clone(), vec![q], || {
+            Ok(Counting {
+                passes: 0,
+                fail_on: 1,
+            })
+        })
+        .unwrap();
+        kick.write(1).unwrap();
+        wait_for("needs-reset", &irq.needs_reset, 1);
+        kick.write(1).unwrap();
+        let back = w.stop().unwrap().expect("the model comes back");
+        assert_eq!(back.passes, 1, "parked: the second kick was not served");
+        assert_eq!(irq.used.load(Ordering::SeqCst), 0);
+        assert_eq!(irq.needs_reset.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_refused_model_leaves_the_slot_empty() {
+        let irq = Arc::new(Irq::default());
+        let mut w: SingleQueueWorker<Counting> = SingleQueueWorker::new("test", QUEUE);
+        let (q, _) = queue(QUEUE);
+        assert!(matches!(
+            w.start(GuestMemoryMmap::new(), irq, vec![q], || Err(
+                ActivateError::Device("no model".into())
+            )),
+            Err(ActivateError::Device(_))
+        ));
+        assert!(!w.is_running());
+    }
+}
