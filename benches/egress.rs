@@ -10,7 +10,8 @@
 //!   echoed, median and p99 of [`SETUP_ROUNDS`] rounds.
 //! - throughput: [`BULK_BYTES`] written one way and counted by the server,
 //!   best of [`BULK_ROUNDS`].
-//! - paths are interleaved round by round so machine load hits all alike.
+//! - paths are interleaved round by round so machine load hits all alike;
+//!   client, proxy and servers run on separate runtimes (threads).
 //!
 //! Targets (issue 10): ≤ 1 ms added per connection, ≥ 50 % of direct
 //! throughput. Set `EGRESS_BENCH_BYTES` to change the bulk size.
@@ -175,13 +176,32 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(BULK_BYTES);
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    // Servers, proxy and client each get their own runtime (as they are
+    // separate processes in real use): on one shared runtime, tokio runs a
+    // woken task on the waking worker, which serialises the direct
+    // client/server pair on one core and flatters nothing but confuses the
+    // comparison.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("server runtime");
+        rt.block_on(async move {
+            let echo = echo_server().await;
+            let sink = sink_server().await;
+            tx.send((echo, sink)).expect("send addresses");
+            std::future::pending::<()>().await
+        })
+    });
+    let (echo, sink) = rx.recv().expect("server addresses");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("egress.sock");
+    let proxy_rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let echo = echo_server().await;
-        let sink = sink_server().await;
+        .expect("proxy runtime");
+    let (taddr, auth) = proxy_rt.block_on(async {
         let guard =
             AddressGuard::allowing_networks_for_tests(&[("127.0.0.0".parse().expect("ip"), 8)]);
         let proxy = EgressProxy::new(
@@ -198,16 +218,19 @@ fn main() {
             "Proxy-Authorization: Basic {}\r\n",
             base64::engine::general_purpose::STANDARD.encode(format!("bench:{}", cred.expose()))
         );
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sock = dir.path().join("egress.sock");
         let ul = tokio::net::UnixListener::bind(&sock).expect("bind unix");
         let tl = TcpListener::bind("127.0.0.1:0").await.expect("bind tcp");
         let taddr = tl.local_addr().expect("addr");
         let p = proxy.clone();
         tokio::spawn(async move { p.serve_unix(ul).await });
-        let p = proxy.clone();
-        tokio::spawn(async move { p.serve_tcp(tl).await });
-
+        tokio::spawn(async move { proxy.serve_tcp(tl).await });
+        (taddr, auth)
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("client runtime");
+    rt.block_on(async move {
         println!(
             "egress bench: {SETUP_ROUNDS} setups, {} MiB x{BULK_ROUNDS} bulk, loopback",
             bytes >> 20

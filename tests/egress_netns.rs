@@ -763,6 +763,7 @@ fn inner_egress() {
             EgressDialer::new(AddressGuard::new(), None, NoProxy::default()),
             ProxyConfig {
                 max_connections_per_session: 2,
+                ..ProxyConfig::default()
             },
         );
         let cdir = tempfile::tempdir().expect("tempdir");

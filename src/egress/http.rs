@@ -27,7 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::creds::Grant;
 use super::host::{parse_authority, Host};
-use super::{EgressError, Shared, HANDSHAKE_TIMEOUT, MAX_REQUEST_HEAD_BYTES};
+use super::{EgressError, Shared, MAX_REQUEST_HEAD_BYTES};
 
 /// The `X-Proxy-Error` header and its values (those of the official stack,
 /// so tools that look for them keep working).
@@ -155,13 +155,14 @@ pub(crate) async fn serve<S>(shared: Arc<Shared>, io: S) -> Result<(), EgressErr
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let handshake_timeout = shared.config.handshake_timeout;
     let service = hyper::service::service_fn(move |req| {
         let shared = shared.clone();
         async move { Ok::<_, std::convert::Infallible>(handle(shared, req).await) }
     });
     hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(HANDSHAKE_TIMEOUT)
+        .header_read_timeout(handshake_timeout)
         .max_buf_size(MAX_REQUEST_HEAD_BYTES)
         .serve_connection(TokioIo::new(io), service)
         .with_upgrades()

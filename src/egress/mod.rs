@@ -139,12 +139,15 @@ impl EgressError {
 pub struct ProxyConfig {
     /// See [`MAX_CONNECTIONS_PER_SESSION`].
     pub max_connections_per_session: usize,
+    /// See [`HANDSHAKE_TIMEOUT`].
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig {
             max_connections_per_session: MAX_CONNECTIONS_PER_SESSION,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
         }
     }
 }
@@ -160,7 +163,7 @@ struct RefusalLog {
 pub(crate) struct Shared {
     pub(crate) registry: CredentialRegistry,
     dialer: EgressDialer,
-    config: ProxyConfig,
+    pub(crate) config: ProxyConfig,
     log: Mutex<RefusalLog>,
 }
 
@@ -291,7 +294,8 @@ impl EgressProxy {
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let first = match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_u8()).await {
+        let limit = self.shared.config.handshake_timeout;
+        let first = match tokio::time::timeout(limit, stream.read_u8()).await {
             Err(_) => return Err(EgressError::HandshakeTimeout),
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Ok(Err(e)) => return Err(e.into()),

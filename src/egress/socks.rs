@@ -14,7 +14,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::host::Host;
-use super::{EgressError, Shared, HANDSHAKE_TIMEOUT};
+use super::{EgressError, Shared};
 
 /// Protocol version byte of SOCKS5; also what the mux looks for.
 pub const SOCKS5_VERSION: u8 = 0x05;
@@ -176,12 +176,13 @@ where
         let request = read_request(&mut stream).await?;
         Ok::<_, std::io::Error>(Some((grant, request)))
     };
-    let (grant, request) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-        Err(_) => return Err(EgressError::HandshakeTimeout),
-        Ok(Err(e)) => return Err(EgressError::Io(e)),
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(v))) => v,
-    };
+    let (grant, request) =
+        match tokio::time::timeout(shared.config.handshake_timeout, handshake).await {
+            Err(_) => return Err(EgressError::HandshakeTimeout),
+            Ok(Err(e)) => return Err(EgressError::Io(e)),
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(v))) => v,
+        };
     let (host, port) = match request {
         Request::Connect(h, p) => (h, p),
         Request::Unsupported(cmd) => {

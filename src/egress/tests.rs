@@ -14,12 +14,16 @@ use super::*;
 /// Bound for anything that should take milliseconds.
 const T: Duration = Duration::from_secs(10);
 
+/// Handshake deadline of the test proxies (production: [`HANDSHAKE_TIMEOUT`]).
+const SHORT: Duration = Duration::from_millis(300);
+
 fn permissive(cap: usize) -> EgressProxy {
     let guard = AddressGuard::allowing_networks_for_tests(&[("127.0.0.0".parse().unwrap(), 8)]);
     EgressProxy::new(
         EgressDialer::new(guard, None, NoProxy::default()),
         ProxyConfig {
             max_connections_per_session: cap,
+            handshake_timeout: SHORT,
         },
     )
 }
@@ -419,4 +423,51 @@ fn proxy_env_covers_every_spelling() {
     assert_eq!(get("NODE_USE_ENV_PROXY"), Some("1"));
     assert_eq!(get("GIT_CONFIG_KEY_0"), Some("http.proxyAuthMethod"));
     assert_eq!(get("GIT_CONFIG_VALUE_0"), Some("basic"));
+}
+
+#[tokio::test]
+async fn stalled_handshakes_are_dropped() {
+    let proxy = permissive(4);
+    let cred = proxy.issue("s", Policy::Unrestricted).unwrap();
+    let stalls: Vec<Vec<u8>> = vec![
+        vec![],                                         // nothing at all
+        b"CONNECT a.example:443 HTTP/1.1\r\n".to_vec(), // head never ends
+        vec![5],                                        // SOCKS greeting cut short
+        vec![5, 1, 2, 1, 1, b's'],                      // SOCKS auth cut short
+    ];
+    for (i, bytes) in stalls.into_iter().enumerate() {
+        let (mut c, task) = client(&proxy);
+        c.write_all(&bytes).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut sink = Vec::new();
+        // The proxy closes (or answers and closes) on its own; we never
+        // shut down our side.
+        tokio::time::timeout(T, c.read_to_end(&mut sink))
+            .await
+            .unwrap_or_else(|_| panic!("stall {i} was never dropped"))
+            .unwrap();
+        assert!(started.elapsed() < T, "stall {i}");
+        tokio::time::timeout(T, task).await.unwrap().unwrap().ok();
+    }
+    // a prompt client on the same proxy is unaffected
+    let (addr, _) = echo_server().await;
+    let (mut c, _) = client(&proxy);
+    let auth = basic(&cred);
+    c.write_all(format!("CONNECT {addr} HTTP/1.1\r\n{auth}\r\n").as_bytes())
+        .await
+        .unwrap();
+    assert!(head(&mut c).await.starts_with("HTTP/1.1 200"));
+}
+
+#[test]
+fn refusal_log_is_rate_limited() {
+    let proxy = permissive(4);
+    for _ in 0..(LOG_BURST * 3) {
+        proxy
+            .shared
+            .log_refusal(Some("s"), "h.example", 443, "test");
+    }
+    let log = proxy.shared.log.lock().unwrap();
+    assert_eq!(log.lines, LOG_BURST);
+    assert_eq!(log.suppressed, u64::from(LOG_BURST * 2));
 }
