@@ -5,7 +5,8 @@
 //!
 //! * **Protocol**, shared with the host (`cowork-helper`): framing
 //!   ([`framing`]), the message types ([`proto`]), signal and name rules
-//!   ([`signal`], [`names`]), and the ext superblock fields both sides read
+//!   ([`signal`], [`names`]), the boot milestone values the agent writes to
+//!   our VMM ([`milestone`]), and the ext superblock fields both sides read
 //!   from disks ([`extfs`]).
 //! * **Host-or-guest services**: the session-disk [`janitor`], which the
 //!   agent serves and the host runs itself when no agent runs, over the
@@ -23,6 +24,7 @@ pub mod agent;
 pub mod extfs;
 pub mod framing;
 pub mod janitor;
+pub mod milestone;
 pub mod mounttable;
 pub mod names;
 pub mod proto;

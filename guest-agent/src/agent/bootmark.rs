@@ -4,9 +4,8 @@
 //! [`BOOT_TIMER_PORT`] and records every 1-, 2- or 4-byte write with the
 //! host time since the VM was built, so its boot timeline shows when the
 //! guest reached each milestone. The agent writes one 4-byte value per
-//! milestone ([`encode`]): the milestone code in the top byte and the
-//! guest's own `CLOCK_BOOTTIME` in milliseconds in the low 24 bits
-//! (saturating at [`MAX_STAMP_MS`]).
+//! milestone, in the format of [`crate::milestone`] (which the host decodes
+//! with the same module).
 //!
 //! The port only exists in our VMM, which is recognised by the OEM ID of its
 //! ACPI tables ([`VMM_OEM_ID`]); under QEMU or anything else the marks are
@@ -17,6 +16,8 @@
 
 use std::io::Read;
 use std::path::Path;
+
+use crate::milestone::{encode, Milestone};
 
 /// The VMM's boot-timing port (`vmm::layout::BOOT_TIMER_PORT`).
 pub const BOOT_TIMER_PORT: u16 = 0x402;
@@ -34,41 +35,15 @@ const OEM_ID_RANGE: std::ops::Range<usize> = 10..16;
 /// and the I/O permission bitmap must allow every one of them.
 const MARK_BYTES: u16 = 4;
 
-/// Largest guest time a mark carries, in milliseconds (24 bits).
-pub const MAX_STAMP_MS: u32 = 0x00FF_FFFF;
+/// Re-exported for the host's boot timeline (`src/backend/kvm.rs`) until it
+/// reads [`crate::milestone`] itself.
+pub use crate::milestone::MAX_STAMP_MS;
 
 /// Errors of enabling the port (logged; marks are best effort).
 #[derive(Debug, thiserror::Error)]
 pub enum BootMarkError {
     #[error("ioperm for port {port:#x} failed: {source}")]
     Ioperm { port: u16, source: std::io::Error },
-}
-
-/// A boot milestone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Milestone {
-    /// The agent's `main` started (PID 1 entered).
-    AgentStart = 0xA1,
-    /// Early init (mounts, modules, clock, loopback, userland) is done.
-    InitDone = 0xA2,
-    /// The host link is established.
-    Connected = 0xA3,
-    /// The hello went out.
-    HelloSent = 0xA4,
-    /// The root was switched to a userland disk (`agent::userland`); absent
-    /// when the VM stays on its initramfs.
-    UserlandSwitched = 0xA5,
-    /// The machine is about to power off.
-    PowerOff = 0xAF,
-}
-
-/// The 4-byte value written for `milestone` at guest time `boot_us`.
-pub fn encode(milestone: Milestone, boot_us: u64) -> u32 {
-    let ms = u32::try_from(boot_us / 1000)
-        .unwrap_or(MAX_STAMP_MS)
-        .min(MAX_STAMP_MS);
-    ((milestone as u32) << 24) | ms
 }
 
 /// Whether an ACPI table header was written by our VMM.
@@ -160,18 +135,6 @@ fn write_port(_value: u32) {}
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn encodes_milestone_and_milliseconds() {
-        assert_eq!(encode(Milestone::AgentStart, 0), 0xA100_0000);
-        assert_eq!(encode(Milestone::Connected, 2_345_678), 0xA300_0000 | 2345);
-        assert_eq!(encode(Milestone::InitDone, u64::MAX), 0xA2FF_FFFF);
-        assert_eq!(encode(Milestone::UserlandSwitched, 1_000), 0xA500_0001);
-        assert_eq!(
-            encode(Milestone::PowerOff, (MAX_STAMP_MS as u64 + 5) * 1000),
-            0xAFFF_FFFF
-        );
-    }
 
     #[test]
     fn recognises_our_acpi_tables_only() {

@@ -70,9 +70,10 @@ pub use guest::{GuestRequestError, GuestRequests};
 
 use crate::framing::{self, FrameError};
 use crate::janitor;
+use crate::milestone::Milestone;
 use crate::proto::{self, AgentMessage, BootTimes, Hello, HostMessage, Op};
 use crate::sys;
-use bootmark::{BootMarks, Milestone};
+use bootmark::BootMarks;
 use fdio::{FdIo, FdReader};
 use outbox::Outbox;
 use process::{ProcessConfig, Processes};
