@@ -11,7 +11,8 @@ use virtio_queue::desc::split::Descriptor as SplitDescriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
-use vmm::virtio::VirtioInterrupt;
+use vmm::virtio::{ActiveQueue, VirtioInterrupt};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// Guest memory of the tests.
 pub type Mem = GuestMemoryMmap<()>;
@@ -77,6 +78,19 @@ impl Ring {
         q.set_ready(true);
         assert!(q.is_valid(mem));
         q
+    }
+
+    /// These rings as queue `index` handed to an in-process device at
+    /// activation, and the eventfd that kicks it.
+    pub fn active_queue(&self, mem: &Mem, index: u16) -> (ActiveQueue, EventFd) {
+        let notify = EventFd::new(EFD_NONBLOCK).unwrap();
+        let kick = notify.try_clone().unwrap();
+        let q = ActiveQueue {
+            index,
+            queue: self.queue(mem),
+            notify,
+        };
+        (q, kick)
     }
 
     /// A guest buffer holding `data`.

@@ -13,8 +13,7 @@ use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
 use virtio_queue::Queue;
 use vm_memory::{Bytes, GuestAddress};
-use vmm::virtio::{ActiveQueue, VirtioDevice};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm::virtio::VirtioDevice;
 
 use super::device::{BlkConfig, BlkDevice, BlkModel, DeviceError, CONFIG_SIZE};
 use super::image::{create_sparse_image, BlockBackend, ImageError, RawImage};
@@ -847,18 +846,8 @@ fn device_serves_through_its_worker_and_survives_reset() {
     let irq = Arc::new(CountingInterrupt::default());
     for round in 0..2u8 {
         let mut ring = Ring::new(&m, RING_BASE, QSIZE, BUF_BASE, BUF_LEN);
-        let notify = EventFd::new(EFD_NONBLOCK).unwrap();
-        let kick = notify.try_clone().unwrap();
-        dev.activate(
-            m.clone(),
-            irq.clone(),
-            vec![ActiveQueue {
-                index: 0,
-                queue: ring.queue(&m),
-                notify,
-            }],
-        )
-        .unwrap();
+        let (queue, kick) = ring.active_queue(&m, 0);
+        dev.activate(m.clone(), irq.clone(), vec![queue]).unwrap();
         assert!(dev.is_active());
         let h = ring.buf(&m, &hdr(VIRTIO_BLK_T_OUT, u64::from(round)));
         let d = ring.buf(&m, &[round + 1; 512]);
@@ -890,18 +879,8 @@ fn device_asks_for_reset_on_a_broken_ring() {
     let m = mem(MEM_SIZE);
     let irq = Arc::new(CountingInterrupt::default());
     let mut ring = Ring::new(&m, RING_BASE, QSIZE, BUF_BASE, BUF_LEN);
-    let notify = EventFd::new(EFD_NONBLOCK).unwrap();
-    let kick = notify.try_clone().unwrap();
-    dev.activate(
-        m.clone(),
-        irq.clone(),
-        vec![ActiveQueue {
-            index: 0,
-            queue: ring.queue(&m),
-            notify,
-        }],
-    )
-    .unwrap();
+    let (queue, kick) = ring.active_queue(&m, 0);
+    dev.activate(m.clone(), irq.clone(), vec![queue]).unwrap();
     ring.corrupt_avail_idx(&m, 9999);
     kick.write(1).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

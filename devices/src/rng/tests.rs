@@ -4,8 +4,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vm_memory::{Bytes, GuestAddress};
-use vmm::virtio::{ActiveQueue, VirtioDevice};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm::virtio::VirtioDevice;
 
 use super::*;
 use crate::blk::testring::{mem, CountingInterrupt, Mem, Ring};
@@ -105,18 +104,8 @@ fn device_face_serves_from_its_worker() {
     let m = mem(MEM_SIZE);
     let irq = Arc::new(CountingInterrupt::default());
     let mut ring = Ring::new(&m, RING_BASE, QSIZE, BUF_BASE, BUF_LEN);
-    let notify = EventFd::new(EFD_NONBLOCK).unwrap();
-    let kick = notify.try_clone().unwrap();
-    dev.activate(
-        m.clone(),
-        irq.clone(),
-        vec![ActiveQueue {
-            index: 0,
-            queue: ring.queue(&m),
-            notify,
-        }],
-    )
-    .unwrap();
+    let (queue, kick) = ring.active_queue(&m, 0);
+    dev.activate(m.clone(), irq.clone(), vec![queue]).unwrap();
     let a = ring.filled(&m, 16, 0);
     ring.post(&m, &[(a, 16, true)]);
     kick.write(1).unwrap();
