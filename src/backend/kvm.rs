@@ -196,12 +196,8 @@ fn boot_marks(marks: &[vmm::devices::boot_timer::BootMark]) -> String {
     marks
         .iter()
         .map(|m| {
-            format!(
-                "{:#04x}@{}ms/guest{}ms",
-                m.value >> 24,
-                m.at.as_millis(),
-                m.value & guest_agent::agent::bootmark::MAX_STAMP_MS
-            )
+            let (code, guest_ms) = guest_agent::milestone::decode(m.value);
+            format!("{code:#04x}@{}ms/guest{guest_ms}ms", m.at.as_millis())
         })
         .collect::<Vec<_>>()
         .join(" ")
