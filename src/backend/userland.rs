@@ -43,6 +43,8 @@ use std::path::{Path, PathBuf};
 
 pub use guest_agent::proto::{BUNDLE_ROOTFS_LABEL, BUNDLE_ROOTFS_SERIAL, ROOTFS_SERIAL};
 
+use guest_agent::extfs::{self, Superblock};
+
 use super::image::GuestImage;
 
 /// File name of the client's root filesystem inside its bundle directory.
@@ -69,19 +71,9 @@ const GPT_ENTRY_MAX: u32 = 4096;
 /// Offset of the MBR boot signature `55 AA`.
 const MBR_SIGNATURE_AT: usize = 510;
 /// Where an ext2/3/4 superblock starts inside its filesystem.
-const EXT_SUPERBLOCK_OFFSET: u64 = 1024;
-/// Bytes of the superblock read (all fields we look at lie below).
-const EXT_SUPERBLOCK_LEN: usize = 1024;
-/// Offset of `s_magic` inside the superblock.
-const EXT_MAGIC_AT: usize = 0x38;
-/// The ext2/3/4 magic.
-const EXT_MAGIC: u16 = 0xEF53;
-/// Offset of `s_feature_incompat` inside the superblock.
-const EXT_INCOMPAT_AT: usize = 0x60;
-/// Offset of `s_volume_name` (16 bytes) inside the superblock.
-const EXT_LABEL_AT: usize = 0x78;
-/// Length of `s_volume_name`.
-const EXT_LABEL_LEN: usize = 16;
+const EXT_SUPERBLOCK_OFFSET: u64 = extfs::SUPERBLOCK_OFFSET;
+/// Bytes of the superblock read (every field parsed lies below).
+const EXT_SUPERBLOCK_LEN: usize = extfs::READ_LEN;
 /// Incompatible ext4 features Linux 6.1 mounts (`EXT4_FEATURE_INCOMPAT_SUPP`
 /// there): filetype 0x2, recover 0x4, meta_bg 0x10, extents 0x40, 64bit
 /// 0x80, mmp 0x100, flex_bg 0x200, ea_inode 0x400, csum_seed 0x2000,
@@ -383,17 +375,17 @@ pub fn inspect_disk(
             found.push(format!("p{index}: outside the disk"));
             continue;
         }
-        let sb = read(offset + EXT_SUPERBLOCK_OFFSET, EXT_SUPERBLOCK_LEN)?;
-        if u16::from_le_bytes([sb[EXT_MAGIC_AT], sb[EXT_MAGIC_AT + 1]]) != EXT_MAGIC {
+        let raw = read(offset + EXT_SUPERBLOCK_OFFSET, EXT_SUPERBLOCK_LEN)?;
+        let Some(sb) = Superblock::parse(&raw) else {
             found.push(format!("p{index}: not ext2/3/4"));
             continue;
-        }
-        let label = ext_label(&sb);
+        };
+        let label = sb.label().unwrap_or_default();
         if label != BUNDLE_ROOTFS_LABEL {
             found.push(format!("p{index}: ext4 {label:?}"));
             continue;
         }
-        let unsupported = le32(&sb, EXT_INCOMPAT_AT) & !EXT4_INCOMPAT_SUPPORTED;
+        let unsupported = sb.incompat().unwrap_or(0) & !EXT4_INCOMPAT_SUPPORTED;
         if unsupported != 0 {
             return Err(BundleError::Unsupported {
                 path: path.to_path_buf(),
@@ -438,12 +430,6 @@ pub fn check_hello(
     } else {
         Ok(line)
     }
-}
-
-fn ext_label(sb: &[u8]) -> String {
-    let raw = &sb[EXT_LABEL_AT..EXT_LABEL_AT + EXT_LABEL_LEN];
-    let end = raw.iter().position(|b| *b == 0).unwrap_or(raw.len());
-    String::from_utf8_lossy(&raw[..end]).into_owned()
 }
 
 fn le32(b: &[u8], at: usize) -> u32 {

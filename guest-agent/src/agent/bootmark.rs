@@ -35,10 +35,6 @@ const OEM_ID_RANGE: std::ops::Range<usize> = 10..16;
 /// and the I/O permission bitmap must allow every one of them.
 const MARK_BYTES: u16 = 4;
 
-/// Re-exported for the host's boot timeline (`src/backend/kvm.rs`) until it
-/// reads [`crate::milestone`] itself.
-pub use crate::milestone::MAX_STAMP_MS;
-
 /// Errors of enabling the port (logged; marks are best effort).
 #[derive(Debug, thiserror::Error)]
 pub enum BootMarkError {

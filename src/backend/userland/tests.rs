@@ -9,9 +9,14 @@ const FIRST_LBA: u64 = 2048;
 fn ext_partition(label: &str, incompat: u32, sectors: u64) -> Vec<u8> {
     let mut p = vec![0u8; (sectors * SECTOR) as usize];
     let sb = EXT_SUPERBLOCK_OFFSET as usize;
-    p[sb + EXT_MAGIC_AT..sb + EXT_MAGIC_AT + 2].copy_from_slice(&EXT_MAGIC.to_le_bytes());
-    p[sb + EXT_INCOMPAT_AT..sb + EXT_INCOMPAT_AT + 4].copy_from_slice(&incompat.to_le_bytes());
-    p[sb + EXT_LABEL_AT..sb + EXT_LABEL_AT + label.len()].copy_from_slice(label.as_bytes());
+    let (magic_at, incompat_at, label_at) = (
+        sb + extfs::MAGIC_AT,
+        sb + extfs::INCOMPAT_AT,
+        sb + extfs::LABEL_AT,
+    );
+    p[magic_at..magic_at + 2].copy_from_slice(&extfs::MAGIC.to_le_bytes());
+    p[incompat_at..incompat_at + 4].copy_from_slice(&incompat.to_le_bytes());
+    p[label_at..label_at + label.len()].copy_from_slice(label.as_bytes());
     p
 }
 
