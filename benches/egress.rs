@@ -30,6 +30,10 @@ use tokio::net::{TcpListener, TcpStream, UnixStream};
 /// Connection-setup rounds per path (bounded: a few seconds in all).
 const SETUP_ROUNDS: usize = 2000;
 
+/// Rounds, bytes and bulk rounds when the binary runs as a test (`cargo test
+/// --benches`, no `--bench` argument): a smoke run, not a measurement.
+const SMOKE: (usize, usize, usize) = (50, 8 << 20, 1);
+
 /// Bytes per bulk transfer.
 const BULK_BYTES: usize = 256 << 20;
 
@@ -171,11 +175,17 @@ async fn bulk_once(path: &Path, bytes: usize, chunk: &[u8]) -> f64 {
 }
 
 fn main() {
-    // cargo bench passes `--bench`; nothing to parse.
+    // `cargo bench` passes `--bench`; without it this is a smoke run.
+    let full = std::env::args().any(|a| a == "--bench");
+    let (setup_rounds, default_bytes, bulk_rounds) = if full {
+        (SETUP_ROUNDS, BULK_BYTES, BULK_ROUNDS)
+    } else {
+        SMOKE
+    };
     let bytes = std::env::var("EGRESS_BENCH_BYTES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(BULK_BYTES);
+        .unwrap_or(default_bytes);
     // Servers, proxy and client each get their own runtime (as they are
     // separate processes in real use): on one shared runtime, tokio runs a
     // woken task on the waking worker, which serialises the direct
@@ -232,7 +242,7 @@ fn main() {
         .expect("client runtime");
     rt.block_on(async move {
         println!(
-            "egress bench: {SETUP_ROUNDS} setups, {} MiB x{BULK_ROUNDS} bulk, loopback",
+            "egress bench: {setup_rounds} setups, {} MiB x{bulk_rounds} bulk, loopback",
             bytes >> 20
         );
         let paths_echo = [
@@ -243,8 +253,8 @@ fn main() {
         // Paths are interleaved round by round, so load from other jobs
         // on the machine falls on all of them alike.
         let mut samples: Vec<Vec<Duration>> =
-            vec![Vec::with_capacity(SETUP_ROUNDS); paths_echo.len()];
-        for _ in 0..SETUP_ROUNDS {
+            vec![Vec::with_capacity(setup_rounds); paths_echo.len()];
+        for _ in 0..setup_rounds {
             for (i, p) in paths_echo.iter().enumerate() {
                 samples[i].push(setup_once(p).await);
             }
@@ -279,7 +289,7 @@ fn main() {
         ];
         let chunk = vec![0xa5u8; CHUNK];
         let mut best = vec![0f64; paths_sink.len()];
-        for _ in 0..BULK_ROUNDS {
+        for _ in 0..bulk_rounds {
             for (i, p) in paths_sink.iter().enumerate() {
                 best[i] = best[i].max(bulk_once(p, bytes, &chunk).await);
             }
