@@ -471,3 +471,20 @@ fn refusal_log_is_rate_limited() {
     assert_eq!(log.lines, LOG_BURST);
     assert_eq!(log.suppressed, u64::from(LOG_BURST * 2));
 }
+
+#[tokio::test]
+async fn oversized_request_heads_are_refused() {
+    let proxy = permissive(4);
+    let (mut c, task) = client(&proxy);
+    let big = "a".repeat(MAX_REQUEST_HEAD_BYTES * 2);
+    let req = format!("CONNECT a.example:443 HTTP/1.1\r\nX-Big: {big}\r\n\r\n");
+    // The proxy may stop reading before we finish writing.
+    let _ = c.write_all(req.as_bytes()).await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(T, c.read_to_end(&mut got))
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 431"), "{text}");
+    tokio::time::timeout(T, task).await.unwrap().unwrap().ok();
+}
