@@ -3,9 +3,10 @@
 //! missing the suite skips with a framed notice saying what and how to get
 //! it, unless [`QEMU_TESTS_ENV`] is `1`, which makes it a failure (CI).
 //!
-//! Limits: the notice goes through `eprintln!`, so libtest shows it only
-//! with `--nocapture` or for a failing test. The nested-KVM suites have
-//! their own gate (`COWORK_NESTED_TESTS`, see [`super::nested`]).
+//! The notice is written to the process's stderr directly (libtest's
+//! capture only takes `print!`/`eprint!`), so a plain `cargo test` shows it.
+//! The nested-KVM suites have their own gate (`COWORK_NESTED_TESTS`, see
+//! [`super::nested`]).
 
 use cowork_helper::backend::qemu;
 
@@ -40,12 +41,9 @@ pub fn qemu_gate(
         "{QEMU_TESTS_ENV}=1 but {what} cannot run: {}",
         missing.join("; ")
     );
-    eprintln!(
-        "\n========================================================================\n\
-         SKIPPED {test}: {}\n\
-         (set {QEMU_TESTS_ENV}=1 to make this a failure)\n\
-         ========================================================================\n",
+    super::nested::loud_notice(&format!(
+        "SKIPPED {test}: {}\n(set {QEMU_TESTS_ENV}=1 to make this a failure)",
         missing.join("; ")
-    );
+    ));
     false
 }
