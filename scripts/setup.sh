@@ -53,6 +53,8 @@ packages=(
 	mmdebstrap                  # mkrootfs.sh: the Debian userland of the guest image
 	uidmap                      # newuidmap/newgidmap: mmdebstrap's rootless (unshare) mode
 	debian-archive-keyring      # verifies the Debian archive mmdebstrap installs from
+	fdisk                       # sfdisk: the client-style GPT bundle of tests/qemu_userland.rs
+	iproute2 curl               # tests/egress_netns.rs: veth pairs, curl as a real proxy client
 )
 # npm fetches the Claude Code CLI for the tests (scripts/fetch-claude-cli.sh). Only installed
 # when missing: a node from another source already brings its own npm, and Debian's npm
