@@ -735,7 +735,11 @@ fn a_session_user_uses_grants_presented_as_its_own() {
     ok_as(
         id,
         &rw,
-        "echo new > new.txt
+        // Its own umask: another test's grant import sets the process-wide
+        // umask to 0 for a moment (fuse-backend-rs), and a child forked
+        // then would inherit it.
+        "umask 022
+         echo new > new.txt
          echo more >> pre.txt
          mkdir d
          ln -s new.txt d/l
