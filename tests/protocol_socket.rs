@@ -286,7 +286,9 @@ async fn bad_frames_get_errors_or_close_and_disturb_nobody() {
     for len in [10 * 1024 * 1024 + 1u32, u32::MAX] {
         let mut c = RawConn::connect(&d.socket).await.unwrap();
         c.send_bytes(&len.to_be_bytes()).await.unwrap();
-        c.send_bytes(b"{\"method\":").await.unwrap();
+        // The server may already have answered and closed after the prefix
+        // alone: a broken pipe here is that close, not a failure.
+        let _ = c.send_bytes(b"{\"method\":").await;
         match c.read_reply(T).await {
             Ok(Some(r)) => {
                 assert!(is_error_reply(&r), "oversized {len}: {r}");
