@@ -329,6 +329,12 @@ pub fn main(args: Vec<String>) -> i32 {
 }
 
 fn doctor(backend: BackendChoice, userland: UserlandArg) -> i32 {
+    // A report for people, often piped into `head` or `grep -q`: a reader
+    // that goes away ends it quietly, as it does any Unix filter, instead of
+    // println! panicking on EPIPE. (Only here: the daemon keeps SIGPIPE
+    // ignored and handles EPIPE on its sockets.)
+    // SAFETY: restoring the default disposition of one signal.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let (kind, why) = resolve_backend(backend);
     println!("auto picks: {} ({why})", kind.as_str());
     println!("userland: {}", userland_line(userland.into()));
