@@ -204,10 +204,9 @@ pub fn plan(
         kind: UserlandKind::Default,
     });
     let bundle = bundle_dir.map(|d| Path::new("/").join(d).join(BUNDLE_ROOTFS_FILE));
+    // A missing file is inspect_bundle's open error (forced) or no
+    // candidate at all (auto checks first).
     let bundle_disk = |path: &Path| -> Result<RootDisk, String> {
-        if !path.exists() {
-            return Err(format!("{} does not exist", path.display()));
-        }
         inspect_bundle(path).map_err(|e| e.to_string())?;
         Ok(RootDisk {
             path: path.to_path_buf(),

@@ -86,7 +86,7 @@ use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
 use super::{BootOptions, Booted, HostPaths, Machine};
 pub use machine::QemuMachine;
-use machine::{pump_console, SingleQueueThreads};
+use machine::{pump_console, SingleQueueThreads, VhostThread};
 pub use plan::{
     choose_accel, find_qemu, qemu_opt_escape, Accel, QemuPlan, RootDiskSocket, ACCEL_ENV,
     DEFAULT_QEMU, FS_QUEUE_SIZE, KERNEL_CMDLINE, QEMU_ENV,
@@ -289,17 +289,23 @@ async fn start(
             return Err(QemuError::Thread(e));
         }
     };
+    // Ends the session disk, rng and root disk servers once all of them
+    // (the roots: those started so far) were started.
+    let end_single_queue =
+        |blk: VhostThread, rng: VhostThread, roots: Vec<(VhostThread, PathBuf)>| {
+            end_unconnected(&plan.blk_socket, blk);
+            end_unconnected(&plan.rng_socket, rng);
+            for (t, socket) in roots {
+                end_unconnected(&socket, t);
+            }
+        };
     let mut roots = Vec::with_capacity(root_servers.len());
     for (server, socket) in root_servers {
         match server.spawn() {
             Ok(t) => roots.push((Some(t), socket)),
             Err(e) => {
                 end_vsock_fs(vhost, vhost_fs);
-                end_unconnected(&plan.blk_socket, Some(vhost_blk));
-                end_unconnected(&plan.rng_socket, Some(vhost_rng));
-                for (t, socket) in roots {
-                    end_unconnected(&socket, t);
-                }
+                end_single_queue(Some(vhost_blk), Some(vhost_rng), roots);
                 return Err(QemuError::Thread(e));
             }
         }
@@ -333,11 +339,7 @@ async fn start(
         Err(source) => {
             // Unblock and end the vhost-user threads: no frontend will come.
             end_vsock_fs(vhost, vhost_fs);
-            end_unconnected(&plan.blk_socket, Some(vhost_blk));
-            end_unconnected(&plan.rng_socket, Some(vhost_rng));
-            for (t, socket) in roots {
-                end_unconnected(&socket, t);
-            }
+            end_single_queue(Some(vhost_blk), Some(vhost_rng), roots);
             return Err(QemuError::Spawn {
                 qemu: plan.qemu.clone(),
                 source,
