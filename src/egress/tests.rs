@@ -49,6 +49,13 @@ fn basic(cred: &Credential) -> String {
     format!("Proxy-Authorization: Basic {enc}\r\n")
 }
 
+/// Sends `request` to `proxy` on a new stream and returns the reply's head.
+async fn ask(proxy: &EgressProxy, request: &[u8]) -> String {
+    let (mut c, _) = client(proxy);
+    c.write_all(request).await.unwrap();
+    head(&mut c).await
+}
+
 /// Reads a response head (through the blank line).
 async fn head(s: &mut DuplexStream) -> String {
     let mut got = Vec::new();
@@ -86,17 +93,18 @@ async fn echo_server() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU
 #[tokio::test]
 async fn origin_form_is_400_and_missing_or_revoked_credential_is_407() {
     let proxy = permissive(8);
-    let (mut c, _) = client(&proxy);
-    c.write_all(b"GET /index.html HTTP/1.1\r\nHost: a.example\r\n\r\n")
-        .await
-        .unwrap();
-    assert!(head(&mut c).await.starts_with("HTTP/1.1 400"));
+    assert!(ask(
+        &proxy,
+        b"GET /index.html HTTP/1.1\r\nHost: a.example\r\n\r\n"
+    )
+    .await
+    .starts_with("HTTP/1.1 400"));
 
-    let (mut c, _) = client(&proxy);
-    c.write_all(b"CONNECT a.example:443 HTTP/1.1\r\nHost: a.example:443\r\n\r\n")
-        .await
-        .unwrap();
-    let h = head(&mut c).await;
+    let h = ask(
+        &proxy,
+        b"CONNECT a.example:443 HTTP/1.1\r\nHost: a.example:443\r\n\r\n",
+    )
+    .await;
     assert!(h.starts_with("HTTP/1.1 407"), "{h}");
     assert!(
         h.to_ascii_lowercase()
@@ -106,22 +114,25 @@ async fn origin_form_is_400_and_missing_or_revoked_credential_is_407() {
 
     let cred = proxy.issue("s", Policy::Unrestricted).unwrap();
     assert!(proxy.revoke(&cred));
-    let (mut c, _) = client(&proxy);
-    c.write_all(format!("GET http://a.example/ HTTP/1.1\r\n{}\r\n", basic(&cred)).as_bytes())
-        .await
-        .unwrap();
-    assert!(head(&mut c).await.starts_with("HTTP/1.1 407"));
+    assert!(ask(
+        &proxy,
+        format!("GET http://a.example/ HTTP/1.1\r\n{}\r\n", basic(&cred)).as_bytes()
+    )
+    .await
+    .starts_with("HTTP/1.1 407"));
 
     // garbage credentials
     for auth in ["Basic !!!", "Bearer abc", "Basic", "Basic Og=="] {
-        let (mut c, _) = client(&proxy);
-        c.write_all(
-            format!("CONNECT a.example:443 HTTP/1.1\r\nProxy-Authorization: {auth}\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-        assert!(head(&mut c).await.starts_with("HTTP/1.1 407"), "{auth}");
+        assert!(
+            ask(
+                &proxy,
+                format!("CONNECT a.example:443 HTTP/1.1\r\nProxy-Authorization: {auth}\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .starts_with("HTTP/1.1 407"),
+            "{auth}"
+        );
     }
 }
 
@@ -136,11 +147,7 @@ async fn refusals_are_403_with_the_header_and_never_dial() {
         "CONNECT other.example:443 HTTP/1.1\r\n".to_string(),
         "GET http://other.example/ HTTP/1.1\r\nHost: allowed.example\r\n".to_string(),
     ] {
-        let (mut c, _) = client(&proxy);
-        c.write_all(format!("{target}{}\r\n", basic(&cred)).as_bytes())
-            .await
-            .unwrap();
-        let h = head(&mut c).await;
+        let h = ask(&proxy, format!("{target}{}\r\n", basic(&cred)).as_bytes()).await;
         assert!(h.starts_with("HTTP/1.1 403"), "{target}: {h}");
         assert!(
             h.to_ascii_lowercase()
@@ -154,11 +161,11 @@ async fn refusals_are_403_with_the_header_and_never_dial() {
         "allowed.example",
         "allowed.example:0",
     ] {
-        let (mut c, _) = client(&proxy);
-        c.write_all(format!("CONNECT {target} HTTP/1.1\r\n{}\r\n", basic(&cred)).as_bytes())
-            .await
-            .unwrap();
-        let h = head(&mut c).await;
+        let h = ask(
+            &proxy,
+            format!("CONNECT {target} HTTP/1.1\r\n{}\r\n", basic(&cred)).as_bytes(),
+        )
+        .await;
         assert!(h.starts_with("HTTP/1.1 400"), "{target}: {h}");
     }
     assert_eq!(count.load(std::sync::atomic::Ordering::SeqCst), 0);
