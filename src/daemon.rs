@@ -60,6 +60,8 @@ pub struct Daemon {
     last_configured: Mutex<Option<String>>,
     /// Open client connections (for the idle-VM policy).
     pub connections: AtomicUsize,
+    /// The egress proxy every profile's sessions reach the network through.
+    pub egress: crate::egress::EgressProxy,
 }
 
 /// Per-connection state.
@@ -105,6 +107,7 @@ impl Daemon {
             profiles: Mutex::new(HashMap::new()),
             last_configured: Mutex::new(None),
             connections: AtomicUsize::new(0),
+            egress: crate::egress::EgressProxy::from_env(),
         })
     }
 
@@ -118,6 +121,7 @@ impl Daemon {
                     backend: self.settings.backend,
                     profile_dir: self.settings.data_dir.join("profiles").join(key),
                     helper_exe: self.settings.helper_exe.clone(),
+                    egress: self.egress.clone(),
                 };
                 tracing::info!(profile = key, dir = %cfg.profile_dir.display(), "profile created");
                 Arc::new(Profile {

@@ -34,6 +34,23 @@ pub const HOST_CID: u32 = 2;
 /// vsock port the agent dials on the host (the official agent's port).
 pub const AGENT_PORT: u32 = 51234;
 
+/// vsock port of the host's egress proxy: the guest agent's relay dials
+/// (CID 2, this port) once per relayed connection. The host answers with the
+/// egress proxy (HTTP CONNECT, absolute-form HTTP or SOCKS5, told apart by
+/// the first byte); every request carries a spawn's credential. Next to
+/// [`AGENT_PORT`] so both are easy to spot in a vsock trace.
+pub const EGRESS_PORT: u32 = 51235;
+
+/// TCP port the agent's egress relay listens on at `127.0.0.1` (in the VM,
+/// and in the sandbox's network namespace): the usual proxy port, and the
+/// one session processes find in their `*_PROXY` variables.
+pub const GUEST_PROXY_PORT: u16 = 3128;
+
+/// Environment variable through which the sandbox tells its agent where the
+/// host's egress proxy listens: a unix socket path as the agent sees it.
+/// Unset in a VM, where the relay dials vsock [`EGRESS_PORT`].
+pub const EGRESS_SOCKET_ENV: &str = "COWORK_EGRESS_SOCKET";
+
 /// virtio-fs tag of the host's session share in a VM (ours, not the official
 /// helper's `claudeshared`). Its root holds `/<session>/<mount name>` for each
 /// mount the host granted; the host enforces each mount's mode.

@@ -75,6 +75,10 @@ pub struct VmConfig {
     pub profile_dir: PathBuf,
     /// This executable, re-executed as sandbox init and agent.
     pub helper_exe: PathBuf,
+    /// The daemon's egress proxy (shared by every profile): the only way
+    /// out of a session, reached over vsock [`guest_agent::proto::EGRESS_PORT`]
+    /// (VM backends) or a unix socket (sandbox).
+    pub egress: crate::egress::EgressProxy,
 }
 
 impl VmConfig {

@@ -45,7 +45,7 @@ pub use policy::{Pattern, Policy};
 
 /// The port the guest-side relay listens on (`127.0.0.1:3128`), the usual
 /// proxy port and the one the official stack uses.
-pub const GUEST_PROXY_PORT: u16 = 3128;
+pub use guest_agent::proto::GUEST_PROXY_PORT;
 
 /// Deadline for a client to finish its request head (HTTP) or its whole
 /// handshake (SOCKS5) — slow-loris protection.

@@ -159,6 +159,7 @@ mod tests {
             backend,
             profile_dir: dir.join("profile"),
             helper_exe: "/nonexistent/cowork-helper".into(),
+            egress: crate::egress::EgressProxy::from_env(),
         })
     }
 
