@@ -432,6 +432,8 @@ fn spawn_request(p: SpawnParams) -> SpawnRequest {
             one_shot: p.one_shot.unwrap_or(false),
             mount_skeleton_home: p.mount_skeleton_home.unwrap_or(false),
             allowed_domains: p.allowed_domains,
+            // Issued by the VM at spawn time (see `vm::processes`).
+            egress_proxy: None,
         },
         mounts,
     }

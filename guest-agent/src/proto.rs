@@ -335,6 +335,13 @@ pub struct SpawnSpec {
     pub mount_skeleton_home: bool,
     #[serde(default)]
     pub allowed_domains: Option<Vec<String>>,
+    /// This spawn's egress proxy URL, `http://<user>:<credential>@127.0.0.1:<GUEST_PROXY_PORT>`,
+    /// issued by the host and revoked when the process exits. The host also
+    /// puts it in the `*_PROXY` variables of `env`; the agent uses it to
+    /// authenticate connections it captures for this process's group
+    /// (programs that ignore the proxy variables). Never logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<Secret>,
 }
 
 /// Environment variables that carry credentials: their values are never logged,
@@ -362,6 +369,10 @@ impl fmt::Debug for SpawnSpec {
             .field("mounts", &self.mounts)
             .field("is_resume", &self.is_resume)
             .field("one_shot", &self.one_shot)
+            .field(
+                "egress_proxy",
+                &self.egress_proxy.as_ref().map(|_| "<redacted>"),
+            )
             .finish()
     }
 }
