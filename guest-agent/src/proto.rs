@@ -564,6 +564,7 @@ mod tests {
             one_shot: false,
             mount_skeleton_home: false,
             allowed_domains: None,
+            egress_proxy: None,
         };
         let shown = format!("{:?}", Op::Spawn(spec));
         assert!(!shown.contains("sk-secret-value"), "{shown}");

@@ -755,6 +755,7 @@ mod tests {
             one_shot: false,
             mount_skeleton_home: false,
             allowed_domains: None,
+            egress_proxy: None,
         }
     }
 

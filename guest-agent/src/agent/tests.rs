@@ -259,6 +259,7 @@ fn spec(id: &str, session: &str, argv: &[&str]) -> SpawnSpec {
         one_shot: false,
         mount_skeleton_home: false,
         allowed_domains: None,
+        egress_proxy: None,
     }
 }
 
