@@ -21,6 +21,7 @@
 //!   backend starts inside the sandbox).
 
 pub mod agent;
+pub mod egress;
 pub mod extfs;
 pub mod framing;
 pub mod janitor;

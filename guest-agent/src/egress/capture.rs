@@ -1,0 +1,1 @@
+//! Egress capture (work in progress).

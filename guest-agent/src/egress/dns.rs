@@ -1,0 +1,1 @@
+//! Egress dns (work in progress).

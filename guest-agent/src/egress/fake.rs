@@ -1,0 +1,1 @@
+//! Egress fake (work in progress).
