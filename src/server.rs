@@ -33,6 +33,51 @@ const REPLY_QUEUE: usize = 128;
 /// How often the idle policy looks at the VMs.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
 
+/// `S_ISVTX`: in a directory with this bit only a file's owner (or the
+/// directory's owner, or root) may remove or rename it, which is what makes
+/// a world-writable directory such as `/tmp` safe to put our socket in.
+const STICKY_BIT: u32 = 0o1000;
+
+/// Write permission for the group and for others.
+const GROUP_OTHER_WRITE: u32 = 0o022;
+
+/// Write permission for others.
+const OTHER_WRITE: u32 = 0o002;
+
+/// What kind of directory the socket lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DirKind {
+    /// Ours, writable by us alone (`$XDG_RUNTIME_DIR`, a 0700 directory).
+    Private,
+    /// World-writable with the sticky bit, owned by us or root (`/tmp`):
+    /// nobody else can remove or replace our socket once it is bound.
+    SharedSticky,
+}
+
+/// Decides whether a directory owned by `owner` with `mode` may hold the
+/// socket of a helper running as `uid`; the error says why not.
+fn socket_dir_kind(owner: u32, mode: u32, uid: u32) -> Result<DirKind, String> {
+    let sticky = mode & STICKY_BIT != 0;
+    if sticky && mode & OTHER_WRITE != 0 && (owner == uid || owner == 0) {
+        return Ok(DirKind::SharedSticky);
+    }
+    if owner != uid {
+        return Err(format!(
+            "socket directory is owned by uid {owner}, not by us ({uid}); use a directory of \
+             your own (such as $XDG_RUNTIME_DIR) or a sticky shared one such as /tmp"
+        ));
+    }
+    if mode & GROUP_OTHER_WRITE != 0 {
+        return Err(format!(
+            "socket directory is writable by others (mode {:o}) without the sticky bit, so \
+             anyone could replace the socket; make it 0700 (or use a sticky directory such \
+             as /tmp)",
+            mode & 0o7777
+        ));
+    }
+    Ok(DirKind::Private)
+}
+
 /// Errors that keep the server from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -69,21 +114,10 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
             .map_err(|e| path_err(parent, format!("cannot create socket directory: {e}")))?;
     }
     let meta = std::fs::metadata(parent).map_err(|e| path_err(parent, e.to_string()))?;
-    if meta.uid() != uid {
-        return Err(path_err(
-            parent,
-            format!(
-                "socket directory is owned by uid {}, not by us ({uid})",
-                meta.uid()
-            ),
-        ));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(path_err(
-            parent,
-            "socket directory is writable by others; it must be 0700",
-        ));
-    }
+    let shared = match socket_dir_kind(meta.uid(), meta.mode(), uid) {
+        Ok(kind) => kind == DirKind::SharedSticky,
+        Err(why) => return Err(path_err(parent, why)),
+    };
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => {
             return Err(path_err(
@@ -92,6 +126,19 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
             ))
         }
         Ok(m) if m.is_dir() => return Err(path_err(path, "socket path is a directory")),
+        Ok(m) if m.uid() != uid => {
+            // In a shared sticky directory (/tmp) anyone may create our
+            // name first; we can neither remove nor trust their file.
+            return Err(path_err(
+                path,
+                format!(
+                    "socket path already exists and belongs to uid {}, not to us ({uid}); \
+                     someone else created it first: remove it as that user or root, or pass \
+                     a different -socket (a directory of your own such as $XDG_RUNTIME_DIR)",
+                    m.uid()
+                ),
+            ));
+        }
         Ok(_) => {
             if UnixStream::connect(path).await.is_ok() {
                 return Err(ServerError::AlreadyRunning(path.to_path_buf()));
@@ -101,6 +148,13 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
                 .map_err(|e| path_err(path, format!("cannot remove stale socket: {e}")))?;
         }
         Err(_) => {}
+    }
+    if shared {
+        tracing::info!(
+            dir = %parent.display(),
+            "socket directory is shared (world-writable, sticky): the socket is 0600 and \
+             peers of other users are refused"
+        );
     }
     let listener = UnixListener::bind(path).map_err(|source| ServerError::Bind {
         path: path.into(),
@@ -318,4 +372,42 @@ async fn write_frames(mut wr: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Re
         }
     }
     let _ = wr.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ME: u32 = 1000;
+    const OTHER: u32 = 1001;
+
+    #[test]
+    fn socket_directory_table() {
+        let cases: [(u32, u32, Option<DirKind>); 9] = [
+            (ME, 0o700, Some(DirKind::Private)),
+            (ME, 0o755, Some(DirKind::Private)),
+            // /tmp: root-owned, world-writable, sticky.
+            (0, 0o1777, Some(DirKind::SharedSticky)),
+            (ME, 0o1777, Some(DirKind::SharedSticky)),
+            // World-writable without the sticky bit: anyone can swap the socket.
+            (ME, 0o777, None),
+            (0, 0o777, None),
+            (ME, 0o770, None),
+            // Someone else's directories, sticky or not.
+            (OTHER, 0o1777, None),
+            (OTHER, 0o700, None),
+        ];
+        for (owner, mode, want) in cases {
+            let got = socket_dir_kind(owner, mode, ME);
+            assert_eq!(
+                got.clone().ok(),
+                want,
+                "owner {owner} mode {mode:o}: {got:?}"
+            );
+        }
+        let why = socket_dir_kind(ME, 0o777, ME).unwrap_err();
+        assert!(why.contains("sticky") && why.contains("777"), "{why}");
+        let why = socket_dir_kind(OTHER, 0o700, ME).unwrap_err();
+        assert!(why.contains("owned by uid 1001"), "{why}");
+    }
 }

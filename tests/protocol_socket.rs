@@ -690,3 +690,76 @@ async fn simple_methods_and_their_shapes() {
         .await
         .expect("stopVM when stopped");
 }
+
+/// A helper asked to serve on `sock` that must refuse: it exits non-zero and
+/// its log holds every word of `words` (lowercased).
+fn assert_refused(sock: &std::path::Path, words: &[&str]) {
+    let mut d = Daemon::start_with(Opts {
+        socket: Some(sock.to_path_buf()),
+        wait_ready: false,
+        ..Opts::default()
+    });
+    let st = d
+        .wait_exit(T)
+        .expect("helper must exit on a refused socket path");
+    assert!(!st.success(), "helper exited with {st}");
+    assert!(d.wait_log_closed(T));
+    let log = d.log().to_lowercase();
+    for w in words {
+        assert!(log.contains(w), "log should mention {w:?}: {log}");
+    }
+}
+
+#[tokio::test]
+async fn socket_in_a_sticky_shared_directory_like_tmp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shared = tmp.path().join("tmp");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let sock = shared.join("claude-cowork-vm.sock");
+    let d = Daemon::start_with(Opts {
+        socket: Some(sock.clone()),
+        ..Opts::default()
+    });
+    let r = Client::one_shot(&sock, "isRunning", Value::Null)
+        .await
+        .expect("the helper serves from a sticky shared directory");
+    assert_eq!(r["running"], json!(false));
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "socket mode {mode:o}");
+    drop(d);
+
+    // Without the sticky bit anyone could replace the socket: refused.
+    let open = tmp.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    assert_refused(&open.join("helper.sock"), &["writable by others", "sticky"]);
+}
+
+#[tokio::test]
+async fn squatted_socket_paths_and_foreign_directories_are_refused() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to create files owned by another user");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let shared = tmp.path().join("tmp");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // Someone else got there first with a socket of their own.
+    let squatted = shared.join("claude-cowork-vm.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&squatted).unwrap();
+    std::os::unix::fs::lchown(&squatted, Some(65534), Some(65534)).unwrap();
+    assert_refused(&squatted, &["belongs to uid 65534", "different -socket"]);
+    // Their socket is left alone.
+    assert!(squatted.exists());
+    drop(listener);
+
+    // A directory of another user, even a private one.
+    let foreign = tmp.path().join("theirs");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+    assert_refused(&foreign.join("helper.sock"), &["owned by uid 65534"]);
+}
