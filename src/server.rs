@@ -30,6 +30,26 @@ use crate::protocol::{self, ProfileParams, Request};
 /// Replies queued per connection before request tasks wait.
 const REPLY_QUEUE: usize = 128;
 
+/// Most client connections served at once. The desktop client keeps a
+/// handful open (a pipe, one subscription per window, short one-shots); the
+/// cap bounds the daemon's descriptors and tasks against a runaway client.
+/// A connection beyond it gets one error reply and is closed.
+pub const MAX_CLIENT_CONNECTIONS: usize = 256;
+
+/// Environment variable that overrides [`MAX_CLIENT_CONNECTIONS`] (tests,
+/// unusual deployments); values below 1 are ignored.
+pub const MAX_CONNECTIONS_ENV: &str = "COWORK_MAX_CONNECTIONS";
+
+/// The connection cap in force: [`MAX_CONNECTIONS_ENV`] when it is a
+/// positive number, else [`MAX_CLIENT_CONNECTIONS`].
+fn connection_cap() -> usize {
+    std::env::var(MAX_CONNECTIONS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(MAX_CLIENT_CONNECTIONS)
+}
+
 /// How often the idle policy looks at the VMs.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
 
@@ -175,6 +195,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let uid = unsafe { libc::geteuid() };
+    let cap = connection_cap();
     if let Some(limit) = idle_timeout {
         tokio::spawn(idle_policy(daemon.clone(), limit));
     }
@@ -185,7 +206,16 @@ pub async fn serve(
                 Ok((stream, _)) => {
                     match stream.peer_cred() {
                         Ok(cred) if cred.uid() == uid => {
-                            tokio::spawn(handle_connection(daemon.clone(), stream));
+                            let open = daemon.connections.load(std::sync::atomic::Ordering::Acquire);
+                            if open >= cap {
+                                tracing::warn!(open, cap, pid = cred.pid(), "refused a client connection: at the connection limit");
+                                tokio::spawn(refuse_connection(stream, cap));
+                            } else {
+                                // Counted before the task starts, so a burst of
+                                // accepts cannot overshoot the cap.
+                                let guard = ConnectionGuard::new(daemon.clone());
+                                tokio::spawn(handle_connection(daemon.clone(), stream, guard));
+                            }
                         }
                         Ok(cred) => {
                             tracing::warn!(peer_uid = cred.uid(), pid = cred.pid(), "refused connection from another user");
@@ -234,8 +264,18 @@ fn reply_frame(id: Option<&Value>, outcome: Result<Value, String>) -> Frame {
     Arc::new(out)
 }
 
-async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream) {
-    let _guard = ConnectionGuard::new(daemon.clone());
+/// Tells a connection beyond the cap why it is closed, then closes it.
+async fn refuse_connection(mut stream: UnixStream, cap: usize) {
+    let msg = format!(
+        "the helper already serves {cap} client connections, its limit; close idle \
+         connections and retry"
+    );
+    let frame = reply_frame(None, Err(msg));
+    let _ = tokio::time::timeout(Duration::from_secs(5), stream.write_all(&frame)).await;
+    let _ = stream.shutdown().await;
+}
+
+async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream, _guard: ConnectionGuard) {
     let (mut rd, wr) = stream.into_split();
     let (tx, rx) = mpsc::channel::<Frame>(REPLY_QUEUE);
     let writer = tokio::spawn(write_frames(wr, rx));

@@ -763,3 +763,56 @@ async fn squatted_socket_paths_and_foreign_directories_are_refused() {
     std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
     assert_refused(&foreign.join("helper.sock"), &["owned by uid 65534"]);
 }
+
+#[tokio::test]
+async fn connections_beyond_the_cap_get_a_clear_error_and_the_rest_keep_working() {
+    const CAP: usize = 8;
+    let mut opts = Opts::default();
+    opts.env
+        .push(("COWORK_MAX_CONNECTIONS".into(), CAP.to_string()));
+    let d = Daemon::start_with(opts);
+    // Fill the cap with live pipes (each proven served by a reply).
+    let mut held = Vec::new();
+    for i in 0..CAP {
+        let mut c = RawConn::connect(&d.socket).await.unwrap();
+        c.send_json(&json!({"id": i, "method": "isRunning"}))
+            .await
+            .unwrap();
+        let r = c.read_reply(T).await.unwrap().expect("a reply");
+        assert_eq!(r["result"]["running"], json!(false), "{r}");
+        held.push(c);
+    }
+    // One more: an error that says why, then EOF.
+    let mut extra = RawConn::connect(&d.socket).await.unwrap();
+    let r = extra.read_reply(T).await.unwrap().expect("an error reply");
+    assert!(is_error_reply(&r), "{r}");
+    let msg = r["error"].as_str().unwrap();
+    assert!(
+        msg.contains("limit") && msg.contains(&CAP.to_string()),
+        "{msg}"
+    );
+    assert!(extra.read_reply(T).await.unwrap().is_none(), "then closed");
+    // The held connections are untouched.
+    let c = &mut held[0];
+    c.send_json(&json!({"id": "again", "method": "isRunning"}))
+        .await
+        .unwrap();
+    let r = c.read_reply(T).await.unwrap().expect("still served");
+    assert_eq!(r["id"], json!("again"), "{r}");
+    // Closing one frees a slot.
+    drop(held.pop());
+    let t0 = Instant::now();
+    loop {
+        match Client::one_shot(&d.socket, "isRunning", Value::Null).await {
+            Ok(r) => {
+                assert_eq!(r["running"], json!(false));
+                break;
+            }
+            Err(e) if t0.elapsed() < T => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("a freed slot must serve again: {e}"),
+        }
+    }
+}
