@@ -7,8 +7,9 @@
 //!   process substitution and many scripts use them);
 //! * the host name [`HOSTNAME`] (`sethostname`), `/etc/hostname` and
 //!   `/etc/hosts`;
-//! * a real `/etc/resolv.conf` ([`RESOLV_CONF`]): the Ubuntu bundle's is a
-//!   link to systemd-resolved's stub file, which dangles without systemd;
+//! * a real `/etc/resolv.conf` ([`RESOLV_CONF`]) naming the agent's DNS stub
+//!   ([`crate::egress::dns`]) on loopback: the Ubuntu bundle's is a link to
+//!   systemd-resolved's stub file, which dangles without systemd;
 //! * an empty `/etc/machine-id` when there is none;
 //! * a higher open-file limit for PID 1, inherited by every session
 //!   ([`nofile_limits`]);
@@ -20,9 +21,10 @@
 //! The files are written on the userland's writable layer (a tmpfs upper,
 //! or the initramfs itself), never on the read-only image.
 //!
-//! Limits: no network configuration (the VM's only link is vsock), so the
-//! resolver file names no reachable server; existing `/dev` links are kept
-//! as they are.
+//! Limits: no network configuration (the VM's only link is vsock; the
+//! agent's egress relay and capture carry connections to the host), so the
+//! resolver file names only the agent's stub, which answers while the agent
+//! runs; existing `/dev` links are kept as they are.
 
 use std::fs::OpenOptions;
 use std::io::{self, Write};
@@ -40,11 +42,14 @@ pub const HOSTS: &str = "127.0.0.1\tlocalhost\n\
 ff02::1\tip6-allnodes\n\
 ff02::2\tip6-allrouters\n";
 
-/// `/etc/resolv.conf`: there is no network yet, so only a placeholder that
-/// makes resolvers fail fast on loopback instead of timing out elsewhere.
+/// `/etc/resolv.conf`: the agent's DNS stub on loopback
+/// ([`crate::egress::dns::STUB_ADDR`]), which answers every host name with
+/// a fake address whose connections the agent relays to the host by name.
+/// Only the stub: the VM has no other network, so nothing else could answer.
 pub const RESOLV_CONF: &str =
-    "# Written by the cowork guest agent at boot. This VM has no network yet\n\
-# (its only link to the host is vsock), so no name resolves but localhost.\n\
+    "# Written by the cowork guest agent at boot. The agent's DNS stub answers\n\
+# here: it gives each name a stand-in address, and connections to it go to\n\
+# the host's egress proxy by name (the VM's only link to the host is vsock).\n\
 nameserver 127.0.0.1\n";
 
 /// Links created in `/dev` (name, target) when missing.
@@ -349,7 +354,17 @@ mod tests {
             std::fs::read_to_string(etc.join("resolv.conf")).unwrap(),
             RESOLV_CONF
         );
-        assert!(RESOLV_CONF.contains("nameserver 127.0.0.1"));
+        // The one nameserver is the agent's stub.
+        let servers: Vec<&str> = RESOLV_CONF
+            .lines()
+            .filter_map(|l| l.strip_prefix("nameserver "))
+            .collect();
+        assert_eq!(
+            servers,
+            [crate::egress::dns::STUB_ADDR.ip().to_string().as_str()]
+        );
+        assert_eq!(crate::egress::dns::STUB_ADDR.port(), 53);
+        assert!(RESOLV_CONF.contains("DNS stub"));
         assert_eq!(std::fs::read_to_string(etc.join("hosts")).unwrap(), HOSTS);
         assert_eq!(std::fs::read(t.path().join("outside")).unwrap(), b"keep");
         assert_eq!(
