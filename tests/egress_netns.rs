@@ -16,17 +16,20 @@
 //! request paths seen must equal exactly the set of requests that were
 //! supposed to pass, so a refused request that reached any server fails.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
-use std::os::fd::AsRawFd;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use cowork_helper::egress::{
     AddressGuard, Credential, EgressDialer, EgressProxy, NoProxy, Policy, ProxyConfig,
     UpstreamProxy,
+};
+use support::netns::{
+    self, bind_in, have, serve_http, Log, ServerNamespace, P_V4, P_V6, S_V4, S_V6,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
@@ -36,12 +39,6 @@ const T: Duration = Duration::from_secs(20);
 
 /// Printed by the inner run when all its assertions passed.
 const INNER_OK: &str = "EGRESS-INNER-CHECKS-PASSED";
-
-/// Addresses of the veth pair (exist only inside the test's namespaces).
-const P_V4: &str = "10.203.0.1";
-const S_V4: &str = "10.203.0.2";
-const P_V6: &str = "fd42:203::1";
-const S_V6: &str = "fd42:203::2";
 
 /// Port every test server listens on.
 const PORT: u16 = 8080;
@@ -54,186 +51,13 @@ fd42:203::2 v6.test\n\
 ::ffff:127.0.0.1 mapped.test\n\
 10.203.0.1 self.test\n";
 
-fn is_root() -> bool {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn egress_in_network_namespaces() {
-    if !is_root() || !have("unshare") || !have("ip") || !have("nsenter") {
-        eprintln!("skipped: needs root, unshare, ip and nsenter to build network namespaces");
+    if let Some(why) = netns::missing_tools() {
+        eprintln!("skipped: {why}");
         return;
     }
-    let exe = std::env::current_exe().expect("test binary");
-    let out = Command::new("unshare")
-        .args(["--net", "--mount", "--propagation", "private", "--"])
-        .arg(exe)
-        .args([
-            "--exact",
-            "inner_egress",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .output()
-        .expect("run unshare");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "inner run failed ({}):\n{text}",
-        out.status
-    );
-    assert!(text.contains(INNER_OK), "inner run did not finish:\n{text}");
-}
-
-fn run(cmd: &[&str]) {
-    let out = Command::new(cmd[0])
-        .args(&cmd[1..])
-        .output()
-        .expect("spawn");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A process we started; killed (by its pid) when dropped.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The namespace S: a holder process (`cat` on a pipe, so it also ends
-/// when we do) and the veth pair between P and S.
-fn make_server_namespace() -> KillOnDrop {
-    let holder = KillOnDrop(
-        Command::new("unshare")
-            .args(["--net", "--", "cat"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn the namespace holder"),
-    );
-    let pid = holder.0.id().to_string();
-    let ours = std::fs::read_link("/proc/self/ns/net").expect("our netns");
-    let deadline = Instant::now() + T;
-    while std::fs::read_link(format!("/proc/{pid}/ns/net"))
-        .ok()
-        .as_ref()
-        == Some(&ours)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "holder never entered its namespace"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    run(&["ip", "link", "set", "lo", "up"]);
-    run(&[
-        "ip", "link", "add", "egv0", "type", "veth", "peer", "name", "egv1", "netns", &pid,
-    ]);
-    run(&["ip", "addr", "add", &format!("{P_V4}/24"), "dev", "egv0"]);
-    run(&[
-        "ip",
-        "-6",
-        "addr",
-        "add",
-        &format!("{P_V6}/64"),
-        "dev",
-        "egv0",
-        "nodad",
-    ]);
-    run(&["ip", "link", "set", "egv0", "up"]);
-    let ns = |args: &[&str]| {
-        let mut v = vec!["nsenter", "-t", &pid, "-n", "ip"];
-        v.extend_from_slice(args);
-        run(&v);
-    };
-    ns(&["link", "set", "lo", "up"]);
-    ns(&["addr", "add", &format!("{S_V4}/24"), "dev", "egv1"]);
-    ns(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{S_V6}/64"),
-        "dev",
-        "egv1",
-        "nodad",
-    ]);
-    ns(&["link", "set", "egv1", "up"]);
-    holder
-}
-
-/// Binds listeners inside the namespace of `pid` (from a thread that joins
-/// it; a socket stays in the namespace it was made in).
-fn bind_in(pid: u32, addrs: Vec<SocketAddr>) -> Vec<StdTcpListener> {
-    std::thread::spawn(move || {
-        let f = std::fs::File::open(format!("/proc/{pid}/ns/net")).expect("open netns");
-        // SAFETY: setns on a namespace fd affects only this thread.
-        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-        addrs
-            .into_iter()
-            .map(|a| StdTcpListener::bind(a).unwrap_or_else(|e| panic!("bind {a}: {e}")))
-            .collect()
-    })
-    .join()
-    .expect("bind thread")
-}
-
-type Log = Arc<Mutex<Vec<(String, String)>>>;
-
-/// A tiny HTTP server: answers each request with `<label> <request line>`
-/// and records it.
-fn serve(listener: StdTcpListener, label: &'static str, log: Log) {
-    listener.set_nonblocking(true).expect("nonblocking");
-    let l = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            let log = log.clone();
-            tokio::spawn(async move {
-                let mut got = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !got.ends_with(b"\r\n\r\n") && got.len() < 16384 {
-                    match tokio::time::timeout(T, s.read(&mut buf)).await {
-                        Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
-                        _ => break,
-                    }
-                }
-                let line = String::from_utf8_lossy(&got)
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .to_owned();
-                log.lock().unwrap().push((label.to_owned(), line.clone()));
-                let body = format!("{label} {line}");
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(resp.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
+    netns::rerun_in_namespaces("inner_egress", &[], INNER_OK);
 }
 
 fn basic(cred: &Credential) -> String {
@@ -370,18 +194,11 @@ fn list(entries: &[&str]) -> Policy {
 #[test]
 #[ignore = "run by egress_in_network_namespaces inside its namespaces"]
 fn inner_egress() {
-    let holder = make_server_namespace();
-    let hosts = tempfile::NamedTempFile::new().expect("hosts file");
-    std::fs::write(hosts.path(), HOSTS).expect("write hosts");
-    run(&[
-        "mount",
-        "--bind",
-        hosts.path().to_str().expect("utf-8 path"),
-        "/etc/hosts",
-    ]);
+    let holder = ServerNamespace::create();
+    let _hosts = netns::bind_hosts(HOSTS);
 
     let server_listeners = bind_in(
-        holder.0.id(),
+        holder.pid(),
         vec![
             format!("{S_V4}:{PORT}").parse().expect("addr"),
             format!("[{S_V6}]:{PORT}").parse().expect("addr"),
@@ -400,11 +217,11 @@ fn inner_egress() {
     rt.block_on(async move {
         let log: Log = Arc::default();
         let mut it = server_listeners.into_iter();
-        serve(it.next().expect("v4"), "srv4", log.clone());
-        serve(it.next().expect("v6"), "srv6", log.clone());
+        serve_http(it.next().expect("v4"), "srv4", log.clone());
+        serve_http(it.next().expect("v6"), "srv6", log.clone());
         let mut it = decoys.into_iter();
-        serve(it.next().expect("lo"), "DECOY-loopback", log.clone());
-        serve(
+        serve_http(it.next().expect("lo"), "DECOY-loopback", log.clone());
+        serve_http(
             it.next().expect("self"),
             "DECOY-host-interface",
             log.clone(),

@@ -1,5 +1,5 @@
 //! Support code of the VM test suites (`qemu_e2e`, `qemu_disk`,
-//! `qemu_userland`, `kvm_backend`, `nested_boot`), included with `mod
+//! `qemu_userland`, `kvm_backend`, `nested_boot`, `egress_netns`, `egress_vm`), included with `mod
 //! support;`. Each module has one concern:
 //!
 //! - [`gate`]: whether a QEMU suite may run here (a loud skip, or a failure
@@ -13,7 +13,9 @@
 //!   (host folders, the default userland);
 //! - [`session_disk`]: the profile's session disk (`sessiondata.img`) seen
 //!   from the host and through the protocol;
-//! - [`procfs`]: what `/proc` says about the helper and its children.
+//! - [`procfs`]: what `/proc` says about the helper and its children;
+//! - [`netns`]: network namespaces, a veth pair and test servers for the
+//!   egress tests (`egress_netns`, `egress_vm`).
 //!
 //! It is test code: every failure panics with what was seen. The sandbox
 //! protocol tests use `tests/common` instead (many helpers at once, logs in
@@ -24,6 +26,7 @@
 
 pub mod gate;
 pub mod nested;
+pub mod netns;
 pub mod procfs;
 pub mod session;
 pub mod session_checks;
