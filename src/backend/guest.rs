@@ -2,18 +2,34 @@
 //! they boot: its vsock identity, the host's ability to run it under KVM,
 //! the agent's log level passed on the kernel command line, how long a
 //! power-off may take, and the wait for the guest agent to dial the helper
-//! over vsock. The console both keep is in [`super::console`], the guest's
-//! size in [`super::sizing`].
+//! over vsock, and the acceptor that hands the guest's connections to the
+//! host egress proxy ([`EgressAcceptor`]). The console both keep is in
+//! [`super::console`], the guest's size in [`super::sizing`].
+//!
+//! Egress: the guest has no NIC; its relay dials CID 2 port
+//! [`EGRESS_PORT`] once per relayed connection. A dedicated thread
+//! ([`EGRESS_THREAD_NAME`]) blocks on that port's [`Listener`] (no polling
+//! delay) and hands each stream to the tokio runtime that booted the machine,
+//! where [`EgressProxy::serve_stream`] applies the spawn's credential and
+//! policy. Every other host port stays unlistened, so the device answers a
+//! guest connection to it with RST (`devices::vsock::muxer`).
 //!
 //! Limits: the agent must dial within [`AGENT_DIAL_TIMEOUT`]; the guest
-//! must power off within [`POWEROFF_DEADLINE`] of being told to.
+//! must power off within [`POWEROFF_DEADLINE`] of being told to. A relayed
+//! connection whose upstream stays idle outlives the machine until the
+//! upstream closes (the proxy's relay ends on the next byte it cannot
+//! deliver); its credential is revoked with its process all the same.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use devices::vsock::Listener;
-use guest_agent::proto::AGENT_PORT;
+use devices::vsock::{HostError, Listener, VsockHost};
+use guest_agent::proto::{AGENT_PORT, EGRESS_PORT};
+use tokio::runtime::Handle;
+
+use crate::egress::EgressProxy;
 
 use super::console::{Console, QUOTED_LINES};
 use super::{AgentStream, HELLO_TIMEOUT};
@@ -31,6 +47,122 @@ pub const AGENT_DIAL_TIMEOUT: Duration = HELLO_TIMEOUT.saturating_sub(Duration::
 pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
 /// How often the agent listener (and a finishing vhost-user thread) is polled.
 pub(crate) const ACCEPT_POLL: Duration = Duration::from_millis(20);
+
+/// Name of the thread that accepts the guest's egress connections.
+pub const EGRESS_THREAD_NAME: &str = "cowork-egress-accept";
+
+/// Why the egress port could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum EgressServeError {
+    #[error("cannot listen on the egress vsock port {EGRESS_PORT}: {0}")]
+    Listen(#[from] HostError),
+    #[error("cannot start the egress accept thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the egress acceptor must be started from inside the daemon's tokio runtime")]
+    NoRuntime,
+}
+
+/// Serves the guest's connections to (CID 2, [`EGRESS_PORT`]) with the
+/// host egress proxy, for as long as it lives (see the module docs).
+/// [`EgressAcceptor::stop`] (or dropping it) frees the port and joins the
+/// thread; streams already handed over are served to their end.
+pub struct EgressAcceptor {
+    host: VsockHost,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for EgressAcceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressAcceptor")
+            .field("running", &self.thread.is_some())
+            .finish()
+    }
+}
+
+impl EgressAcceptor {
+    /// Listens on [`EGRESS_PORT`] of `host` and starts the accept thread,
+    /// which serves each stream with `egress` on the current runtime.
+    pub fn start(host: &VsockHost, egress: EgressProxy) -> Result<Self, EgressServeError> {
+        let runtime = Handle::try_current().map_err(|_| EgressServeError::NoRuntime)?;
+        let listener = host.listen(EGRESS_PORT)?;
+        let thread = std::thread::Builder::new()
+            .name(EGRESS_THREAD_NAME.into())
+            .spawn(move || {
+                let accepted = accept_streams(|| listener.accept(), &egress, &runtime);
+                tracing::debug!(accepted, "egress vsock listener closed");
+            });
+        match thread {
+            Ok(t) => Ok(EgressAcceptor {
+                host: host.clone(),
+                thread: Some(t),
+            }),
+            Err(e) => {
+                // The closure (and the listener in it) is gone: free the port.
+                host.unmap(EGRESS_PORT);
+                Err(EgressServeError::Thread(e))
+            }
+        }
+    }
+
+    /// Stops accepting: removes the port's registration (which disconnects
+    /// the listener's channel, ending the blocking accept at once) and joins
+    /// the thread. Later guest connections to the port get RST. Idempotent.
+    pub fn stop(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.host.unmap(EGRESS_PORT);
+        if thread.join().is_err() {
+            tracing::warn!("the egress accept thread panicked");
+        }
+    }
+}
+
+impl Drop for EgressAcceptor {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The accept loop: takes streams from `accept` until it fails (the port
+/// was freed or the device is gone) and serves each on `runtime` with
+/// `egress`. Returns how many streams it handed over.
+fn accept_streams<E: std::fmt::Display>(
+    mut accept: impl FnMut() -> Result<std::os::unix::net::UnixStream, E>,
+    egress: &EgressProxy,
+    runtime: &Handle,
+) -> u64 {
+    // `from_std` registers the stream with this runtime's reactor.
+    let _entered = runtime.enter();
+    let mut accepted = 0u64;
+    loop {
+        let stream = match accept() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "egress accept ended");
+                return accepted;
+            }
+        };
+        let stream = match stream
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixStream::from_std(stream))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                // The guest sees the stream close; the next one may work.
+                tracing::warn!(error = %e, "cannot use a guest egress stream");
+                continue;
+            }
+        };
+        accepted += 1;
+        let egress = egress.clone();
+        runtime.spawn(async move {
+            if let Err(e) = egress.serve_stream(stream).await {
+                tracing::debug!(error = %e, "guest egress connection ended with an error");
+            }
+        });
+    }
+}
 
 /// Whether `/dev/kvm` is usable and can boot Linux (why not otherwise).
 pub fn kvm_for_linux() -> Result<(), String> {
@@ -106,5 +238,131 @@ mod tests {
         }
         assert!(guest_log_word(Some(&"a".repeat(MAX_GUEST_LOG + 1))).is_none());
         assert!(AGENT_DIAL_TIMEOUT < HELLO_TIMEOUT);
+    }
+
+    /// A proxy whose guard lets loopback through (tests only).
+    fn test_proxy() -> EgressProxy {
+        use crate::egress::{AddressGuard, EgressDialer, NoProxy, ProxyConfig};
+        let guard = AddressGuard::allowing_networks_for_tests(&[(
+            std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            8,
+        )]);
+        EgressProxy::new(
+            EgressDialer::new(guard, None, NoProxy::default()),
+            ProxyConfig::default(),
+        )
+    }
+
+    /// Reads an HTTP response head from a blocking stream.
+    fn read_head(s: &mut std::os::unix::net::UnixStream) -> String {
+        use std::io::Read;
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match s.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => break,
+            }
+        }
+        String::from_utf8_lossy(&head).into_owned()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn accepted_streams_are_served_by_the_proxy_until_accept_fails() {
+        use std::io::{Read, Write};
+        use std::os::unix::net::UnixStream;
+        let proxy = test_proxy();
+        // A destination on loopback, reachable through the test guard.
+        let target = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let target_port = target.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = target.accept().unwrap();
+            s.write_all(b"hello from upstream").unwrap();
+        });
+        let cred = proxy
+            .issue("s1", crate::egress::Policy::Unrestricted)
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<UnixStream>();
+        let runtime = Handle::current();
+        let loop_proxy = proxy.clone();
+        let thread =
+            std::thread::spawn(move || accept_streams(|| rx.recv(), &loop_proxy, &runtime));
+
+        // Without a credential: 407.
+        let (mut guest, host_end) = UnixStream::pair().unwrap();
+        tx.send(host_end).unwrap();
+        guest
+            .write_all(b"CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n")
+            .unwrap();
+        let head = read_head(&mut guest);
+        assert!(head.starts_with("HTTP/1.1 407"), "{head}");
+
+        // With the spawn's credential: a tunnel to the destination.
+        let (mut guest, host_end) = UnixStream::pair().unwrap();
+        tx.send(host_end).unwrap();
+        use base64::Engine as _;
+        let auth =
+            base64::engine::general_purpose::STANDARD.encode(format!("s1:{}", cred.expose()));
+        guest
+            .write_all(
+                format!(
+                    "CONNECT 127.0.0.1:{target_port} HTTP/1.1\r\nHost: 127.0.0.1:{target_port}\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+        let head = read_head(&mut guest);
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let mut body = Vec::new();
+        guest.read_to_end(&mut body).unwrap();
+        assert_eq!(body, b"hello from upstream");
+        server.join().unwrap();
+
+        // The source failing (the port freed, the device gone) ends the loop.
+        drop(tx);
+        let accepted = tokio::task::spawn_blocking(move || thread.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(accepted, 2);
+    }
+
+    #[tokio::test]
+    async fn stopping_the_acceptor_frees_the_port_and_ends_the_thread() {
+        let host = VsockHost::new().unwrap();
+        let _agent = host.listen(AGENT_PORT).unwrap();
+        let mut acceptor = EgressAcceptor::start(&host, test_proxy()).unwrap();
+        // The port is taken while the acceptor runs.
+        assert!(matches!(
+            host.listen(EGRESS_PORT),
+            Err(HostError::PortInUse(EGRESS_PORT))
+        ));
+        acceptor.stop();
+        assert!(acceptor.thread.is_none());
+        // Idempotent.
+        acceptor.stop();
+        // The listener was dropped with its thread: the port is free again,
+        // and the agent's port was not touched.
+        drop(host.listen(EGRESS_PORT).unwrap());
+        assert!(matches!(
+            host.listen(AGENT_PORT),
+            Err(HostError::PortInUse(AGENT_PORT))
+        ));
+        // Many start/stop cycles leave no thread or registration behind.
+        for _ in 0..50 {
+            let a = EgressAcceptor::start(&host, test_proxy()).unwrap();
+            drop(a);
+        }
+        drop(host.listen(EGRESS_PORT).unwrap());
+    }
+
+    #[test]
+    fn the_acceptor_needs_a_runtime() {
+        let host = VsockHost::new().unwrap();
+        assert!(matches!(
+            EgressAcceptor::start(&host, test_proxy()),
+            Err(EgressServeError::NoRuntime)
+        ));
+        // Nothing was registered.
+        drop(host.listen(EGRESS_PORT).unwrap());
     }
 }

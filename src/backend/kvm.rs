@@ -16,7 +16,9 @@
 //! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
 //! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
 //! dials CID 2 port [`AGENT_PORT`] and the device hands the helper a
-//! socketpair end, which becomes the agent link), virtio-fs (the session
+//! socketpair end, which becomes the agent link; the guest's relay dials
+//! port [`guest_agent::proto::EGRESS_PORT`], served by the host egress proxy
+//! through an [`EgressAcceptor`]), virtio-fs (the session
 //! share, tag [`guest_agent::proto::SESSIONS_FS_TAG`], granted through
 //! [`HostPaths::Shared`] as with QEMU), virtio-blk (the profile's session
 //! disk `sessiondata.img`, read-write with serial
@@ -44,7 +46,7 @@
 //! the host ([`vmm::StopHandle`]) and joins the thread.
 //!
 //! Limits: x86_64 hosts with hardware virtualisation only; no network
-//! besides vsock; guest
+//! besides vsock (the egress proxy is the only way out); guest
 //! memory is anonymous and never pre-touched, so the helper's RSS grows by
 //! what the guest touches. Files in shared folders are created with the
 //! helper's uid, as with QEMU.
@@ -68,11 +70,15 @@ use tokio::sync::oneshot;
 use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 pub use super::guest::kvm_for_linux;
-use super::guest::{agent_stream, guest_log_word, GUEST_CID, GUEST_LOG_ENV, POWEROFF_DEADLINE};
+use super::guest::{
+    agent_stream, guest_log_word, EgressAcceptor, EgressServeError, GUEST_CID, GUEST_LOG_ENV,
+    POWEROFF_DEADLINE,
+};
 use super::image::{GuestImage, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
 use super::{BootOptions, Booted, HostPaths, Machine};
+use crate::egress::EgressProxy;
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
 pub const VMLINUX: &str = "vmlinux";
@@ -107,6 +113,8 @@ pub enum KvmError {
     RootDisk { path: PathBuf, source: ImageError },
     #[error("cannot set up the vsock host side: {0}")]
     VsockHost(#[from] HostError),
+    #[error(transparent)]
+    Egress(#[from] EgressServeError),
     #[error("cannot create the vsock device: {0}")]
     VsockDevice(#[from] DeviceError),
     #[error("cannot create the virtio-fs device: {0}")]
@@ -242,12 +250,23 @@ fn vm_thread(
 
 /// Boots the guest in-process: checks KVM, finds the image, creates the
 /// devices, builds the VM on its thread and returns the machine with the
-/// future of the agent's stream.
-pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
-    start(opts, session_disk).await.map_err(|e| e.to_string())
+/// future of the agent's stream. The guest's egress connections are served
+/// by `egress` until the machine ends.
+pub async fn boot(
+    opts: &BootOptions,
+    session_disk: &Path,
+    egress: &EgressProxy,
+) -> Result<Booted, String> {
+    start(opts, session_disk, egress)
+        .await
+        .map_err(|e| e.to_string())
 }
 
-async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmError> {
+async fn start(
+    opts: &BootOptions,
+    session_disk: &Path,
+    egress: &EgressProxy,
+) -> Result<Booted, KvmError> {
     kvm_for_linux().map_err(KvmError::Unsuitable)?;
     let image = GuestImage::locate(opts.bundle_path.as_deref())?;
     let kernel = kernel_of(&image);
@@ -256,6 +275,8 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
 
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
+    // Dropped (port freed, thread joined) on any failure below.
+    let egress = EgressAcceptor::start(&host, egress.clone())?;
     let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
     let fs = Arc::new(SessionFs::new(opts.fs));
     let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
@@ -332,6 +353,7 @@ async fn start(opts: &BootOptions, session_disk: &Path) -> Result<Booted, KvmErr
         console,
         connected,
         ended: None,
+        egress,
         _host: host,
     };
     Ok(Booted {
@@ -353,6 +375,8 @@ pub struct KvmMachine {
     /// The agent dialled in (so a stop is expected to power the guest off).
     connected: Arc<AtomicBool>,
     ended: Option<String>,
+    /// Serves the guest's egress connections; stopped when the run ends.
+    egress: EgressAcceptor,
     /// Keeps the device's host side alive as long as the machine.
     _host: VsockHost,
 }
@@ -371,6 +395,7 @@ impl KvmMachine {
         let how = format!("{how}{}", self.console.quote(QUOTED_LINES));
         tracing::info!(how = %how, "kvm vm ended by itself");
         self.ended = Some(how.clone());
+        self.egress.stop();
         self.join_thread().await;
         how
     }
@@ -413,6 +438,7 @@ impl KvmMachine {
             );
             self.ended = Some(how);
         }
+        self.egress.stop();
         self.join_thread().await;
     }
 
@@ -529,6 +555,7 @@ mod tests {
         let e = boot(
             &BootOptions::default(),
             Path::new("/nonexistent/sessiondata.img"),
+            &EgressProxy::from_env(),
         )
         .await
         .err()

@@ -227,7 +227,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 userland: None,
             })
         }
-        BackendKind::Qemu => qemu::boot(opts, &cfg.session_disk()).await,
-        BackendKind::Kvm => kvm::boot(opts, &cfg.session_disk()).await,
+        BackendKind::Qemu => qemu::boot(opts, &cfg.session_disk(), &cfg.egress).await,
+        BackendKind::Kvm => kvm::boot(opts, &cfg.session_disk(), &cfg.egress).await,
     }
 }

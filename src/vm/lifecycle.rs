@@ -122,6 +122,7 @@ impl Vm {
         self.hub.publish(&event::network_status("connected")).await;
         tokio::spawn(crate::probe::monitor(
             api_probe_url,
+            self.cfg.egress.clone(),
             self.hub.clone(),
             probe_rx,
         ));
@@ -214,6 +215,12 @@ impl Vm {
         if let Some(link) = self.link() {
             // Make sure everything that ran is accounted for.
             self.agent_gone(&link).await;
+        }
+        // No credential outlives its machine (agent_gone revoked those of
+        // the processes it closed; this catches any record it did not see).
+        let revoked = lock(&self.procs).revoke_all();
+        if revoked > 0 {
+            tracing::debug!(revoked, "egress credentials revoked with the machine");
         }
         self.running.store(false, Ordering::Release);
     }

@@ -3,10 +3,23 @@
 //! host's process table, which turns the agent's output and exit messages
 //! into client events (output decoded as UTF-8 across chunk boundaries).
 //!
+//! Egress: every spawn gets its own credential from the daemon's egress
+//! proxy, under the policy of its `allowedDomains`, carried in its proxy URL
+//! (`SpawnSpec.egress_proxy`, and the proxy variables of its environment,
+//! see [`apply_proxy_env`]). The credential lives in the process's record
+//! ([`SpawnEgress`] revokes it when dropped), so it is revoked exactly when
+//! the record stops being a running process: the agent's exit message, a
+//! failed spawn (the record is removed), the agent or machine going away
+//! (every running record is marked exited), and [`Procs::revoke_all`] when
+//! the machine is torn down. Neither the credential nor the URL is ever
+//! logged (the spec's `Debug` shows environment names only).
+//!
 //! Limits: exited records are kept for the last [`EXITED_RECORDS`]
-//! processes; a mount of the host root is refused.
+//! processes; a mount of the host root is refused. Connections a process
+//! opened through the proxy run on after its credential is revoked (new
+//! ones get 407).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::Path;
 
 use guest_agent::proto::{self, AgentMessage, MountMode, MountSpec, Op};
@@ -14,12 +27,52 @@ use serde_json::{json, Value};
 
 use super::{lock, Vm, VmError, CALL_TIMEOUT};
 use crate::backend::HostPaths;
+use crate::egress::{self, Credential, EgressProxy, Policy, GUEST_PROXY_PORT};
 use crate::events;
 use crate::protocol::event;
 use crate::utf8::Utf8Stream;
 
 /// Exited process records kept for `isProcessRunning`.
 pub const EXITED_RECORDS: usize = 4096;
+
+/// One spawn's egress credential; revoked when dropped (see the module
+/// docs for when that happens).
+pub(super) struct SpawnEgress {
+    proxy: EgressProxy,
+    cred: Credential,
+}
+
+impl SpawnEgress {
+    /// Issues a credential for one spawn of `session` under `policy`.
+    fn issue(proxy: &EgressProxy, session: &str, policy: Policy) -> Result<Self, VmError> {
+        let cred = proxy.issue(session, policy).map_err(|e| {
+            VmError::Agent(format!(
+                "cannot issue the process's network credential: {e}"
+            ))
+        })?;
+        Ok(SpawnEgress {
+            proxy: proxy.clone(),
+            cred,
+        })
+    }
+
+    /// The spawn's proxy URL (a secret: never log it).
+    fn url(&self, session: &str) -> String {
+        egress::proxy_url(session, &self.cred, GUEST_PROXY_PORT)
+    }
+}
+
+impl Drop for SpawnEgress {
+    fn drop(&mut self) {
+        self.proxy.revoke(&self.cred);
+    }
+}
+
+impl std::fmt::Debug for SpawnEgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SpawnEgress(<redacted>)")
+    }
+}
 
 /// A process as the host knows it.
 #[derive(Debug, Default)]
@@ -29,6 +82,8 @@ pub(super) struct ProcRecord {
     exit_code: Option<i32>,
     stdout: Utf8Stream,
     stderr: Utf8Stream,
+    /// The process's egress credential while it runs.
+    egress: Option<SpawnEgress>,
 }
 
 /// Process table shared with the link reader.
@@ -46,6 +101,8 @@ impl Procs {
                 r.exit_code = code;
                 self.exited.push_back(id.to_string());
             }
+            // Revokes the credential.
+            r.egress = None;
         }
         while self.exited.len() > EXITED_RECORDS {
             if let Some(old) = self.exited.pop_front() {
@@ -55,6 +112,81 @@ impl Procs {
             }
         }
     }
+
+    /// Revokes every credential still held (the machine is gone, so no
+    /// process of it can use one any more). Returns how many there were.
+    pub(super) fn revoke_all(&mut self) -> usize {
+        self.map
+            .values_mut()
+            .filter_map(|r| r.egress.take())
+            .count()
+    }
+}
+
+/// Entries of a `NO_PROXY` value, trimmed, empties dropped.
+fn no_proxy_entries(value: &str) -> impl Iterator<Item = &str> {
+    value.split(',').map(str::trim).filter(|e| !e.is_empty())
+}
+
+/// Puts the proxy settings of [`egress::proxy_env`] for `url` into a
+/// spawn's environment, over the client's values, with two merges:
+///
+/// - `NO_PROXY`/`no_proxy`: the session's loopback entries first, then the
+///   client's entries from either spelling (deduplicated, `*` dropped since
+///   it would turn the proxy off for every program). Honouring them costs
+///   no security: the guest has no route out, so a connection that bypasses
+///   the proxy is captured by the agent and sent to the same policy by name,
+///   or fails.
+/// - `GIT_CONFIG_*`: when the client passed a well-formed list
+///   (`GIT_CONFIG_COUNT=n` with every `GIT_CONFIG_KEY_i`/`VALUE_i`, i < n),
+///   our entries are appended after it; otherwise ours replace it from 0.
+pub(crate) fn apply_proxy_env(env: &mut BTreeMap<String, String>, url: &str) {
+    let mut no_proxy: Vec<String> = Vec::new();
+    let client = [env.get("NO_PROXY"), env.get("no_proxy")];
+    let session = no_proxy_entries(egress::SESSION_NO_PROXY);
+    for entry in session.chain(
+        client
+            .into_iter()
+            .flatten()
+            .flat_map(|v| no_proxy_entries(v)),
+    ) {
+        if entry != "*" && !no_proxy.iter().any(|e| e.eq_ignore_ascii_case(entry)) {
+            no_proxy.push(entry.to_owned());
+        }
+    }
+    let no_proxy = no_proxy.join(",");
+
+    let git_base = env
+        .get("GIT_CONFIG_COUNT")
+        .and_then(|c| c.trim().parse::<usize>().ok())
+        .filter(|&n| {
+            n <= env.len()
+                && (0..n).all(|i| {
+                    env.contains_key(&format!("GIT_CONFIG_KEY_{i}"))
+                        && env.contains_key(&format!("GIT_CONFIG_VALUE_{i}"))
+                })
+        })
+        .unwrap_or(0);
+
+    for (key, value) in egress::proxy_env(url) {
+        if key.eq_ignore_ascii_case("NO_PROXY") {
+            env.insert(key.to_owned(), no_proxy.clone());
+        } else if key == "GIT_CONFIG_COUNT" {
+            let ours = value.parse::<usize>().unwrap_or(0);
+            env.insert(key.to_owned(), (git_base + ours).to_string());
+        } else if let Some((prefix, index)) = git_indexed(key) {
+            env.insert(format!("{prefix}{}", git_base + index), value);
+        } else {
+            env.insert(key.to_owned(), value);
+        }
+    }
+}
+
+/// `GIT_CONFIG_KEY_<i>` / `GIT_CONFIG_VALUE_<i>` split into prefix and `i`.
+fn git_indexed(key: &str) -> Option<(&'static str, usize)> {
+    ["GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"]
+        .into_iter()
+        .find_map(|prefix| Some((prefix, key.strip_prefix(prefix)?.parse().ok()?)))
 }
 
 /// What `spawn` needs beyond the agent's [`proto::SpawnSpec`].
@@ -192,6 +324,16 @@ impl Vm {
         if spec.oauth_token.is_none() {
             spec.oauth_token = lock(&self.approved_token).clone();
         }
+        // Revoked by the record (dropped on every path that does not start
+        // the process).
+        let grant = SpawnEgress::issue(
+            &self.cfg.egress,
+            &spec.name,
+            Policy::from_allowed_domains(spec.allowed_domains.as_deref()),
+        )?;
+        let url = grant.url(&spec.name);
+        apply_proxy_env(&mut spec.env, &url);
+        spec.egress_proxy = Some(proto::Secret(url));
         {
             let mut procs = lock(&self.procs);
             if procs.map.get(&spec.id).is_some_and(|r| r.running) {
@@ -205,12 +347,19 @@ impl Vm {
                 ProcRecord {
                     session: spec.name.clone(),
                     running: true,
+                    egress: Some(grant),
                     ..Default::default()
                 },
             );
         }
         let id = spec.id.clone();
-        tracing::info!(id = %id, session = %spec.name, command = %spec.command, "spawn");
+        tracing::info!(
+            id = %id,
+            session = %spec.name,
+            command = %spec.command,
+            allowed_domains = spec.allowed_domains.as_ref().map(Vec::len),
+            "spawn"
+        );
         match link.call(Op::Spawn(spec), &[], CALL_TIMEOUT).await {
             Ok((result, _)) => {
                 if let Some(Value::Array(agent_failed)) = result.get("failedMounts") {
@@ -316,5 +465,157 @@ impl Vm {
             .filter(|r| r.running)
             .map(|r| r.session.clone())
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const URL: &str = "http://s1:secret@127.0.0.1:3128";
+
+    #[test]
+    fn proxy_env_overrides_the_clients_proxy_variables() {
+        let mut e = env(&[
+            ("HTTPS_PROXY", "http://corp:8080"),
+            ("http_proxy", "http://corp:8080"),
+            ("PATH", "/usr/bin"),
+        ]);
+        apply_proxy_env(&mut e, URL);
+        for k in [
+            "HTTPS_PROXY",
+            "https_proxy",
+            "HTTP_PROXY",
+            "http_proxy",
+            "ALL_PROXY",
+            "all_proxy",
+        ] {
+            assert_eq!(e[k], URL, "{k}");
+        }
+        assert_eq!(e["PATH"], "/usr/bin");
+        assert_eq!(e["NODE_USE_ENV_PROXY"], "1");
+        assert_eq!(e["NO_PROXY"], egress::SESSION_NO_PROXY);
+        assert_eq!(e["no_proxy"], egress::SESSION_NO_PROXY);
+        assert_eq!(e["GIT_CONFIG_COUNT"], "1");
+        assert_eq!(e["GIT_CONFIG_KEY_0"], "http.proxyAuthMethod");
+        assert_eq!(e["GIT_CONFIG_VALUE_0"], "basic");
+    }
+
+    #[test]
+    fn clients_no_proxy_entries_are_merged_after_the_sessions() {
+        let mut e = env(&[
+            ("NO_PROXY", "internal.example, localhost,*"),
+            ("no_proxy", ".corp.example,INTERNAL.example,,"),
+        ]);
+        apply_proxy_env(&mut e, URL);
+        let want = format!(
+            "{},internal.example,.corp.example",
+            egress::SESSION_NO_PROXY
+        );
+        assert_eq!(e["NO_PROXY"], want);
+        assert_eq!(e["no_proxy"], want);
+    }
+
+    #[test]
+    fn git_config_entries_are_appended_to_a_well_formed_client_list() {
+        let mut e = env(&[
+            ("GIT_CONFIG_COUNT", "2"),
+            ("GIT_CONFIG_KEY_0", "user.name"),
+            ("GIT_CONFIG_VALUE_0", "A"),
+            ("GIT_CONFIG_KEY_1", "core.editor"),
+            ("GIT_CONFIG_VALUE_1", "vi"),
+        ]);
+        apply_proxy_env(&mut e, URL);
+        assert_eq!(e["GIT_CONFIG_COUNT"], "3");
+        assert_eq!(e["GIT_CONFIG_KEY_0"], "user.name");
+        assert_eq!(e["GIT_CONFIG_KEY_1"], "core.editor");
+        assert_eq!(e["GIT_CONFIG_KEY_2"], "http.proxyAuthMethod");
+        assert_eq!(e["GIT_CONFIG_VALUE_2"], "basic");
+
+        // A count whose keys are missing (or garbage) is replaced from 0.
+        for count in ["5", "lots", "99999999999999999999"] {
+            let mut e = env(&[("GIT_CONFIG_COUNT", count), ("GIT_CONFIG_KEY_0", "x.y")]);
+            apply_proxy_env(&mut e, URL);
+            assert_eq!(e["GIT_CONFIG_COUNT"], "1", "{count}");
+            assert_eq!(e["GIT_CONFIG_KEY_0"], "http.proxyAuthMethod");
+        }
+    }
+
+    fn issue(proxy: &EgressProxy, session: &str) -> (SpawnEgress, Credential) {
+        let grant = SpawnEgress::issue(proxy, session, Policy::Unrestricted).unwrap();
+        let cred = grant.cred.clone();
+        (grant, cred)
+    }
+
+    fn running(session: &str, egress: SpawnEgress) -> ProcRecord {
+        ProcRecord {
+            session: session.into(),
+            running: true,
+            egress: Some(egress),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_url_carries_the_credential_and_debug_hides_it() {
+        let proxy = EgressProxy::from_env();
+        let (grant, cred) = issue(&proxy, "my session");
+        let url = grant.url("my session");
+        assert_eq!(
+            url,
+            format!(
+                "http://my%20session:{}@127.0.0.1:{GUEST_PROXY_PORT}",
+                cred.expose()
+            )
+        );
+        let rec = running("my session", grant);
+        assert!(!format!("{rec:?}").contains(cred.expose()));
+    }
+
+    #[test]
+    fn credentials_are_revoked_when_their_process_ends_or_its_record_goes() {
+        let proxy = EgressProxy::from_env();
+        let mut procs = Procs::default();
+        let (a, cred_a) = issue(&proxy, "s1");
+        let (b, cred_b) = issue(&proxy, "s1");
+        let (c, cred_c) = issue(&proxy, "s2");
+        procs.map.insert("a".into(), running("s1", a));
+        procs.map.insert("b".into(), running("s1", b));
+        procs.map.insert("c".into(), running("s2", c));
+
+        // The exit message revokes the process's credential, only its.
+        procs.mark_exited("a", Some(0));
+        assert!(!proxy.revoke(&cred_a), "a's credential was still live");
+        // A second exit for the same id changes nothing.
+        procs.mark_exited("a", Some(0));
+
+        // A failed spawn removes its record: revoked.
+        procs.map.remove("b");
+        assert!(!proxy.revoke(&cred_b), "b's credential was still live");
+
+        // The machine going away revokes what is left.
+        assert_eq!(procs.revoke_all(), 1);
+        assert_eq!(procs.revoke_all(), 0);
+        assert!(!proxy.revoke(&cred_c), "c's credential was still live");
+        assert!(procs.map["c"].running, "the record itself stays");
+    }
+
+    #[test]
+    fn a_spawn_refused_before_it_starts_revokes_its_credential() {
+        let proxy = EgressProxy::from_env();
+        let (grant, cred) = issue(&proxy, "s1");
+        drop(grant);
+        assert!(!proxy.revoke(&cred));
+        // A live one is revocable exactly once.
+        let (grant, cred) = issue(&proxy, "s1");
+        assert!(proxy.revoke(&cred));
+        drop(grant);
     }
 }

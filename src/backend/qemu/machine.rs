@@ -1,7 +1,8 @@
 //! A running QEMU guest ([`QemuMachine`]): waiting for it to end, killing
 //! it after the guest had its chance to power off, draining its console
 //! into the log and the tail, and ending the in-process vhost-user server
-//! threads once QEMU is gone (which flushes and unlocks the session disk).
+//! threads once QEMU is gone (which flushes and unlocks the session disk)
+//! and the egress acceptor with them.
 //!
 //! Limits: a server thread that does not end within [`VHOST_JOIN`] is left
 //! behind (logged); QEMU's output is drained for at most [`CONSOLE_DRAIN`].
@@ -20,7 +21,7 @@ use tokio::process::Child;
 
 use super::rundir::RunDir;
 use crate::backend::console::{Console, ConsoleLines, QUOTED_LINES};
-use crate::backend::guest::{ACCEPT_POLL, POWEROFF_DEADLINE};
+use crate::backend::guest::{EgressAcceptor, ACCEPT_POLL, POWEROFF_DEADLINE};
 
 /// How long the console readers get to drain QEMU's output after it exited.
 const CONSOLE_DRAIN: Duration = Duration::from_secs(1);
@@ -78,6 +79,8 @@ pub struct QemuMachine {
     /// The session disk's and the entropy device's server threads (boxed:
     /// the machine is moved around inside [`crate::backend::Machine`]).
     pub(super) single_queue: Box<SingleQueueThreads>,
+    /// Serves the guest's egress connections; stopped once QEMU is gone.
+    pub(super) egress: EgressAcceptor,
     /// Keeps the device's host side alive as long as the machine.
     pub(super) _host: VsockHost,
     pub(super) ended: Option<String>,
@@ -99,6 +102,7 @@ impl QemuMachine {
         };
         tracing::info!(pid = self.pid, how = %how, "qemu ended");
         self.ended = Some(how.clone());
+        self.egress.stop();
         self.finish_vhost().await;
         how
     }
@@ -136,6 +140,7 @@ impl QemuMachine {
             );
             self.ended = Some(how);
         }
+        self.egress.stop();
         self.drain_console().await;
         self.finish_vhost().await;
     }

@@ -16,7 +16,9 @@
 //! `vhost-user-blk-pci` (the session disk) and `vhost-user-rng-pci` on
 //! sockets in a private 0700 directory, every device served from threads of
 //! this process. The agent dials CID 2 port 51234; the device hands the
-//! helper a socketpair end, which becomes the agent link.
+//! helper a socketpair end, which becomes the agent link. The guest's relay
+//! dials port [`guest_agent::proto::EGRESS_PORT`], served by the host egress
+//! proxy through an [`EgressAcceptor`] until the machine ends.
 //!
 //! Session disk: the profile's `sessiondata.img` (created by `createVM` or
 //! `startVM`, see `crate::vm`) is opened read-write, locked exclusively for
@@ -50,7 +52,8 @@
 //! [`POWEROFF_DEADLINE`](super::guest::POWEROFF_DEADLINE) to exit before
 //! killing it.
 //!
-//! Limits: x86_64 guests only; no network besides vsock. Files in shared folders are
+//! Limits: x86_64 guests only; no network besides vsock (the egress proxy
+//! is the only way out). Files in shared folders are
 //! created with the helper's uid (`devices::fs::Credentials::Helper`).
 //!
 //! Modules: `plan` (binary, accelerator, command line), `machine` (the
@@ -80,11 +83,14 @@ use tokio::process::Command;
 
 use super::console::Console;
 use super::fsgrants::SharedFolders;
-use super::guest::{agent_stream, guest_log_word, GUEST_CID, GUEST_LOG_ENV};
+use super::guest::{
+    agent_stream, guest_log_word, EgressAcceptor, EgressServeError, GUEST_CID, GUEST_LOG_ENV,
+};
 use super::image::{GuestImage, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
 use super::{BootOptions, Booted, HostPaths, Machine};
+use crate::egress::EgressProxy;
 pub use machine::QemuMachine;
 use machine::{pump_console, SingleQueueThreads, VhostThread};
 pub use plan::{
@@ -116,6 +122,8 @@ pub enum QemuError {
     },
     #[error("cannot set up the vsock device: {0}")]
     Vsock(#[from] HostError),
+    #[error(transparent)]
+    Egress(#[from] EgressServeError),
     #[error("cannot serve the vsock device over vhost-user: {0}")]
     VhostUser(#[from] VhostUserVsockError),
     #[error("cannot serve the virtio-fs device over vhost-user: {0}")]
@@ -167,8 +175,13 @@ impl Probe {
 /// Boots the guest: resolves QEMU, the image and the accelerator, serves
 /// the devices (vsock, virtio-fs, the session disk `session_disk`, rng),
 /// starts QEMU and returns the machine with the future of the agent's
-/// stream.
-pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, String> {
+/// stream. The guest's egress connections are served by `egress` until the
+/// machine ends.
+pub async fn boot(
+    opts: &BootOptions,
+    session_disk: &Path,
+    egress: &EgressProxy,
+) -> Result<Booted, String> {
     let plan_parts = (
         find_qemu(),
         GuestImage::locate(opts.bundle_path.as_deref()).map_err(QemuError::from),
@@ -214,7 +227,7 @@ pub async fn boot(opts: &BootOptions, session_disk: &Path) -> Result<Booted, Str
             .into_iter()
             .collect(),
     };
-    start(plan, run_dir, &accel_why, opts.fs, userland)
+    start(plan, run_dir, &accel_why, opts.fs, userland, egress)
         .await
         .map_err(|e| e.to_string())
 }
@@ -225,9 +238,12 @@ async fn start(
     accel_why: &str,
     fs_options: SessionFsOptions,
     userland: UserlandPlan,
+    egress: &EgressProxy,
 ) -> Result<Booted, QemuError> {
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
+    // Dropped (port freed, thread joined) on any failure below.
+    let egress = EgressAcceptor::start(&host, egress.clone())?;
     let server = VhostUserVsockServer::bind(
         &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
         &host,
@@ -385,6 +401,7 @@ async fn start(
             rng_socket: plan.rng_socket.clone(),
             roots,
         }),
+        egress,
         _host: host,
         ended: None,
         _run_dir: run_dir,

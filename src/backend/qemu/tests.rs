@@ -20,7 +20,8 @@ fn no_userland() -> UserlandPlan {
     }
 }
 
-/// Starts `plan` with default shared-folder options and no root disk.
+/// Starts `plan` with default shared-folder options, no root disk and the
+/// production egress proxy.
 async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuError> {
     start(
         plan,
@@ -28,6 +29,7 @@ async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuErro
         "test",
         SessionFsOptions::default(),
         no_userland(),
+        &crate::egress::EgressProxy::from_env(),
     )
     .await
 }
