@@ -215,6 +215,9 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 sessions_dir: cfg.sessions_dir(),
                 agent_args: vec![],
                 command_override: None,
+                // Sessions' only way out: the daemon's proxy on the sandbox's
+                // own unix socket, which ends with the sandbox.
+                egress: Some(cfg.egress.clone()),
             };
             let (sandbox, stream) = Sandbox::start(sandbox_cfg)
                 .await

@@ -3,9 +3,12 @@
 //! ([`HostSwitches`], named in error messages).
 //!
 //! The probe forks a child that walks the init's namespace steps (user
-//! namespace and id maps, mount/pid/ipc/uts namespaces, private propagation,
-//! a tmpfs, a fresh `/proc` from a grandchild that is PID 1) and reports the
-//! first failing step. The child runs only async-signal-safe system calls, so
+//! namespace and id maps, mount/pid/ipc/uts namespaces, the network
+//! namespace and its `lo` brought up, private propagation, a tmpfs, a fresh
+//! `/proc` from a grandchild that is PID 1) and reports the first failing
+//! step. A kernel that refuses network namespaces is reported as such
+//! ([`SandboxError::NetworkNamespacesUnavailable`]), with the switch or errno
+//! that explains it ([`HostSwitches::net_hints`]). The child runs only async-signal-safe system calls, so
 //! it is safe to call from a multi-threaded daemon. It does not test
 //! `pivot_root` nor the host paths the real root binds.
 
@@ -17,9 +20,19 @@ use super::sys;
 use super::wire::{Failure, Stage};
 use super::{error_from_failure, SandboxError};
 
+/// The init's network namespace step, as named in failures (the daemon
+/// recognises a refused network namespace by it).
+pub const UNSHARE_NET: &str = "unshare(CLONE_NEWNET)";
+
+/// The loopback interface, the only one in the sandbox's network namespace.
+pub const LOOPBACK: &str = "lo";
+
+/// Index of the network namespace step in [`PROBE_STEPS`].
+const STEP_NET: usize = 3;
+
 /// The probe's steps in order; the child reports the index of the first that
 /// failed (or the length, for none) and its errno.
-const PROBE_STEPS: [(Stage, &str); 7] = [
+const PROBE_STEPS: [(Stage, &str); 9] = [
     (Stage::UserNamespace, "unshare(CLONE_NEWUSER)"),
     (
         Stage::IdMap,
@@ -29,6 +42,8 @@ const PROBE_STEPS: [(Stage, &str); 7] = [
         Stage::Namespaces,
         "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)",
     ),
+    (Stage::Network, UNSHARE_NET),
+    (Stage::Network, "bring up lo"),
     (Stage::Namespaces, "make every mount private"),
     (Stage::Root, "mount a tmpfs"),
     (Stage::Fork, "fork a PID 1"),
@@ -42,6 +57,7 @@ const PROBE_STEPS: [(Stage, &str); 7] = [
 const UNPRIVILEGED_USERNS_CLONE: &str = "/proc/sys/kernel/unprivileged_userns_clone";
 const APPARMOR_RESTRICT: &str = "/proc/sys/kernel/apparmor_restrict_unprivileged_userns";
 const MAX_USER_NAMESPACES: &str = "/proc/sys/user/max_user_namespaces";
+const MAX_NET_NAMESPACES: &str = "/proc/sys/user/max_net_namespaces";
 
 /// The host's user namespace switches, as far as they exist.
 #[derive(Debug, Clone, Default)]
@@ -49,6 +65,7 @@ pub struct HostSwitches {
     pub unprivileged_userns_clone: Option<i64>,
     pub apparmor_restrict: Option<i64>,
     pub max_user_namespaces: Option<i64>,
+    pub max_net_namespaces: Option<i64>,
     /// Whether the daemon runs as root (the unprivileged switches do not
     /// apply then).
     pub root: bool,
@@ -61,6 +78,7 @@ impl HostSwitches {
             unprivileged_userns_clone: read(UNPRIVILEGED_USERNS_CLONE),
             apparmor_restrict: read(APPARMOR_RESTRICT),
             max_user_namespaces: read(MAX_USER_NAMESPACES),
+            max_net_namespaces: read(MAX_NET_NAMESPACES),
             // SAFETY: geteuid cannot fail.
             root: unsafe { libc::geteuid() } == 0,
         }
@@ -107,6 +125,25 @@ impl HostSwitches {
         }
         hints
     }
+
+    /// What explains a refused network namespace (`unshare(CLONE_NEWNET)`
+    /// failing with `errno`): the switch when it is 0, else the errno.
+    pub fn net_hints(&self, errno: Option<i32>) -> Vec<String> {
+        if self.max_net_namespaces == Some(0) {
+            return vec!["user.max_net_namespaces=0".to_string()];
+        }
+        let by_errno = match errno {
+            Some(libc::ENOSPC) => {
+                "the limit of network namespaces (user.max_net_namespaces) is reached"
+            }
+            Some(libc::EPERM) | Some(libc::EACCES) => {
+                "refused by a seccomp filter or security module (inside a container?)"
+            }
+            Some(libc::EINVAL) => "the kernel was built without network namespaces",
+            _ => return Vec::new(),
+        };
+        vec![by_errno.to_string()]
+    }
 }
 
 /// Checks that the sandbox's namespaces can be created here; the error names
@@ -123,6 +160,7 @@ pub fn probe() -> Result<(), SandboxError> {
         (c"/proc/self/gid_map", gid_map.as_bytes()),
     ];
     let io_err = |what| move |source| SandboxError::Io { what, source };
+    let mut lo = sys::ifreq_for(LOOPBACK).map_err(io_err("name the loopback interface"))?;
     let (read_end, write_end) = sys::pipe().map_err(io_err("create the probe's pipe"))?;
 
     // SAFETY: the child runs async-signal-safe system calls only, then _exit.
@@ -132,7 +170,7 @@ pub fn probe() -> Result<(), SandboxError> {
     }
     if pid == 0 {
         drop(read_end);
-        let (step, errno) = probe_child(&writes);
+        let (step, errno) = probe_child(&writes, &mut lo);
         let mut answer = [0u8; 8];
         answer[..4].copy_from_slice(&(step as u32).to_ne_bytes());
         answer[4..].copy_from_slice(&errno.to_ne_bytes());
@@ -171,7 +209,7 @@ fn errno() -> i32 {
 
 /// The forked probe: returns the index of the failed step (or the number of
 /// steps) and the errno. Async-signal-safe: system calls on prepared data.
-fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
+fn probe_child(writes: &[(&CStr, &[u8]); 3], lo: &mut libc::ifreq) -> (usize, i32) {
     // SAFETY: system calls with valid, NUL-terminated, prepared arguments.
     unsafe {
         if libc::unshare(libc::CLONE_NEWUSER) != 0 {
@@ -198,6 +236,12 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
         if libc::unshare(namespaces) != 0 {
             return (2, errno());
         }
+        if libc::unshare(libc::CLONE_NEWNET) != 0 {
+            return (STEP_NET, errno());
+        }
+        if let Err(e) = sys::set_link_up_raw(lo) {
+            return (STEP_NET + 1, e);
+        }
         let none = std::ptr::null::<libc::c_char>();
         if libc::mount(
             none,
@@ -207,7 +251,7 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
             std::ptr::null(),
         ) != 0
         {
-            return (3, errno());
+            return (STEP_NET + 2, errno());
         }
         let tmpfs = c"tmpfs".as_ptr();
         if libc::mount(
@@ -218,11 +262,11 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
             std::ptr::null(),
         ) != 0
         {
-            return (4, errno());
+            return (STEP_NET + 3, errno());
         }
         let pid = libc::fork();
         if pid < 0 {
-            return (5, errno());
+            return (STEP_NET + 4, errno());
         }
         if pid == 0 {
             let proc_ = c"proc".as_ptr();
@@ -237,12 +281,12 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3]) -> (usize, i32) {
         }
         let status = match sys::waitpid(pid) {
             Ok(status) => status,
-            Err(e) => return (5, e.raw_os_error().unwrap_or(libc::EIO)),
+            Err(e) => return (STEP_NET + 4, e.raw_os_error().unwrap_or(libc::EIO)),
         };
         match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
             (true, 0) => (PROBE_STEPS.len(), 0),
-            (true, e) => (6, e),
-            _ => (5, libc::EIO),
+            (true, e) => (STEP_NET + 5, e),
+            _ => (STEP_NET + 4, libc::EIO),
         }
     }
 }
@@ -256,6 +300,7 @@ mod tests {
             unprivileged_userns_clone: Some(1),
             apparmor_restrict: Some(0),
             max_user_namespaces: Some(1000),
+            max_net_namespaces: Some(1000),
             root: false,
         }
     }
@@ -287,6 +332,25 @@ mod tests {
         };
         assert!(!s.apparmor_restricts());
         assert!(s.hints(Some(libc::EPERM))[0].contains("seccomp"));
+    }
+
+    #[test]
+    fn net_hints_name_the_switch_or_the_errno() {
+        let s = HostSwitches {
+            max_net_namespaces: Some(0),
+            ..switches()
+        };
+        assert_eq!(
+            s.net_hints(Some(libc::ENOSPC)),
+            vec!["user.max_net_namespaces=0".to_string()]
+        );
+        assert!(switches().net_hints(Some(libc::EINVAL))[0].contains("without network"));
+        assert!(switches().net_hints(Some(libc::EPERM))[0].contains("seccomp"));
+        assert!(switches().net_hints(None).is_empty());
+        // The steps the indices stand for.
+        assert_eq!(PROBE_STEPS[STEP_NET], (Stage::Network, UNSHARE_NET));
+        assert_eq!(PROBE_STEPS[STEP_NET + 1].0, Stage::Network);
+        assert_eq!(PROBE_STEPS[STEP_NET + 5].0, Stage::Root);
     }
 
     #[test]

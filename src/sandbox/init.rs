@@ -9,11 +9,15 @@
 //!    onto themselves;
 //! 3. enters new mount, pid, ipc and uts namespaces, names the host
 //!    [`HOSTNAME`], makes every mount private;
-//! 4. forks PID 1 of the new pid namespace and waits for it, forwarding
+//! 4. enters a new network namespace (owned by the new user namespace) and
+//!    brings its `lo` up: the sandbox's only interface;
+//! 5. forks PID 1 of the new pid namespace and waits for it, forwarding
 //!    SIGTERM, SIGINT and SIGHUP and ending the way it ended;
-//! 5. PID 1 builds and enters the root ([`super::rootfs`]), keeps the
-//!    capabilities the agent needs for its bind mounts, and executes the agent
-//!    (this same executable, through an fd opened before `pivot_root`).
+//! 6. PID 1 builds and enters the root ([`super::rootfs`]), keeps the
+//!    capabilities the agent needs for its bind mounts and its relay, DNS stub
+//!    and capture, and executes the agent (this same executable, through an
+//!    fd opened before `pivot_root`), telling it where the egress socket is
+//!    ([`EGRESS_SOCKET_ENV`]) and to hide [`EGRESS_DIR`] from what it spawns.
 //!
 //! Each step that fails is reported on the status pipe ([`super::wire`]) and
 //! on stderr, and the init exits with [`SETUP_FAILED_STATUS`].
@@ -24,10 +28,16 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 
+use guest_agent::proto::EGRESS_SOCKET_ENV;
+
+use super::check::{LOOPBACK, UNSHARE_NET};
 use super::rootfs;
 use super::sys::{self, CStringArray};
 use super::wire::{Context, ExecSpec, Failure, InitSpec, Report, Stage};
-use super::{AGENT_FD, HOST_ROOT, INIT_SUBCOMMAND, SETUP_FAILED_STATUS, STATUS_FD};
+use super::{
+    AGENT_FD, EGRESS_DIR, EGRESS_SOCKET_NAME, HOST_ROOT, INIT_SUBCOMMAND, SETUP_FAILED_STATUS,
+    STATUS_FD,
+};
 
 /// The sandbox's host name.
 pub const HOSTNAME: &str = "cowork-sandbox";
@@ -36,10 +46,13 @@ pub const HOSTNAME: &str = "cowork-sandbox";
 const FORWARDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
 
 /// Capabilities a non-root agent keeps across `execve` (ambient set) so it
-/// can make bind mounts and manage session users inside the user namespace:
-/// CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID, SETPCAP, SYS_CHROOT,
-/// SYS_ADMIN. They are capabilities of the sandbox's user namespace only.
-const AGENT_CAPS: [u32; 9] = [0, 1, 3, 5, 6, 7, 8, 18, 21];
+/// can make bind mounts and manage session users inside the user namespace
+/// (CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID, SETPCAP, SYS_CHROOT,
+/// SYS_ADMIN), and serve sessions in its network namespace: its DNS stub and
+/// capture listeners on ports below 1024 (NET_BIND_SERVICE) and the capture
+/// route (NET_ADMIN). They are capabilities of the sandbox's user namespace
+/// only, over the sandbox's own network namespace only.
+const AGENT_CAPS: [u32; 11] = [0, 1, 3, 5, 6, 7, 8, 10, 12, 18, 21];
 
 /// `PATH` inside the sandbox.
 const SANDBOX_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -157,6 +170,9 @@ fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
         .context(Stage::Namespaces, || {
             "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)".to_string()
         })?;
+    // Its own call, so a kernel refusing network namespaces is named as such.
+    sys::unshare(libc::CLONE_NEWNET).context(Stage::Network, || UNSHARE_NET.to_string())?;
+    sys::set_link_up(LOOPBACK).context(Stage::Network, || format!("bring up {LOOPBACK}"))?;
     sys::sethostname(HOSTNAME).context(Stage::Namespaces, || format!("sethostname {HOSTNAME}"))?;
     sys::mount(
         None,
@@ -264,7 +280,8 @@ fn pid1(
         ExecSpec::Agent { .. } => Some(open_own_executable()?),
         ExecSpec::Command { .. } => None,
     };
-    rootfs::build_and_enter(Path::new(&spec.sessions_dir))?;
+    let egress_dir = spec.egress_dir.as_deref().map(Path::new);
+    rootfs::build_and_enter(Path::new(&spec.sessions_dir), egress_dir)?;
     if uid != 0 {
         sys::raise_ambient_caps(&AGENT_CAPS).context(Stage::Exec, || {
             "raise the agent's capabilities into the ambient set".to_string()
@@ -273,7 +290,7 @@ fn pid1(
 
     let argv: Vec<String> = match &spec.exec {
         ExecSpec::Agent { argv0, args } => std::iter::once(argv0.clone())
-            .chain(AGENT_ARGS.iter().map(|a| a.to_string()))
+            .chain(agent_args(egress_dir.is_some()))
             .chain(args.iter().cloned())
             .collect(),
         ExecSpec::Command { argv } => argv.clone(),
@@ -286,7 +303,7 @@ fn pid1(
         });
     };
     let c_argv = CStringArray::new(&argv).context(Stage::Exec, || "agent arguments".to_string())?;
-    let c_env = CStringArray::new(&sandbox_env())
+    let c_env = CStringArray::new(&sandbox_env(egress_dir.is_some()))
         .context(Stage::Exec, || "agent environment".to_string())?;
 
     // The exec closes the pipe (close-on-exec): `exec` then end of file.
@@ -316,13 +333,30 @@ fn open_own_executable() -> Result<OwnedFd, Failure> {
     })
 }
 
-/// The agent's environment: a fixed minimal one plus [`PASSED_ENV`].
-fn sandbox_env() -> Vec<String> {
+/// The agent's fixed arguments; with an egress socket, its directory is
+/// one more private path.
+fn agent_args(egress: bool) -> Vec<String> {
+    let mut args: Vec<String> = AGENT_ARGS.iter().map(|a| a.to_string()).collect();
+    if egress {
+        args.extend(["--private-path".to_string(), EGRESS_DIR.to_string()]);
+    }
+    args
+}
+
+/// The agent's environment: a fixed minimal one plus [`PASSED_ENV`], and
+/// with an egress socket, its path ([`EGRESS_SOCKET_ENV`]). The agent does
+/// not pass its own environment on to what it spawns.
+fn sandbox_env(egress: bool) -> Vec<String> {
     let mut env = vec![
         format!("PATH={SANDBOX_PATH}"),
         format!("HOME={SANDBOX_HOME}"),
         format!("LANG={SANDBOX_LANG}"),
     ];
+    if egress {
+        env.push(format!(
+            "{EGRESS_SOCKET_ENV}={EGRESS_DIR}/{EGRESS_SOCKET_NAME}"
+        ));
+    }
     for name in PASSED_ENV {
         if let Some(value) = std::env::var_os(name) {
             env.push(format!("{name}={}", value.to_string_lossy()));
@@ -438,6 +472,7 @@ mod tests {
                 argv: vec!["/bin/true".into()],
             },
             parent_pid: 1,
+            egress_dir: None,
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         let full = vec![
@@ -463,7 +498,7 @@ mod tests {
 
     #[test]
     fn environment_is_minimal() {
-        let env = sandbox_env();
+        let env = sandbox_env(false);
         assert!(env.contains(&format!("PATH={SANDBOX_PATH}")));
         assert!(env.contains(&"HOME=/sessions".to_string()));
         assert!(env.contains(&"LANG=C.UTF-8".to_string()));
@@ -472,6 +507,25 @@ mod tests {
             .all(|kv| ["PATH=", "HOME=", "LANG=", "COWORK_LOG="]
                 .iter()
                 .any(|p| kv.starts_with(p))));
+    }
+
+    #[test]
+    fn egress_socket_is_for_the_agent_only() {
+        let env = sandbox_env(true);
+        assert!(env.contains(&"COWORK_EGRESS_SOCKET=/.egress/proxy.sock".to_string()));
+        assert!(!sandbox_env(false)
+            .iter()
+            .any(|kv| kv.starts_with("COWORK_EGRESS_SOCKET=")));
+        let args = agent_args(true);
+        assert!(
+            args.windows(2)
+                .any(|w| w[0] == "--private-path" && w[1] == EGRESS_DIR),
+            "{args:?}"
+        );
+        assert!(args
+            .windows(2)
+            .any(|w| w[0] == "--private-path" && w[1] == HOST_ROOT));
+        assert!(!agent_args(false).iter().any(|a| a == EGRESS_DIR));
     }
 
     #[test]

@@ -3,12 +3,22 @@
 //!
 //! [`Sandbox::start`] re-executes the helper as `__sandbox-init` ([`init_main`]),
 //! which enters a new user namespace (always, also as root, mapping only the
-//! caller's uid and gid), new mount, pid, ipc and uts namespaces, forks PID 1,
-//! builds a minimal root (read-only `/usr`, `/etc`, `/bin`, `/sbin`, `/lib*`;
-//! private `/tmp`, `/run`, `/dev`, `/proc`; `/sessions` read-write; the host's
-//! `/` at [`HOST_ROOT`] for the agent alone) and executes the agent with one
-//! end of a socketpair as fd [`AGENT_FD`]. The other end is returned to the
-//! daemon; the agent's hello arrives on it.
+//! caller's uid and gid), new mount, pid, ipc, uts and network namespaces
+//! (the network one holds only `lo`, brought up), forks PID 1, builds a
+//! minimal root (read-only `/usr`, `/etc`, `/bin`, `/sbin`, `/lib*`, with the
+//! sandbox's own `/etc/hosts` and `/etc/resolv.conf`; private `/tmp`, `/run`,
+//! `/dev`, `/proc`; `/sessions` read-write; the host's `/` at [`HOST_ROOT`]
+//! and the egress proxy's socket in [`EGRESS_DIR`] for the agent alone) and
+//! executes the agent with one end of a socketpair as fd [`AGENT_FD`]. The
+//! other end is returned to the daemon; the agent's hello arrives on it.
+//!
+//! Network: sessions have loopback only (no host interfaces, no host
+//! loopback services, no host abstract unix sockets). The one way out is
+//! the daemon's egress proxy ([`SandboxConfig::egress`]), served on a unix
+//! socket per sandbox ([`egress`]) that only the agent sees, at
+//! [`EGRESS_DIR`]`/`[`EGRESS_SOCKET_NAME`], named to it in the environment
+//! variable [`guest_agent::proto::EGRESS_SOCKET_ENV`]. The socket and its
+//! serving task end with the sandbox.
 //!
 //! Failures before the agent runs come back on a status pipe as the step and
 //! errno, so `startVM` fails with the cause (for example "user namespaces are
@@ -16,9 +26,9 @@
 //! (`PR_SET_PDEATHSIG`), whose death kills PID 1, whose death makes the kernel
 //! kill everything else in the pid namespace.
 //!
-//! Limits: Linux only; needs user namespaces (see [`probe`]), a fully visible
-//! host `/proc` and a root `pivot_root` accepts. The sandbox shares the host's
-//! network and cgroup. Inside, only the caller's uid and gid exist: files of
+//! Limits: Linux only; needs user and network namespaces (see [`probe`]), a
+//! fully visible host `/proc` and a root `pivot_root` accepts. The sandbox
+//! shares the host's cgroup. Inside, only the caller's uid and gid exist: files of
 //! other users appear as the overflow id and only their "other" permission
 //! bits apply (this also holds for the agent under `/.host` when the helper
 //! runs as root). `start` must be called from a thread that lives as long as
@@ -26,6 +36,7 @@
 //! the parent-death signal follows the thread that forked the init.
 
 mod check;
+mod egress;
 mod init;
 mod rootfs;
 mod sys;
@@ -42,7 +53,10 @@ use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
 pub use check::probe;
+pub use egress::SOCKET_NAME as EGRESS_SOCKET_NAME;
 pub use init::HOSTNAME;
+
+use egress::EgressSocket;
 
 use wire::{ExecSpec, Failure, InitSpec, Reports, Stage};
 
@@ -61,6 +75,10 @@ pub const SETUP_FAILED_STATUS: i32 = 125;
 /// Where the host's `/` is reachable inside the sandbox (agent only; the
 /// agent hides it from the processes it spawns).
 pub const HOST_ROOT: &str = "/.host";
+
+/// Where the agent finds the egress proxy's socket directory inside the
+/// sandbox (agent only, hidden from spawned processes like [`HOST_ROOT`]).
+pub const EGRESS_DIR: &str = "/.egress";
 
 /// How long the init may take to build the sandbox and execute the agent.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(20);
@@ -88,6 +106,9 @@ pub struct SandboxConfig {
     /// instead of the agent; `agent_args` are then ignored. For tests and
     /// diagnostics.
     pub command_override: Option<Vec<String>>,
+    /// The egress proxy served to this sandbox on its own unix socket; none:
+    /// the sandbox has no way out at all (loopback only).
+    pub egress: Option<crate::egress::EgressProxy>,
 }
 
 impl SandboxConfig {
@@ -98,10 +119,13 @@ impl SandboxConfig {
             sessions_dir: sessions_dir.into(),
             agent_args: Vec::new(),
             command_override: None,
+            egress: None,
         }
     }
 
-    fn init_spec(&self) -> Result<InitSpec, SandboxError> {
+    /// The init's instructions; `egress_dir` is the host directory of the
+    /// egress socket, when there is one.
+    fn init_spec(&self, egress_dir: Option<&std::path::Path>) -> Result<InitSpec, SandboxError> {
         if !self.sessions_dir.is_absolute() {
             return Err(SandboxError::Config(format!(
                 "the sessions directory {} is not an absolute path",
@@ -128,10 +152,21 @@ impl SandboxConfig {
                 args: self.agent_args.clone(),
             },
         };
+        let egress_dir = egress_dir
+            .map(|dir| {
+                dir.to_str().map(str::to_string).ok_or_else(|| {
+                    SandboxError::Config(format!(
+                        "the sandbox run directory {} is not valid UTF-8",
+                        dir.display()
+                    ))
+                })
+            })
+            .transpose()?;
         Ok(InitSpec {
             sessions_dir: sessions_dir.to_string(),
             exec,
             parent_pid: std::process::id() as i32,
+            egress_dir,
         })
     }
 }
@@ -146,6 +181,13 @@ pub enum SandboxError {
          no seccomp filter blocking unshare) or run the helper as root"
     )]
     UserNamespacesUnavailable { cause: String },
+    #[error(
+        "network namespaces are unavailable: {cause}. The sandbox gives sessions a network of \
+         their own (loopback only; the egress proxy is their only way out), so it needs them: \
+         a kernel with CONFIG_NET_NS, user.max_net_namespaces > 0 and no seccomp filter or \
+         security module refusing unshare(CLONE_NEWNET)"
+    )]
+    NetworkNamespacesUnavailable { cause: String },
     #[error("sandbox setup failed while {stage}: {cause}")]
     Setup { stage: String, cause: String },
     #[error("cannot run the sandbox init {}: {source}", exe.display())]
@@ -226,6 +268,9 @@ pub struct Sandbox {
     agent_pidfd: Option<OwnedFd>,
     killed: bool,
     exit: Option<SandboxExit>,
+    /// The egress proxy's socket and serving task; dropped when the sandbox
+    /// ends.
+    egress: Option<EgressSocket>,
 }
 
 impl Sandbox {
@@ -233,7 +278,10 @@ impl Sandbox {
     /// PID 1. The returned stream is the daemon's end of the agent link (a
     /// socketpair); the agent's hello arrives on it.
     pub async fn start(cfg: SandboxConfig) -> Result<(Sandbox, UnixStream), SandboxError> {
-        let spec = cfg.init_spec()?;
+        // Checked before anything is created.
+        cfg.init_spec(None)?;
+        let egress = cfg.egress.clone().map(EgressSocket::open).transpose()?;
+        let spec = cfg.init_spec(egress.as_ref().map(EgressSocket::dir))?;
         let encoded = serde_json::to_string(&spec)
             .map_err(|e| SandboxError::Config(format!("cannot encode the init spec: {e}")))?;
         let io_err = |what| move |source| SandboxError::Io { what, source };
@@ -279,6 +327,7 @@ impl Sandbox {
             agent_pidfd: None,
             killed: false,
             exit: None,
+            egress,
         };
         tracing::debug!(init_pid, "sandbox init started");
 
@@ -332,6 +381,14 @@ impl Sandbox {
     /// `guest_agent::names::host_relative_path`) is reachable.
     pub fn agent_path_for_host(&self, rel: &str) -> String {
         agent_view_of_host(rel)
+    }
+
+    /// Host path of the egress proxy's socket, while the sandbox runs with
+    /// one.
+    pub fn egress_socket(&self) -> Option<PathBuf> {
+        self.egress
+            .as_ref()
+            .map(|e| e.dir().join(EGRESS_SOCKET_NAME))
     }
 
     /// Host pid of the init process.
@@ -394,6 +451,8 @@ impl Sandbox {
         let exit = SandboxExit::from_status(status, self.killed);
         tracing::info!(init_pid = self.init_pid, "sandbox ended: {exit}");
         self.exit = Some(exit.clone());
+        // Nothing is left to use the proxy's socket.
+        self.egress = None;
         exit
     }
 
@@ -412,6 +471,7 @@ impl Sandbox {
             Err(e) => format!("unknown exit: {e}"),
         };
         self.exit = Some(SandboxExit::from_status(status, false));
+        self.egress = None;
         text
     }
 }
@@ -487,6 +547,14 @@ fn error_from_failure(failure: Failure, switches: &check::HostSwitches) -> Sandb
         }
         return SandboxError::UserNamespacesUnavailable { cause };
     }
+    if failure.stage == Stage::Network && failure.what.starts_with(check::UNSHARE_NET) {
+        let mut cause = failure.to_string();
+        let hints = switches.net_hints(failure.errno);
+        if !hints.is_empty() {
+            cause = format!("{cause} ({})", hints.join("; "));
+        }
+        return SandboxError::NetworkNamespacesUnavailable { cause };
+    }
     SandboxError::Setup {
         stage: failure.stage.to_string(),
         cause: failure.to_string(),
@@ -513,10 +581,10 @@ mod tests {
     #[test]
     fn config_is_checked() {
         let mut cfg = SandboxConfig::new("/usr/bin/cowork-helper", "relative/dir");
-        assert!(matches!(cfg.init_spec(), Err(SandboxError::Config(_))));
+        assert!(matches!(cfg.init_spec(None), Err(SandboxError::Config(_))));
         cfg.sessions_dir = "/var/lib/sessions".into();
         cfg.agent_args = vec!["--log".into()];
-        let spec = cfg.init_spec().expect("valid");
+        let spec = cfg.init_spec(None).expect("valid");
         assert_eq!(
             spec.exec,
             ExecSpec::Agent {
@@ -525,11 +593,19 @@ mod tests {
             }
         );
         assert_eq!(spec.parent_pid, std::process::id() as i32);
+        assert_eq!(spec.egress_dir, None);
+        let with_dir = cfg
+            .init_spec(Some(std::path::Path::new("/run/user/0/cowork-sandbox-1-0")))
+            .expect("valid");
+        assert_eq!(
+            with_dir.egress_dir.as_deref(),
+            Some("/run/user/0/cowork-sandbox-1-0")
+        );
         cfg.command_override = Some(vec!["sh".into()]);
-        assert!(matches!(cfg.init_spec(), Err(SandboxError::Config(_))));
+        assert!(matches!(cfg.init_spec(None), Err(SandboxError::Config(_))));
         cfg.command_override = Some(vec!["/bin/sh".into(), "-c".into(), "true".into()]);
         assert!(matches!(
-            cfg.init_spec().map(|s| s.exec),
+            cfg.init_spec(None).map(|s| s.exec),
             Ok(ExecSpec::Command { .. })
         ));
     }
@@ -545,6 +621,7 @@ mod tests {
             unprivileged_userns_clone: Some(0),
             apparmor_restrict: None,
             max_user_namespaces: Some(1000),
+            max_net_namespaces: Some(1000),
             root: false,
         };
         let err = error_from_failure(failure.clone(), &switches);
@@ -583,6 +660,55 @@ mod tests {
         };
         assert!(matches!(
             error_from_failure(mount, &switches),
+            SandboxError::Setup { .. }
+        ));
+    }
+
+    #[test]
+    fn network_namespace_failures_say_so() {
+        let switches = check::HostSwitches {
+            unprivileged_userns_clone: Some(1),
+            apparmor_restrict: Some(0),
+            max_user_namespaces: Some(1000),
+            max_net_namespaces: Some(0),
+            root: true,
+        };
+        let failure = Failure {
+            stage: Stage::Network,
+            what: check::UNSHARE_NET.to_string(),
+            errno: Some(libc::ENOSPC),
+        };
+        let err = error_from_failure(failure.clone(), &switches);
+        let text = err.to_string();
+        assert!(
+            matches!(err, SandboxError::NetworkNamespacesUnavailable { .. }),
+            "{text}"
+        );
+        assert!(text.contains("user.max_net_namespaces=0"), "{text}");
+        assert!(
+            text.starts_with("network namespaces are unavailable"),
+            "{text}"
+        );
+
+        let switches = check::HostSwitches {
+            max_net_namespaces: Some(1000),
+            ..switches
+        };
+        let no_kernel = Failure {
+            errno: Some(libc::EINVAL),
+            ..failure
+        };
+        let text = error_from_failure(no_kernel, &switches).to_string();
+        assert!(text.contains("built without network namespaces"), "{text}");
+
+        // The loopback step is a plain setup failure.
+        let lo = Failure {
+            stage: Stage::Network,
+            what: "bring up lo".to_string(),
+            errno: Some(libc::EPERM),
+        };
+        assert!(matches!(
+            error_from_failure(lo, &switches),
             SandboxError::Setup { .. }
         ));
     }

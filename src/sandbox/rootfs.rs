@@ -10,9 +10,21 @@
 //! | `/usr/local/bin` | empty writable tmpfs (the agent installs the CLI there) |
 //! | `/proc` | a new proc of the sandbox's pid namespace |
 //! | `/dev` | tmpfs with the host's null, zero, full, random, urandom, tty; devpts; shm |
-//! | `/tmp`, `/run` | empty private tmpfs (`/run` carries a `/etc/resolv.conf` that links into it) |
+//! | `/etc/hosts`, `/etc/resolv.conf` | the sandbox's own, read-only (see below) |
+//! | `/tmp`, `/run` | empty private tmpfs |
 //! | `/sessions` | host sessions directory, recursive read-write bind, shared propagation |
 //! | `/.host` | host `/`, recursive read-write bind, for the agent only |
+//! | `/.egress` | the daemon's run directory of this sandbox (egress proxy socket), read-only bind, for the agent only; only when the daemon serves one |
+//!
+//! Names: sessions must not see the host's own names (the host's
+//! `/etc/hosts` may map names onto addresses sessions cannot reach anyway);
+//! names are resolved on the host, by the egress proxy. So `/etc/hosts` only
+//! names loopback and [`HOSTNAME`], and `/etc/resolv.conf` points at the
+//! agent's DNS stub on 127.0.0.1. Each generated file is bound read-only
+//! over the host's file, or over the target of the host's symlink (created in
+//! the private `/run` when it points there, as with systemd-resolved's
+//! `/run/systemd/resolve/stub-resolv.conf`). A host without such a file keeps
+//! none (glibc then asks 127.0.0.1 anyway).
 //!
 //! The root itself is then made read-only. Read-only binds keep the
 //! `nosuid`/`nodev`/`noexec`/atime flags of their source, which a user
@@ -31,7 +43,7 @@ use std::path::{Path, PathBuf};
 
 use super::sys;
 use super::wire::{Context, Failure, Stage};
-use super::HOST_ROOT;
+use super::{EGRESS_DIR, HOSTNAME, HOST_ROOT};
 
 /// Where the root tmpfs is mounted before `pivot_root`. This is a mount in the
 /// sandbox's private mount namespace: the host's `/tmp` is untouched.
@@ -53,9 +65,14 @@ const DEV_LINKS: [(&str, &str); 4] = [
     ("stderr", "/proc/self/fd/2"),
 ];
 
-/// Files of `/etc` that may link into `/run` (systemd-resolved's DNS stub);
-/// their targets are carried into the private `/run`.
-const ETC_FILES_LINKING_INTO_RUN: [&str; 1] = ["resolv.conf"];
+/// The sandbox's `/etc/resolv.conf`: the agent's DNS stub on loopback,
+/// which answers with addresses the agent's capture sends to the egress
+/// proxy by name.
+const RESOLV_CONF: &str = "# The sandbox's resolver: the agent's DNS stub.\nnameserver 127.0.0.1\n";
+
+/// Where generated files are staged in the root tmpfs before being bound
+/// over their place; each is unlinked again right after.
+const STAGED_PREFIX: &str = ".staged-";
 
 /// Options of the root tmpfs; it only holds directories and symlinks.
 const ROOT_TMPFS: &str = "mode=0755,size=1m";
@@ -72,13 +89,20 @@ const DEVPTS: &str = "newinstance,ptmxmode=0666,mode=0620";
 /// Builds the root and enters it. On return the process's root and working
 /// directory are the sandbox's `/`, and the host's tree is only reachable at
 /// [`HOST_ROOT`].
-pub fn build_and_enter(sessions_dir: &Path) -> Result<(), Failure> {
-    // Opened before anything is mounted over `/tmp`, where it may live.
+pub fn build_and_enter(sessions_dir: &Path, egress_dir: Option<&Path>) -> Result<(), Failure> {
+    // Opened before anything is mounted over `/tmp`, where they may live.
     let sessions = sys::open(sessions_dir, libc::O_PATH | libc::O_DIRECTORY)
         .context(Stage::Root, || {
             format!("open the sessions directory {}", sessions_dir.display())
         })?;
     let sessions_src = PathBuf::from(format!("/proc/self/fd/{}", sessions.as_raw_fd()));
+    let egress = egress_dir
+        .map(|dir| {
+            sys::open(dir, libc::O_PATH | libc::O_DIRECTORY).context(Stage::Root, || {
+                format!("open the sandbox run directory {}", dir.display())
+            })
+        })
+        .transpose()?;
     // Canonical, so the copy of it under `/.host` is addressed without
     // following a symlink out of `/.host`.
     let stage = fs::canonicalize(STAGE).context(Stage::Root, || format!("resolve {STAGE}"))?;
@@ -110,7 +134,7 @@ pub fn build_and_enter(sessions_dir: &Path) -> Result<(), Failure> {
     tmpfs(&tmp, libc::MS_NOSUID | libc::MS_NODEV, STICKY_TMPFS)?;
     let run = mkdir(root, "run")?;
     tmpfs(&run, libc::MS_NOSUID | libc::MS_NODEV, PLAIN_TMPFS)?;
-    carry_run_links(root);
+    own_name_files(root)?;
 
     let sessions_dst = mkdir(root, "sessions")?;
     bind(&sessions_src, &sessions_dst)?;
@@ -125,6 +149,13 @@ pub fn build_and_enter(sessions_dir: &Path) -> Result<(), Failure> {
     )
     .context(Stage::Root, || "make /sessions a shared mount".to_string())?;
     drop(sessions);
+
+    if let Some(fd) = egress {
+        let src = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        let dst = mkdir(root, EGRESS_DIR.trim_start_matches('/'))?;
+        bind(&src, &dst)?;
+        remount_readonly_trees(std::slice::from_ref(&dst))?;
+    }
 
     sys::mount(
         None,
@@ -245,25 +276,85 @@ fn dev(root: &Path) -> Result<(), Failure> {
     tmpfs(&shm, libc::MS_NOSUID | libc::MS_NODEV, STICKY_TMPFS)
 }
 
-/// Binds into the private `/run` the files that `/etc` entries link to there
-/// (read-only), so DNS keeps working on systemd-resolved hosts. Best effort.
-fn carry_run_links(root: &Path) {
-    for name in ETC_FILES_LINKING_INTO_RUN {
-        let link = Path::new("/etc").join(name);
-        let is_link = fs::symlink_metadata(&link)
-            .map(|m| m.file_type().is_symlink())
-            .unwrap_or(false);
-        if !is_link {
-            continue;
-        }
-        let Ok(target) = fs::canonicalize(&link) else {
+/// The sandbox's `/etc/hosts`: loopback under the usual names and the
+/// sandbox's host name, nothing of the host's.
+fn hosts_file() -> String {
+    format!(
+        "# The sandbox's names: loopback only; other names resolve on the host.\n\
+         127.0.0.1\tlocalhost {HOSTNAME}\n\
+         ::1\tlocalhost ip6-localhost ip6-loopback\n"
+    )
+}
+
+/// Binds the sandbox's own `/etc/hosts` and `/etc/resolv.conf` (read-only)
+/// over the host's; see the module doc. Needs `/etc` and the private `/run`
+/// in place under `root`.
+fn own_name_files(root: &Path) -> Result<(), Failure> {
+    let files = [
+        ("hosts", hosts_file()),
+        ("resolv.conf", RESOLV_CONF.to_string()),
+    ];
+    for (name, content) in files {
+        let host = Path::new("/etc").join(name);
+        let Some(place) = place_in_root(&host, root)? else {
+            tracing::info!(file = %host.display(), "no such file in the sandbox");
             continue;
         };
-        if !target.starts_with("/run") || !target.is_file() {
-            continue;
+        let staged = root.join(format!("{STAGED_PREFIX}{name}"));
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&staged)
+            .and_then(|mut f| io::Write::write_all(&mut f, content.as_bytes()))
+            .context(Stage::Root, || format!("write {}", staged.display()))?;
+        sys::mount(Some(&staged), &place, None, libc::MS_BIND, None).context(
+            Stage::Root,
+            || {
+                format!(
+                    "bind the sandbox's own {} on {}",
+                    host.display(),
+                    place.display()
+                )
+            },
+        )?;
+        remount_readonly_trees(std::slice::from_ref(&place))?;
+        // The bind keeps the file; only the mount reaches it now.
+        fs::remove_file(&staged).context(Stage::Root, || format!("remove {}", staged.display()))?;
+    }
+    Ok(())
+}
+
+/// Where, under `root`, the sandbox's version of the host file `host` (in
+/// `/etc`) must be bound: the file itself, or the end of its symlink (made
+/// as an empty file when it lies in the private `/run`). `None` when the
+/// sandbox would see no such file anyway (none on the host, or a link to a
+/// place the root does not hold).
+fn place_in_root(host: &Path, root: &Path) -> Result<Option<PathBuf>, Failure> {
+    let meta = match fs::symlink_metadata(host) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Failure::new(
+                Stage::Root,
+                format!("inspect {}", host.display()),
+                &e,
+            ))
         }
-        let dst = root.join(target.strip_prefix("/").unwrap_or(&target));
-        let result = dst
+    };
+    if !meta.file_type().is_symlink() {
+        return Ok(Some(root.join(host.strip_prefix("/").unwrap_or(host))));
+    }
+    let target =
+        fs::read_link(host).context(Stage::Root, || format!("read the link {}", host.display()))?;
+    // The host's own resolution when the target exists there, else the
+    // link's text made absolute (a dangling link into `/run`).
+    let resolved = fs::canonicalize(host)
+        .unwrap_or_else(|_| normalize(&host.parent().unwrap_or(Path::new("/")).join(target)));
+    let place = root.join(resolved.strip_prefix("/").unwrap_or(&resolved));
+    if resolved.starts_with("/run") {
+        // The private `/run` is empty: make the file the link ends at.
+        place
             .parent()
             .map_or(Ok(()), fs::create_dir_all)
             .and_then(|()| {
@@ -272,16 +363,40 @@ fn carry_run_links(root: &Path) {
                     .create(true)
                     .truncate(false)
                     .mode(0o644)
-                    .open(&dst)
+                    .open(&place)
                     .map(drop)
             })
-            .map_err(|e| Failure::new(Stage::Root, format!("create {}", dst.display()), &e))
-            .and_then(|()| bind(&target, &dst))
-            .and_then(|()| remount_readonly_trees(std::slice::from_ref(&dst)));
-        if let Err(f) = result {
-            tracing::warn!(file = %link.display(), "not carried into the sandbox's /run: {f}");
+            .context(Stage::Root, || format!("create {}", place.display()))?;
+        return Ok(Some(place));
+    }
+    if fs::symlink_metadata(&place).is_ok_and(|m| m.is_file()) {
+        return Ok(Some(place));
+    }
+    // Outside what the root holds (WSL's `/mnt/wsl/resolv.conf`, say): the
+    // link dangles in the sandbox, which so sees no such file at all.
+    tracing::info!(
+        file = %host.display(),
+        target = %resolved.display(),
+        "the host's file links outside the sandbox; the sandbox has none"
+    );
+    Ok(None)
+}
+
+/// `path` without `.` and `..` components (lexically; `..` at `/` stays
+/// at `/`).
+fn normalize(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = PathBuf::from("/");
+    for part in path.components() {
+        match part {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(p) => out.push(p),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
         }
     }
+    out
 }
 
 /// Enters `root`: `pivot_root` onto itself, then detaches the old root that
@@ -419,6 +534,62 @@ mod tests {
                 PathBuf::from("/tmp/usr/local/share x"),
             ]
         );
+    }
+
+    #[test]
+    fn names_are_the_sandbox_own() {
+        let hosts = hosts_file();
+        assert!(
+            hosts.contains("127.0.0.1\tlocalhost cowork-sandbox\n"),
+            "{hosts}"
+        );
+        assert!(hosts.contains("::1\tlocalhost"), "{hosts}");
+        let entries: Vec<&str> = hosts.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(entries.len(), 2, "{hosts}");
+        let servers: Vec<&str> = RESOLV_CONF
+            .lines()
+            .filter(|l| l.starts_with("nameserver"))
+            .collect();
+        assert_eq!(servers, vec!["nameserver 127.0.0.1"]);
+    }
+
+    #[test]
+    fn link_targets_are_normalized() {
+        assert_eq!(
+            normalize(Path::new("/etc/../run/systemd/resolve/./stub-resolv.conf")),
+            PathBuf::from("/run/systemd/resolve/stub-resolv.conf")
+        );
+        assert_eq!(normalize(Path::new("/../../x")), PathBuf::from("/x"));
+    }
+
+    #[test]
+    fn places_follow_host_links() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let root = t.path().join("root");
+        fs::create_dir_all(root.join("etc")).expect("mkdir");
+        let etc = t.path().join("etc");
+        fs::create_dir_all(&etc).expect("mkdir");
+        // A plain file is replaced in place.
+        fs::write(etc.join("hosts"), "x").expect("write");
+        assert_eq!(
+            place_in_root(&etc.join("hosts"), &root).expect("place"),
+            Some(root.join(etc.join("hosts").strip_prefix("/").expect("absolute")))
+        );
+        // Missing: nothing to replace.
+        assert_eq!(
+            place_in_root(&etc.join("none"), &root).expect("place"),
+            None
+        );
+        // A dangling link into /run: made in the root's /run.
+        let link = etc.join("resolv.conf");
+        std::os::unix::fs::symlink("/run/cowork-test-missing/stub.conf", &link).expect("link");
+        let place = place_in_root(&link, &root).expect("place").expect("some");
+        assert_eq!(place, root.join("run/cowork-test-missing/stub.conf"));
+        assert!(place.is_file());
+        // A link elsewhere that the root does not hold: nothing to replace.
+        let odd = etc.join("odd");
+        std::os::unix::fs::symlink("/nonexistent-cowork/odd", &odd).expect("link");
+        assert_eq!(place_in_root(&odd, &root).expect("place"), None);
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub struct InitSpec {
     /// The daemon's pid: if the init's parent is no longer this process when
     /// its parent-death signal is armed, the daemon is gone already.
     pub parent_pid: i32,
+    /// Host directory holding the egress proxy's socket, bound at
+    /// [`super::EGRESS_DIR`] for the agent alone; none: no way out at all.
+    #[serde(default)]
+    pub egress_dir: Option<String>,
 }
 
 /// The program PID 1 of the sandbox becomes.
@@ -55,6 +59,8 @@ pub enum Stage {
     IdMap,
     /// The mount, pid, ipc and uts namespaces, hostname, propagation.
     Namespaces,
+    /// The network namespace and its loopback interface.
+    Network,
     /// Forking PID 1.
     Fork,
     /// Building the root file system and pivoting into it.
@@ -70,6 +76,7 @@ impl fmt::Display for Stage {
             Stage::UserNamespace => "creating the user namespace",
             Stage::IdMap => "mapping the user and group ids",
             Stage::Namespaces => "creating the mount/pid/ipc/uts namespaces",
+            Stage::Network => "creating the network namespace",
             Stage::Fork => "starting the sandbox's PID 1",
             Stage::Root => "building the sandbox root",
             Stage::Exec => "executing the agent",
@@ -181,6 +188,7 @@ mod tests {
                 args: vec!["-v".into()],
             },
             parent_pid: 42,
+            egress_dir: Some("/run/user/1000/cowork-sandbox-1-0".into()),
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         assert_eq!(
