@@ -181,71 +181,18 @@ fn kvm_backend_end_to_end() {
 }
 
 /// Re-runs this test binary inside the nested harness (in direct mode) and
-/// checks that the body passed there; up to two retries for emulation faults.
+/// checks that the body passed there.
 fn nested_run() {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let inner = format!(
-        "{INSIDE_ENV}=1 COWORK_NESTED_MODE=direct timeout -k 5 {} {} --exact {TEST} --nocapture --test-threads=1 2>&1",
-        INNER_TIMEOUT.as_secs(),
-        nested::shell_quote(&exe.to_string_lossy())
-    );
-    for attempt in 1..=NESTED_ATTEMPTS {
-        let started = Instant::now();
-        let out = match nested::run_in_nested_kvm(&inner, HARNESS_TIMEOUT) {
-            Ok(out) => out,
-            // The L1 guest died under the command (a kernel panic, or QEMU
-            // exiting on a silent L1 reset: seen once in 9 harness runs,
-            // during the first L2 boot): the same TCG SVM emulation faults
-            // as below, so one more attempt. A timeout (already long) or an
-            // I/O error fails at once.
-            Err(
-                e @ (nested::NestedError::L1Panic { .. } | nested::NestedError::Harness { .. }),
-            ) if attempt < NESTED_ATTEMPTS => {
-                nested::loud_notice(&format!(
-                    "{TEST}: the nested-KVM harness failed: {e}\n{TEST}: attempt \
-                     {attempt}/{NESTED_ATTEMPTS} failed; trying again (nested boots are \
-                     subject to QEMU TCG SVM emulation faults)"
-                ));
-                continue;
-            }
-            Err(e) => panic!("the nested-KVM harness failed: {e}"),
-        };
-        let passed = out.exit_code == 0
-            && out.stdout.lines().any(|l| l.trim() == OK_MARKER)
-            && out.stdout.contains("test result: ok. 1 passed");
-        if passed {
-            if std::env::var_os(VERBOSE_ENV).is_some() {
-                eprintln!("---- inner run ----\n{}---- end ----", out.stdout);
-            }
-            // The inner output shares L1's serial console with the helper's
-            // children; a report line may follow other text on its line.
-            for l in out.stdout.lines().filter(|l| l.trim() != OK_MARKER) {
-                if let Some(i) = l.find(REPORT_PREFIX) {
-                    eprintln!("{} (nested, TCG speed)", &l[i..]);
-                }
-            }
-            eprintln!(
-                "{TEST}: ok in the nested harness, {:.1} s wall; harness: {}",
-                started.elapsed().as_secs_f64(),
-                out.harness_log.trim()
-            );
-            return;
-        }
-        let report = format!(
-            "{TEST}: the run inside the nested harness failed (exit {}{})\n--- output ---\n{}\n--- harness ---\n{}",
-            out.exit_code,
-            if out.exit_code == 124 { ", timed out" } else { "" },
-            out.stdout,
-            out.harness_log
-        );
-        if attempt == NESTED_ATTEMPTS {
-            panic!("{report}");
-        }
-        nested::loud_notice(&format!(
-            "{report}\n{TEST}: attempt {attempt}/{NESTED_ATTEMPTS} failed; trying again \
-             (nested boots are subject to QEMU TCG SVM emulation faults)"
-        ));
-    }
+    nested::rerun_test(&nested::Rerun {
+        test: TEST,
+        inside_env: INSIDE_ENV,
+        ok_marker: OK_MARKER,
+        report_prefix: REPORT_PREFIX,
+        verbose_env: VERBOSE_ENV,
+        inner_timeout: INNER_TIMEOUT,
+        harness_timeout: HARNESS_TIMEOUT,
+        attempts: NESTED_ATTEMPTS,
+    });
 }
 
 /// Threads of `pid` that belong to a running VM.

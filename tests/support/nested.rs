@@ -495,3 +495,97 @@ pub fn parse_key_values(text: &str) -> BTreeMap<String, String> {
         .map(|(k, v)| (k.trim().to_string(), v.to_string()))
         .collect()
 }
+
+/// A test that re-runs itself inside the nested harness: see [`rerun_test`].
+#[derive(Debug, Clone)]
+pub struct Rerun<'a> {
+    /// The test's name (what the re-run selects with `--exact`).
+    pub test: &'a str,
+    /// Set to 1 for the re-run: its body then runs directly.
+    pub inside_env: &'a str,
+    /// Line the body prints when all its checks passed.
+    pub ok_marker: &'a str,
+    /// Lines of the inner output containing this are echoed (with "nested").
+    pub report_prefix: &'a str,
+    /// When set in the environment, the whole inner output is printed.
+    pub verbose_env: &'a str,
+    /// Limit of the inner test run (`timeout` in L1).
+    pub inner_timeout: Duration,
+    /// Limit of the whole harness run (L1 boot included).
+    pub harness_timeout: Duration,
+    /// Attempts before giving up on QEMU TCG SVM emulation faults.
+    pub attempts: u32,
+}
+
+/// Re-runs this test binary's `spec.test` inside the nested harness (in
+/// direct mode, with `spec.inside_env=1`) and checks that it passed there;
+/// retries L1 deaths and failed runs up to `spec.attempts` times (nested
+/// boots are subject to QEMU TCG SVM emulation faults: L2 triple faults,
+/// silent L1 resets), panics with the last report otherwise.
+pub fn rerun_test(spec: &Rerun<'_>) {
+    let test = spec.test;
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let inner = format!(
+        "{}=1 COWORK_NESTED_MODE=direct timeout -k 5 {} {} --exact {test} --nocapture --test-threads=1 2>&1",
+        spec.inside_env,
+        spec.inner_timeout.as_secs(),
+        shell_quote(&exe.to_string_lossy())
+    );
+    for attempt in 1..=spec.attempts {
+        let started = Instant::now();
+        let out = match run_in_nested_kvm(&inner, spec.harness_timeout) {
+            Ok(out) => out,
+            // The L1 guest died under the command (a kernel panic, or QEMU
+            // exiting on a silent L1 reset): one more attempt. A timeout
+            // (already long) or an I/O error fails at once.
+            Err(e @ (NestedError::L1Panic { .. } | NestedError::Harness { .. }))
+                if attempt < spec.attempts =>
+            {
+                loud_notice(&format!(
+                    "{test}: the nested-KVM harness failed: {e}\n{test}: attempt \
+                     {attempt}/{} failed; trying again (nested boots are subject to QEMU \
+                     TCG SVM emulation faults)",
+                    spec.attempts
+                ));
+                continue;
+            }
+            Err(e) => panic!("the nested-KVM harness failed: {e}"),
+        };
+        let passed = out.exit_code == 0
+            && out.stdout.lines().any(|l| l.trim() == spec.ok_marker)
+            && out.stdout.contains("test result: ok. 1 passed");
+        if passed {
+            if std::env::var_os(spec.verbose_env).is_some() {
+                eprintln!("---- inner run ----\n{}---- end ----", out.stdout);
+            }
+            // The inner output shares L1's serial console with the helper's
+            // children; a report line may follow other text on its line.
+            for l in out.stdout.lines().filter(|l| l.trim() != spec.ok_marker) {
+                if let Some(i) = l.find(spec.report_prefix) {
+                    eprintln!("{} (nested, TCG speed)", &l[i..]);
+                }
+            }
+            eprintln!(
+                "{test}: ok in the nested harness, {:.1} s wall; harness: {}",
+                started.elapsed().as_secs_f64(),
+                out.harness_log.trim()
+            );
+            return;
+        }
+        let report = format!(
+            "{test}: the run inside the nested harness failed (exit {}{})\n--- output ---\n{}\n--- harness ---\n{}",
+            out.exit_code,
+            if out.exit_code == 124 { ", timed out" } else { "" },
+            out.stdout,
+            out.harness_log
+        );
+        if attempt == spec.attempts {
+            panic!("{report}");
+        }
+        loud_notice(&format!(
+            "{report}\n{test}: attempt {attempt}/{} failed; trying again (nested boots are \
+             subject to QEMU TCG SVM emulation faults)",
+            spec.attempts
+        ));
+    }
+}
