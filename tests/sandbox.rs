@@ -6,9 +6,16 @@
 //!
 //! Some checks run in a child copy of this test binary (an `#[ignore]`d
 //! "inner" test selected with `--exact --ignored`): as `nobody` to prove the
-//! unprivileged path, inside a user namespace whose `max_user_namespaces` is
-//! 0 to prove that a refused namespace is an error naming the cause, and as a
-//! stand-in daemon that is killed to prove the sandbox dies with it.
+//! unprivileged path, inside a user namespace whose `max_user_namespaces`
+//! (or `max_net_namespaces`) is 0 to prove that a refused namespace is an
+//! error naming the cause, as a stand-in daemon that is killed to prove the
+//! sandbox dies with it, in a mount namespace whose `/etc/hosts` holds a
+//! test name to prove the sandbox does not see it, and alone to count its
+//! descriptors across start/stop cycles.
+//!
+//! Network: the sandbox has only `lo`; a listener on the host's 127.0.0.1
+//! is out of reach; the egress proxy's socket is where the environment says,
+//! served, and gone with the sandbox.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -716,4 +723,319 @@ async fn agent_mode_runs_the_helper_as_agent_and_says_hello() {
     }
     sandbox.kill().await;
     assert_eq!(sandbox.wait().await, SandboxExit::Killed);
+}
+
+// ----------------------------------------------------- network and egress
+
+/// A sandbox whose PID 1 is a shell, with the daemon's egress proxy served
+/// on its socket (as the sandbox backend starts it).
+fn egress_shell_config(sessions: &Path, script: &str) -> SandboxConfig {
+    SandboxConfig {
+        egress: Some(cowork_helper::egress::EgressProxy::from_env()),
+        ..shell_config(sessions, script)
+    }
+}
+
+/// What PID 1 (in the agent's place) sees of the network and the egress
+/// socket. `@PORT@`: a TCP listener on the host's 127.0.0.1.
+const NET_SCRIPT: &str = r#"exec >&3 2>&1
+echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ' ')"
+echo "addrs=$(ip -o -4 addr show dev lo | awk '{print $4}' | tr '\n' ' ')"
+echo "v4_lookup=$(getent ahostsv4 localhost | head -n 1 | cut -d' ' -f1)"
+bash -c 'exec 5<>/dev/tcp/127.0.0.1/@PORT@' 2>/tmp/err; echo "host_tcp=$? $(tr '\n' ' ' < /tmp/err)"
+echo "egress_env=${COWORK_EGRESS_SOCKET:-unset}"
+test -S "$COWORK_EGRESS_SOCKET" && echo "egress_socket=yes"
+echo "egress_http=$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$COWORK_EGRESS_SOCKET" http://example.invalid/)"
+echo "egress_dir=$(ls -A /.egress | tr '\n' ' ')"
+echo "hosts=$(grep -v '^#' /etc/hosts | tr '\n' ';')"
+echo "resolv=$(grep -v '^#' /etc/resolv.conf | tr '\n' ';')"
+echo "end=yes"
+"#;
+
+#[tokio::test]
+async fn network_is_loopback_only_and_the_egress_socket_reaches_pid1() {
+    let sessions = temp_dir(None);
+    // A service on the host's loopback, reachable from the host.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = listener.local_addr().expect("addr").port();
+    let _probe = std::net::TcpStream::connect(("127.0.0.1", port))
+        .expect("the host reaches its own listener");
+    listener.accept().expect("the host's own connection");
+
+    let script = NET_SCRIPT.replace("@PORT@", &port.to_string());
+    let (mut sandbox, mut link) = Sandbox::start(egress_shell_config(sessions.path(), &script))
+        .await
+        .expect("start");
+    let socket = sandbox.egress_socket().expect("an egress socket");
+    let run_dir = socket.parent().expect("run dir").to_path_buf();
+    let mode = std::fs::metadata(&run_dir).expect("run dir").mode() & 0o777;
+    assert_eq!(mode, 0o700, "{}", run_dir.display());
+    let mode = std::fs::metadata(&socket).expect("socket").mode() & 0o777;
+    assert_eq!(mode, 0o600, "{}", socket.display());
+
+    let text = read_link(&mut link).await;
+    let exit = tokio::time::timeout(T, sandbox.wait())
+        .await
+        .expect("sandbox ends");
+    assert_eq!(exit, SandboxExit::Exited(0), "{text}");
+    let f = fields(&text);
+    let get = |k: &str| {
+        f.get(k)
+            .map(String::as_str)
+            .unwrap_or_else(|| panic!("no {k} in:\n{text}"))
+    };
+    assert_eq!(get("end"), "yes", "{text}");
+
+    // Loopback only, and up: a connection to 127.0.0.1 is refused there
+    // (not unreachable), and the host's listener is not behind it.
+    assert_eq!(get("ifaces"), "lo", "{text}");
+    // A second loopback address, so IPv4-only lookups with AI_ADDRCONFIG work.
+    assert_eq!(get("addrs"), "127.0.0.1/8 127.0.0.2/8", "{text}");
+    assert_eq!(get("v4_lookup"), "127.0.0.1", "{text}");
+    let tcp = get("host_tcp");
+    assert!(
+        !tcp.starts_with('0'),
+        "the host's loopback is reachable: {text}"
+    );
+    assert!(tcp.contains("Connection refused"), "{text}");
+    listener.set_nonblocking(true).expect("nonblocking");
+    assert!(
+        listener.accept().is_err(),
+        "a connection from the sandbox reached the host's listener"
+    );
+
+    // The egress socket: named in the environment, served by the proxy
+    // (an origin-form request is answered 400).
+    assert_eq!(get("egress_env"), "/.egress/proxy.sock");
+    assert_eq!(get("egress_socket"), "yes", "{text}");
+    assert_eq!(get("egress_http"), "400", "{text}");
+    assert_eq!(get("egress_dir"), "proxy.sock", "{text}");
+
+    // The sandbox's own names.
+    assert_eq!(
+        get("hosts"),
+        "127.0.0.1\tlocalhost cowork-sandbox;::1\tlocalhost ip6-localhost ip6-loopback;",
+        "{text}"
+    );
+    assert_eq!(get("resolv"), "nameserver 127.0.0.1;", "{text}");
+
+    // The end of the sandbox took the socket and its directory away.
+    assert!(!socket.exists(), "{} left behind", socket.display());
+    assert!(!run_dir.exists(), "{} left behind", run_dir.display());
+}
+
+#[tokio::test]
+async fn without_a_proxy_there_is_no_egress_socket() {
+    let sessions = temp_dir(None);
+    let script = r#"exec >&3 2>&1
+echo "env=${COWORK_EGRESS_SOCKET:-unset}"
+test -e /.egress && echo "dir=present" || echo "dir=absent"
+echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ' ')"
+"#;
+    let (mut sandbox, mut link) = Sandbox::start(shell_config(sessions.path(), script))
+        .await
+        .expect("start");
+    assert_eq!(sandbox.egress_socket(), None);
+    let text = read_link(&mut link).await;
+    assert_eq!(sandbox.wait().await, SandboxExit::Exited(0), "{text}");
+    let f = fields(&text);
+    assert_eq!(f.get("env").map(String::as_str), Some("unset"), "{text}");
+    assert_eq!(f.get("dir").map(String::as_str), Some("absent"), "{text}");
+    assert_eq!(f.get("ifaces").map(String::as_str), Some("lo"), "{text}");
+}
+
+/// A name only the host's `/etc/hosts` has (bound there by
+/// [`host_names_stay_on_the_host`] in a private mount namespace).
+const HOST_ONLY_NAME: &str = "cowork-host-only-name.test";
+
+#[test]
+fn host_names_stay_on_the_host() {
+    let dir = temp_dir(None);
+    let hosts = dir.path().join("hosts");
+    std::fs::write(
+        &hosts,
+        format!("127.0.0.1 localhost\n10.1.2.3 {HOST_ONLY_NAME}\n"),
+    )
+    .expect("write hosts");
+    let exe = std::env::current_exe().expect("test binary");
+    // Root binds the file over /etc/hosts in a mount namespace of its own;
+    // anyone else does so as root of a user namespace of its own.
+    let unshare_flags = if is_root() { "-m" } else { "-rm" };
+    run_inner("inner_host_names", |cmd| {
+        let inner = std::mem::replace(cmd, Command::new("unshare"));
+        let args: Vec<_> = inner.get_args().map(|a| a.to_owned()).collect();
+        cmd.args([
+            unshare_flags,
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount --bind \"$0\" /etc/hosts && exec \"$@\"",
+        ])
+        .arg(&hosts)
+        .arg(&exe)
+        .args(args);
+    });
+}
+
+#[tokio::test]
+#[ignore = "run by host_names_stay_on_the_host in a child process"]
+async fn inner_host_names() {
+    let host_hosts = std::fs::read_to_string("/etc/hosts").expect("read /etc/hosts");
+    assert!(
+        host_hosts.contains(HOST_ONLY_NAME),
+        "the outer test's hosts file is not bound:\n{host_hosts}"
+    );
+    let sessions = temp_dir(None);
+    let script = "exec >&3 2>&1; cat /etc/hosts; \
+                  echo \"sandbox_name=$(getent ahostsv4 cowork-sandbox | head -n 1)\"; \
+                  echo \"host_name=$(getent hosts cowork-host-only-name.test || echo none)\"; \
+                  echo end";
+    let (mut sandbox, mut link) = Sandbox::start(shell_config(sessions.path(), script))
+        .await
+        .expect("start");
+    let text = read_link(&mut link).await;
+    assert_eq!(sandbox.wait().await, SandboxExit::Exited(0), "{text}");
+    assert!(text.ends_with("end\n"), "{text}");
+    assert!(
+        !text.contains(HOST_ONLY_NAME),
+        "the host's names leaked in:\n{text}"
+    );
+    let f = fields(&text);
+    assert!(
+        f.get("sandbox_name")
+            .is_some_and(|v| v.starts_with("127.0.0.1 ")),
+        "{text}"
+    );
+    assert_eq!(
+        f.get("host_name").map(String::as_str),
+        Some("none"),
+        "{text}"
+    );
+    println!("{INNER_OK}");
+}
+
+#[test]
+fn refused_network_namespaces_fail_start_with_the_cause() {
+    // Inside a user namespace whose max_net_namespaces is 0, the init's
+    // unshare(CLONE_NEWNET) fails with ENOSPC.
+    let exe = std::env::current_exe().expect("test binary");
+    let text = run_inner("inner_netns_refused", |cmd| {
+        let inner = std::mem::replace(cmd, Command::new("unshare"));
+        let args: Vec<_> = inner.get_args().map(|a| a.to_owned()).collect();
+        cmd.args([
+            "-Ur",
+            "sh",
+            "-c",
+            "echo 0 > /proc/sys/user/max_net_namespaces && exec \"$0\" \"$@\"",
+        ])
+        .arg(&exe)
+        .args(args);
+    });
+    assert!(text.contains("user.max_net_namespaces=0"), "{text}");
+}
+
+#[tokio::test]
+#[ignore = "run by refused_network_namespaces_fail_start_with_the_cause in a child process"]
+async fn inner_netns_refused() {
+    let sessions = temp_dir(None);
+    let result = tokio::time::timeout(
+        T,
+        Sandbox::start(egress_shell_config(sessions.path(), "exit 0")),
+    )
+    .await
+    .expect("start fails fast instead of hanging");
+    let err = match result {
+        Err(e) => e,
+        Ok(_) => panic!("start succeeded without network namespaces"),
+    };
+    let text = err.to_string();
+    println!("start error: {text}");
+    assert!(
+        matches!(err, SandboxError::NetworkNamespacesUnavailable { .. }),
+        "{text}"
+    );
+    assert!(text.contains("unshare(CLONE_NEWNET)"), "{text}");
+    assert!(text.contains("user.max_net_namespaces=0"), "{text}");
+    // The failed start left no run directory behind.
+    assert_eq!(run_dirs_of(std::process::id()), Vec::<PathBuf>::new());
+
+    let probed = probe().expect_err("probe must fail too");
+    assert!(
+        matches!(probed, SandboxError::NetworkNamespacesUnavailable { .. }),
+        "{probed}"
+    );
+    assert!(
+        probed.to_string().contains("user.max_net_namespaces=0"),
+        "{probed}"
+    );
+    println!("{INNER_OK}");
+}
+
+/// The sandbox run directories of the daemon `pid`, wherever they may be.
+fn run_dirs_of(pid: u32) -> Vec<PathBuf> {
+    let prefix = format!("cowork-sandbox-{pid}-");
+    let mut bases = vec![std::env::temp_dir(), PathBuf::from("/tmp")];
+    bases.extend(std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from));
+    let mut found: Vec<PathBuf> = bases
+        .iter()
+        .filter_map(|b| std::fs::read_dir(b).ok())
+        .flat_map(|entries| entries.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// Open descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn start_stop_cycles_leak_no_descriptor_nor_socket() {
+    run_inner("inner_cycles", |_| {});
+}
+
+#[tokio::test]
+#[ignore = "run by start_stop_cycles_leak_no_descriptor_nor_socket in a child process"]
+async fn inner_cycles() {
+    let sessions = temp_dir(None);
+    let script = "echo up >&3; exec sleep 1000";
+    let cycle = |sessions: PathBuf| async move {
+        let (mut sandbox, link) = Sandbox::start(egress_shell_config(&sessions, script))
+            .await
+            .expect("start");
+        let mut lines = BufReader::new(link).lines();
+        let up = tokio::time::timeout(T, lines.next_line())
+            .await
+            .expect("line")
+            .expect("read");
+        assert_eq!(up.as_deref(), Some("up"));
+        let socket = sandbox.egress_socket().expect("socket");
+        assert!(socket.exists());
+        tokio::net::UnixStream::connect(&socket)
+            .await
+            .expect("the proxy accepts");
+        sandbox.kill().await;
+        assert!(!socket.exists(), "socket left after kill");
+    };
+    // The first start opens what the runtime keeps (signal pipe, ...).
+    cycle(sessions.path().to_path_buf()).await;
+    let before = open_fds();
+    for _ in 0..5 {
+        cycle(sessions.path().to_path_buf()).await;
+    }
+    // Serving tasks of accepted connections end as their peers close.
+    let deadline = Instant::now() + T;
+    while open_fds() > before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(open_fds(), before, "descriptors leaked across cycles");
+    assert_eq!(run_dirs_of(std::process::id()), Vec::<PathBuf>::new());
+    println!("{INNER_OK}");
 }

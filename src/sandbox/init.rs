@@ -9,8 +9,9 @@
 //!    onto themselves;
 //! 3. enters new mount, pid, ipc and uts namespaces, names the host
 //!    [`HOSTNAME`], makes every mount private;
-//! 4. enters a new network namespace (owned by the new user namespace) and
-//!    brings its `lo` up: the sandbox's only interface;
+//! 4. enters a new network namespace (owned by the new user namespace),
+//!    brings its `lo` up (the sandbox's only interface) and gives it a
+//!    second loopback address (see [`SECOND_LOOPBACK_ADDR`]);
 //! 5. forks PID 1 of the new pid namespace and waits for it, forwarding
 //!    SIGTERM, SIGINT and SIGHUP and ending the way it ended;
 //! 6. PID 1 builds and enters the root ([`super::rootfs`]), keeps the
@@ -41,6 +42,18 @@ use super::{
 
 /// The sandbox's host name.
 pub const HOSTNAME: &str = "cowork-sandbox";
+
+/// A second loopback address, added to `lo` under [`LOOPBACK_ALIAS`]. glibc's
+/// `getaddrinfo` with `AI_ADDRCONFIG` and `AF_INET` (`getent ahostsv4`,
+/// IPv4-only clients) answers nothing on a system whose only IPv4 address is
+/// 127.0.0.1, and it ignores exactly that one; 127.0.0.2 lies in the
+/// 127.0.0.0/8 that `lo` already serves, so it makes nothing new reachable.
+/// With no IPv6 address but `::1`, the same check also keeps unspecified
+/// lookups to IPv4, which is all the agent's DNS stub answers.
+const SECOND_LOOPBACK_ADDR: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
+
+/// The label of [`SECOND_LOOPBACK_ADDR`] on `lo`.
+const LOOPBACK_ALIAS: &str = "lo:1";
 
 /// Signals the init passes on to PID 1.
 const FORWARDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
@@ -173,6 +186,13 @@ fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
     // Its own call, so a kernel refusing network namespaces is named as such.
     sys::unshare(libc::CLONE_NEWNET).context(Stage::Network, || UNSHARE_NET.to_string())?;
     sys::set_link_up(LOOPBACK).context(Stage::Network, || format!("bring up {LOOPBACK}"))?;
+    if let Err(e) = sys::add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR) {
+        tracing::warn!(
+            error = %e,
+            "cannot add {SECOND_LOOPBACK_ADDR} to {LOOPBACK}; IPv4-only name lookups with \
+             AI_ADDRCONFIG will fail in the sandbox"
+        );
+    }
     sys::sethostname(HOSTNAME).context(Stage::Namespaces, || format!("sethostname {HOSTNAME}"))?;
     sys::mount(
         None,
