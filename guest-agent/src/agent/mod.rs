@@ -27,6 +27,11 @@
 //! a spawn into a session that is being deleted at that moment races with
 //! the deletion (the host is expected not to do both at once).
 //!
+//! Egress ([`crate::egress`]) starts before the host link: in a VM (after
+//! the userland switch and `lo`) and in the sandbox (which names its proxy
+//! socket in [`proto::EGRESS_SOCKET_ENV`]); a plain agent has none. Its
+//! spawn registry goes to the process supervisor.
+//!
 //! Limits: one connection per boot (the VM powers off when it ends); the
 //! in-guest CLI's access to [`GuestRequests`] is a later change.
 
@@ -68,6 +73,7 @@ use tokio::task::JoinHandle;
 pub use cli::{Config, ConnectTarget};
 pub use guest::{GuestRequestError, GuestRequests};
 
+use crate::egress;
 use crate::framing::{self, FrameError};
 use crate::janitor;
 use crate::milestone::Milestone;
@@ -258,6 +264,7 @@ fn run_agent(config: Config, clock_start: u64, marks: BootMarks) -> i32 {
     };
     let code = runtime.block_on(async move {
         tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
+        let spawns = start_egress(&config);
         let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
             Ok(c) => c,
             Err(e) => {
@@ -267,7 +274,7 @@ fn run_agent(config: Config, clock_start: u64, marks: BootMarks) -> i32 {
         };
         marks.mark(Milestone::Connected, sys::boottime_us());
         tracing::info!(connect = %config.connect, "connected to the host");
-        match Agent::new(config, conn, clock) {
+        match Agent::with_egress(config, conn, clock, spawns) {
             Ok(agent) => agent.run().await,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the agent");
@@ -278,6 +285,35 @@ fn run_agent(config: Config, clock_start: u64, marks: BootMarks) -> i32 {
     // Blocking work stuck in a syscall must not hold up the exit (or power off).
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
     code
+}
+
+/// Starts egress when this agent has a host proxy (see
+/// [`egress::choose_upstream`]); returns the spawn registry its
+/// captured-flow handler reads (unused without egress). Must run inside the
+/// runtime. A relay that cannot start is logged: sessions then have no
+/// network, everything else works.
+fn start_egress(config: &Config) -> egress::Spawns {
+    let spawns = egress::Spawns::new();
+    let Some(upstream) = egress::choose_upstream(config.init, |k| std::env::var(k).ok()) else {
+        tracing::debug!(
+            "no egress: not a VM's init and {} is not set",
+            proto::EGRESS_SOCKET_ENV
+        );
+        return spawns;
+    };
+    if config.init {
+        // A copy of this binary into the userland: off the boot's critical path.
+        tokio::task::spawn_blocking(egress::connect_tool::install_in_machine);
+    }
+    match egress::start(egress::Options::production(upstream, spawns.clone())) {
+        Ok(s) => {
+            tracing::debug!(relay = %s.relay_addr, dns = s.dns, capture = ?s.capture, "egress started")
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "egress relay not started; session processes have no network")
+        }
+    }
+    spawns
 }
 
 /// Logging to stderr, one line per event, filtered by `COWORK_LOG`.
@@ -327,8 +363,19 @@ pub struct Agent {
 
 impl Agent {
     /// Sets the agent up on an established host connection. Must run inside
-    /// a tokio runtime (with time and I/O enabled).
+    /// a tokio runtime (with time and I/O enabled). Without egress.
     pub fn new(config: Config, conn: OwnedFd, clock: BootClock) -> Result<Agent, AgentError> {
+        Self::with_egress(config, conn, clock, egress::Spawns::new())
+    }
+
+    /// [`Agent::new`], registering each spawn's egress credential in
+    /// `spawns` (the registry [`egress::start`] was given).
+    pub fn with_egress(
+        config: Config,
+        conn: OwnedFd,
+        clock: BootClock,
+        spawns: egress::Spawns,
+    ) -> Result<Agent, AgentError> {
         // SAFETY: getpid has no preconditions.
         let is_init = unsafe { libc::getpid() } == 1;
         let reaper = Reaper::start(if is_init {
@@ -374,6 +421,7 @@ impl Agent {
                 skel_dir: Some(PathBuf::from(users::ETC_DIR).join(users::SKEL_SUBDIR)),
                 users: session_users(&config),
                 shell: users::bash().map(String::from),
+                egress: spawns,
             },
             reaper,
             outbox.clone(),

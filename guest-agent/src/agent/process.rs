@@ -1,6 +1,9 @@
 //! Spawned processes: start, output, stdin, signals, exit.
 //!
-//! Each process runs in its own process group with three pipes. A
+//! Each process leads its own session (and so its own process group) with
+//! three pipes; its session id is what egress attribution keys on (see
+//! [`crate::egress::attrib`]): a process cannot join another session, so
+//! one spawn's descendants cannot pass for another's. A
 //! supervisor task per process pumps stdout and stderr into the outbox in
 //! chunks of up to [`proto::MAX_CHUNK`] bytes (read straight into the frame
 //! buffer), and sends `Exit` once the process was reaped *and* both pipes
@@ -16,6 +19,10 @@
 //! [`ProcessConfig::users`] (a VM) the session's user is created too and the
 //! process runs as it, without capabilities ([`super::child`]). The process
 //! environment is the client's plus defaults ([`build_env`]).
+//!
+//! Each spawn's egress proxy URL ([`SpawnSpec::egress_proxy`]) is
+//! registered with its pid in [`ProcessConfig::egress`] right after the
+//! fork and removed when the process is reaped.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::CString;
@@ -118,6 +125,8 @@ pub struct ProcessConfig {
     pub users: Option<UserDb>,
     /// `SHELL` of spawned processes whose environment names none.
     pub shell: Option<String>,
+    /// The live spawns' egress credentials, for the captured-flow handler.
+    pub egress: crate::egress::Spawns,
 }
 
 /// Defaults of a session's process environment (the client's env wins).
@@ -178,6 +187,8 @@ struct Forked {
     failed: Vec<String>,
     /// The session user it runs as, if any.
     uid: Option<u32>,
+    /// Its egress credential's registration.
+    egress: Option<crate::egress::Ticket>,
 }
 
 /// A process that was started and whose response must be sent before its
@@ -192,6 +203,7 @@ pub struct Started {
     stderr: FdIo,
     status: oneshot::Receiver<ExitStatus>,
     cgroup: Option<ProcCgroup>,
+    egress: Option<crate::egress::Ticket>,
     /// Result of the spawn request.
     pub result: Value,
 }
@@ -357,22 +369,34 @@ impl Processes {
             .envs(&env)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        // SAFETY: `ChildSetup::apply` only makes async-signal-safe raw
-        // syscalls on data prepared before the fork.
-        unsafe { cmd.pre_exec(move || setup.apply()) };
+            .stderr(Stdio::piped());
+        // SAFETY: `setsid` and `ChildSetup::apply` only make
+        // async-signal-safe raw syscalls on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                // A new session (and process group) led by the child.
+                sys::cvt(libc::setsid())?;
+                setup.apply()
+            })
+        };
         let spawned = self.reaper.spawn_registered(|| cmd.spawn());
         drop(cmd); // closes the parent's copy of the cgroup.procs descriptor
         match spawned {
-            Ok((child, status)) => Ok(Forked {
-                spec,
-                child,
-                status,
-                cgroup,
-                failed,
-                uid: home.user.as_ref().map(|u| u.uid),
-            }),
+            Ok((child, status)) => {
+                let egress = self.cfg.egress.register(
+                    child.id() as i32,
+                    spec.egress_proxy.as_ref().map(|s| s.0.as_str()),
+                );
+                Ok(Forked {
+                    spec,
+                    child,
+                    status,
+                    cgroup,
+                    failed,
+                    uid: home.user.as_ref().map(|u| u.uid),
+                    egress,
+                })
+            }
             Err(e) => {
                 if let (Some(cgs), Some(cg)) = (&self.cfg.cgroups, cgroup) {
                     cgs.finish(cg);
@@ -403,7 +427,13 @@ impl Processes {
             cgroup,
             failed,
             uid,
+            egress,
         } = forked;
+        let unregister = || {
+            if let Some(t) = egress {
+                self.cfg.egress.unregister(t);
+            }
+        };
         let pid = child.id() as libc::pid_t;
         let pipes = (|| -> io::Result<(FdIo, FdIo, FdIo)> {
             let take = |fd: Option<OwnedFd>| fd.ok_or_else(|| io::Error::other("missing pipe"));
@@ -420,6 +450,7 @@ impl Processes {
             Err(e) => {
                 // SAFETY: signalling the group we just created.
                 unsafe { libc::killpg(pid, libc::SIGKILL) };
+                unregister();
                 return Err(ProcessError::Internal(format!("cannot set up pipes: {e}")));
             }
         };
@@ -433,6 +464,7 @@ impl Processes {
             drop(table);
             // SAFETY: signalling the group we just created.
             unsafe { libc::killpg(pid, libc::SIGKILL) };
+            unregister();
             return Err(ProcessError::Duplicate(spec.id));
         }
         table.generation += 1;
@@ -459,6 +491,7 @@ impl Processes {
             stderr,
             status,
             cgroup,
+            egress,
             result: json!({ "failedMounts": failed }),
         })
     }
@@ -630,7 +663,10 @@ impl Started {
             self.stdout,
             self.stderr,
             self.status,
-            self.cgroup,
+            Held {
+                cgroup: self.cgroup,
+                egress: self.egress,
+            },
         ));
     }
 }
@@ -681,6 +717,13 @@ fn header_of(msg: &AgentMessage) -> Vec<u8> {
     serde_json::to_vec(msg).unwrap_or_default()
 }
 
+/// What a process holds until it exits: its cgroup and its egress
+/// credential's registration.
+struct Held {
+    cgroup: Option<ProcCgroup>,
+    egress: Option<crate::egress::Ticket>,
+}
+
 async fn supervise(
     procs: Processes,
     id: String,
@@ -688,8 +731,9 @@ async fn supervise(
     stdout: FdIo,
     stderr: FdIo,
     mut status: oneshot::Receiver<ExitStatus>,
-    cgroup: Option<ProcCgroup>,
+    held: Held,
 ) {
+    let Held { cgroup, egress } = held;
     let out_header = header_of(&AgentMessage::Stdout { id: id.clone() });
     let err_header = header_of(&AgentMessage::Stderr { id: id.clone() });
     let mut pumps = Box::pin(async {
@@ -706,6 +750,11 @@ async fn supervise(
         }
         s = &mut status => s.unwrap_or(ExitStatus::Unknown),
     };
+    // Reaped: its credential is revoked on the host; captured connections of
+    // leftover descendants are no longer attributed to it.
+    if let Some(t) = egress {
+        procs.cfg.egress.unregister(t);
+    }
     if !pumps_done && tokio::time::timeout(EOF_GRACE, &mut pumps).await.is_err() {
         tracing::warn!(id = %id, "output still open {EOF_GRACE:?} after exit; dropping the rest");
     }

@@ -1,12 +1,327 @@
 //! Guest side of egress: how programs inside the VM (or the sandbox's
 //! network namespace) reach the network only through the host's egress
-//! proxy.
+//! proxy, which applies each spawn's `allowedDomains`.
 //!
-//! Stage 2 building blocks live here: the fake-IP table ([`fake`]), the DNS
-//! stub that hands out those addresses ([`dns`]) and the transparent TCP
-//! capture ([`capture`]). The relay, the upstream dialer and the single
-//! start-up call are added alongside them.
+//! Neither the VM nor the sandbox's namespace has a route anywhere; the only
+//! way out is a stream to the host's proxy ([`upstream`]: vsock port
+//! [`proto::EGRESS_PORT`] in a VM, the unix socket named by
+//! [`proto::EGRESS_SOCKET_ENV`] in the sandbox). The agent provides:
+//!
+//! * **stage 1**, for proxy-aware programs: the relay on
+//!   `127.0.0.1:`[`proto::GUEST_PROXY_PORT`] ([`relay`]), which copies each
+//!   connection to a fresh upstream stream; the spawn's credential travels
+//!   in the client's own request (the host puts the proxy URL into every
+//!   spawn's environment). ssh gets a `ProxyCommand` ([`connect_tool`]).
+//! * **stage 2**, for everything else: the DNS stub ([`dns`]) answers with
+//!   fake addresses ([`fake`]), the capture ([`capture`]) takes every TCP
+//!   connection to a non-loopback address, and [`flows`] sends each to the
+//!   host as SOCKS5 CONNECT by name ([`socks_client`]) with the credential
+//!   of the spawn that made it ([`attrib`] finds it in the [`Spawns`]
+//!   registry, which the agent's process supervisor fills).
+//!
+//! [`start`] is the one call the agent makes. Enforcement is entirely the
+//! host's: nothing here can widen what a spawn may reach, a broken or
+//! disabled stage only makes more connections fail.
+//!
+//! Limits: IPv4 only in stage 2; UDP is not carried at all.
 
+pub mod attrib;
 pub mod capture;
+pub mod connect_tool;
 pub mod dns;
 pub mod fake;
+pub mod flows;
+pub mod relay;
+pub mod socks_client;
+pub mod spawns;
+pub mod upstream;
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use spawns::{ProxyCredential, Spawns, Ticket};
+pub use upstream::Upstream;
+
+use crate::proto;
+
+/// Where the relay listens in production: loopback only, so nothing but
+/// local programs can use it.
+pub const RELAY_ADDR: SocketAddrV4 =
+    SocketAddrV4::new(Ipv4Addr::LOCALHOST, proto::GUEST_PROXY_PORT);
+
+/// Log lines a [`RateLimitedLog`] lets through per [`LOG_WINDOW`]; a flood
+/// of refused connections must not flood the agent's log.
+pub const LOG_BURST: u32 = 20;
+
+/// The window of [`LOG_BURST`].
+pub const LOG_WINDOW: Duration = Duration::from_secs(10);
+
+/// Errors of [`start`]: stage 1 could not come up (stage 2 failures are
+/// logged, never returned).
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    #[error(transparent)]
+    Relay(#[from] relay::RelayError),
+    #[error("egress must be started inside the agent's tokio runtime")]
+    NoRuntime,
+}
+
+/// What [`start`] brings up.
+#[derive(Debug)]
+pub struct Options {
+    /// The host's proxy.
+    pub upstream: Upstream,
+    /// The registry attribution reads (the process supervisor fills it).
+    pub spawns: Spawns,
+    /// The relay's address ([`RELAY_ADDR`]; port 0 in tests).
+    pub relay_addr: SocketAddr,
+    /// Stage 2 (DNS stub on this address, capture, captured flows); `None`
+    /// for stage 1 only.
+    pub dns_addr: Option<SocketAddrV4>,
+    /// procfs for attribution ([`attrib::PROC_ROOT`]).
+    pub proc_root: PathBuf,
+}
+
+impl Options {
+    /// Production settings: both stages, the well-known addresses.
+    pub fn production(upstream: Upstream, spawns: Spawns) -> Self {
+        Self {
+            upstream,
+            spawns,
+            relay_addr: SocketAddr::V4(RELAY_ADDR),
+            dns_addr: Some(dns::STUB_ADDR),
+            proc_root: PathBuf::from(attrib::PROC_ROOT),
+        }
+    }
+}
+
+/// What came up.
+#[derive(Debug)]
+pub struct Started {
+    /// The relay's bound address.
+    pub relay_addr: SocketAddr,
+    /// Whether the DNS stub serves.
+    pub dns: bool,
+    /// How connections are captured, if they are.
+    pub capture: Option<capture::CaptureMode>,
+}
+
+/// The host's proxy for this agent: the sandbox names a unix socket in
+/// [`proto::EGRESS_SOCKET_ENV`] (read through `env`); a VM's init uses
+/// vsock; anything else (a plain agent, tests) has no egress.
+pub fn choose_upstream(vm_init: bool, env: impl Fn(&str) -> Option<String>) -> Option<Upstream> {
+    if let Some(path) = env(proto::EGRESS_SOCKET_ENV).filter(|p| !p.is_empty()) {
+        return Some(Upstream::Unix(PathBuf::from(path)));
+    }
+    vm_init.then(Upstream::host_vsock)
+}
+
+/// Brings up egress: the relay (stage 1; its failure is the error), then
+/// the DNS stub, the capture and the captured-flow loop (stage 2; each
+/// failure is logged with its reason and leaves that part off). Must be
+/// called inside a tokio runtime; everything serves on spawned tasks.
+pub fn start(opts: Options) -> Result<Started, EgressError> {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(EgressError::NoRuntime);
+    }
+    let listener = std::net::TcpListener::bind(opts.relay_addr)
+        .and_then(|l| {
+            l.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(l)
+        })
+        .map_err(|source| relay::RelayError::Bind {
+            addr: opts.relay_addr,
+            source,
+        })?;
+    let relay_addr = listener.local_addr().unwrap_or(opts.relay_addr);
+    let upstream = opts.upstream.clone();
+    tokio::spawn(async move {
+        if let Err(e) = relay::serve(listener, upstream).await {
+            tracing::error!(error = %e, "egress relay stopped");
+        }
+    });
+    tracing::info!(relay = %relay_addr, upstream = %opts.upstream, "egress relay listening");
+    let mut started = Started {
+        relay_addr,
+        dns: false,
+        capture: None,
+    };
+    let Some(dns_addr) = opts.dns_addr else {
+        return Ok(started);
+    };
+    let pool = Arc::new(fake::FakePool::new());
+    match dns::start(Arc::clone(&pool), dns_addr) {
+        Ok(()) => {
+            started.dns = true;
+            tracing::info!(addr = %dns_addr, "egress DNS stub serving");
+        }
+        Err(e) => tracing::warn!(error = %e, "egress stage 2: no DNS stub; names do not resolve"),
+    }
+    started.capture = start_capture(flows::FlowContext::new(
+        opts.upstream,
+        opts.spawns,
+        pool,
+        opts.proc_root,
+    ));
+    Ok(started)
+}
+
+/// Installs the capture and spawns its accept loop; `None` (logged) when
+/// it cannot be installed.
+fn start_capture(ctx: flows::FlowContext) -> Option<capture::CaptureMode> {
+    let cap = match capture::install() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "egress stage 2: no capture; programs that ignore the proxy variables cannot connect");
+            return None;
+        }
+    };
+    let mode = cap.mode();
+    tracing::info!(?mode, "egress capture installed");
+    let ctx = Arc::new(ctx);
+    tokio::spawn(async move {
+        loop {
+            match cap.accept().await {
+                Ok(c) => {
+                    tokio::spawn(flows::handle(
+                        Arc::clone(&ctx),
+                        c.stream,
+                        c.original_dst,
+                        c.peer,
+                    ));
+                }
+                Err(e) => {
+                    if let Err(e) = relay::accept_failed(e).await {
+                        tracing::error!(error = %e, "egress capture stopped");
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    Some(mode)
+}
+
+/// A log budget: at most [`LOG_BURST`] lines per [`LOG_WINDOW`]; the
+/// number held back is reported once the next window opens.
+#[derive(Debug)]
+pub struct RateLimitedLog {
+    state: Mutex<(Instant, u32, u64)>,
+}
+
+impl Default for RateLimitedLog {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RateLimitedLog {
+    pub fn new() -> Self {
+        Self {
+            state: Mutex::new((Instant::now(), 0, 0)),
+        }
+    }
+
+    /// Whether one more line may be logged now.
+    pub fn allow(&self) -> bool {
+        self.allow_at(Instant::now())
+    }
+
+    fn allow_at(&self, now: Instant) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (start, used, held) = &mut *s;
+        if now.saturating_duration_since(*start) >= LOG_WINDOW {
+            if *held > 0 {
+                tracing::warn!(suppressed = *held, "egress: similar log lines suppressed");
+            }
+            *start = now;
+            *used = 0;
+            *held = 0;
+        }
+        if *used < LOG_BURST {
+            *used += 1;
+            true
+        } else {
+            *held += 1;
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn the_upstream_follows_the_environment_then_the_vm() {
+        let none = |_: &str| None;
+        assert_eq!(choose_upstream(false, none), None);
+        assert_eq!(choose_upstream(true, none), Some(Upstream::host_vsock()));
+        let sandbox = |k: &str| (k == proto::EGRESS_SOCKET_ENV).then(|| "/.egress".to_string());
+        assert_eq!(
+            choose_upstream(false, sandbox),
+            Some(Upstream::Unix("/.egress".into()))
+        );
+        let empty = |_: &str| Some(String::new());
+        assert_eq!(choose_upstream(false, empty), None);
+    }
+
+    #[test]
+    fn the_log_budget_refills_per_window() {
+        let log = RateLimitedLog::new();
+        let t0 = Instant::now();
+        let allowed = (0..LOG_BURST + 5).filter(|_| log.allow_at(t0)).count();
+        assert_eq!(allowed, LOG_BURST as usize);
+        assert!(!log.allow_at(t0 + LOG_WINDOW / 2));
+        assert!(log.allow_at(t0 + LOG_WINDOW));
+    }
+
+    #[test]
+    fn start_needs_a_runtime() {
+        let opts = Options {
+            relay_addr: "127.0.0.1:0".parse().unwrap(),
+            dns_addr: None,
+            ..Options::production(Upstream::Unix("/nonexistent".into()), Spawns::new())
+        };
+        assert!(matches!(start(opts), Err(EgressError::NoRuntime)));
+    }
+
+    /// Stage 1 through `start`: a client of the relay reaches the unix
+    /// upstream; a second start on the same address fails with the reason.
+    #[tokio::test]
+    async fn start_brings_up_the_relay() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("egress.sock");
+        let host = tokio::net::UnixListener::bind(&sock).unwrap();
+        let opts = |addr: SocketAddr| Options {
+            relay_addr: addr,
+            dns_addr: None,
+            ..Options::production(Upstream::Unix(sock.clone()), Spawns::new())
+        };
+        let started = start(opts("127.0.0.1:0".parse().unwrap())).unwrap();
+        assert!(!started.dns && started.capture.is_none());
+        let server = tokio::spawn(async move {
+            let (mut s, _) = host.accept().await.unwrap();
+            let mut b = [0u8; 7];
+            s.read_exact(&mut b).await.unwrap();
+            s.write_all(b"HTTP/1.1 407 \r\n\r\n").await.unwrap();
+            b
+        });
+        let mut c = tokio::net::TcpStream::connect(started.relay_addr)
+            .await
+            .unwrap();
+        c.write_all(b"CONNECT").await.unwrap();
+        let mut answer = [0u8; 12];
+        c.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"HTTP/1.1 407");
+        assert_eq!(&server.await.unwrap(), b"CONNECT");
+        let err = start(opts(started.relay_addr)).unwrap_err();
+        assert!(
+            err.to_string().contains(&started.relay_addr.to_string()),
+            "{err}"
+        );
+    }
+}
