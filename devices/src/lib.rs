@@ -1,6 +1,8 @@
 //! Device models for cowork-helper's microVMs: virtio-vsock ([`vsock`]),
-//! virtio-fs with per-session grants ([`fs`]), virtio-blk ([`blk`]) and
-//! virtio-rng ([`rng`]).
+//! virtio-fs with per-session grants ([`fs`]), virtio-blk ([`blk`]),
+//! virtio-rng ([`rng`]) and virtio-balloon with free page reporting
+//! ([`balloon`], in-process only: it gives memory the guest freed back to the
+//! host).
 //!
 //! Each model works on `virtio-queue` queues and guest memory and knows
 //! nothing of KVM or vhost-user. It has two faces:
@@ -20,6 +22,7 @@
 //! The helper talks to the guest's vsock through a [`vsock::VsockHost`]
 //! handle and manages virtio-fs grants through [`fs::SessionFs`].
 
+pub mod balloon;
 pub mod blk;
 pub mod fs;
 pub mod rng;
