@@ -307,7 +307,7 @@ fn start_egress(config: &Config) -> egress::Spawns {
     }
     match egress::start(egress::Options::production(upstream, spawns.clone())) {
         Ok(s) => {
-            tracing::debug!(relay = %s.relay_addr, dns = s.dns, capture = ?s.capture, "egress started")
+            tracing::debug!(relay = %s.relay_addr, dns = ?s.dns, capture = ?s.capture, "egress started")
         }
         Err(e) => {
             tracing::error!(error = %e, "egress relay not started; session processes have no network")

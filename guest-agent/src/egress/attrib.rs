@@ -123,9 +123,22 @@ fn canonical(a: SocketAddr) -> SocketAddr {
     }
 }
 
+/// The calling thread's network tables: `<proc>/thread-self/net` (a
+/// thread may have entered a network namespace of its own, and
+/// `<proc>/net` shows the main thread's), else `<proc>/net`.
+fn net_dir(proc_root: &Path) -> PathBuf {
+    let own = proc_root.join("thread-self/net");
+    if own.is_dir() {
+        own
+    } else {
+        proc_root.join("net")
+    }
+}
+
 /// The inode of the socket whose local address is `local` and remote
-/// address is `remote`, from `<proc>/net/tcp` and `<proc>/net/tcp6`.
-/// Entries with inode 0 (time-wait, orphaned) are skipped.
+/// address is `remote`, from the `tcp` and `tcp6` tables of the calling
+/// thread's network namespace. Entries with inode 0 (time-wait, orphaned)
+/// are skipped.
 pub fn find_socket_inode(
     proc_root: &Path,
     local: SocketAddr,
@@ -134,8 +147,9 @@ pub fn find_socket_inode(
     let (local, remote) = (canonical(local), canonical(remote));
     let mut readable = false;
     let mut last_err = None;
-    for table in ["net/tcp", "net/tcp6"] {
-        let path = proc_root.join(table);
+    let net = net_dir(proc_root);
+    for table in ["tcp", "tcp6"] {
+        let path = net.join(table);
         let text = match fs::read_to_string(&path) {
             Ok(t) => t,
             Err(source) => {

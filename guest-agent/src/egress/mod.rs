@@ -102,8 +102,8 @@ impl Options {
 pub struct Started {
     /// The relay's bound address.
     pub relay_addr: SocketAddr,
-    /// Whether the DNS stub serves.
-    pub dns: bool,
+    /// Where the DNS stub serves, if it does.
+    pub dns: Option<SocketAddrV4>,
     /// How connections are captured, if they are.
     pub capture: Option<capture::CaptureMode>,
 }
@@ -145,17 +145,17 @@ pub fn start(opts: Options) -> Result<Started, EgressError> {
     tracing::info!(relay = %relay_addr, upstream = %opts.upstream, "egress relay listening");
     let mut started = Started {
         relay_addr,
-        dns: false,
+        dns: None,
         capture: None,
     };
     let Some(dns_addr) = opts.dns_addr else {
         return Ok(started);
     };
     let pool = Arc::new(fake::FakePool::new());
-    match dns::start(Arc::clone(&pool), dns_addr) {
-        Ok(()) => {
-            started.dns = true;
-            tracing::info!(addr = %dns_addr, "egress DNS stub serving");
+    match dns::serve(Arc::clone(&pool), dns_addr) {
+        Ok(addr) => {
+            started.dns = Some(addr);
+            tracing::info!(%addr, "egress DNS stub serving");
         }
         Err(e) => tracing::warn!(error = %e, "egress stage 2: no DNS stub; names do not resolve"),
     }
@@ -302,7 +302,7 @@ mod tests {
             ..Options::production(Upstream::Unix(sock.clone()), Spawns::new())
         };
         let started = start(opts("127.0.0.1:0".parse().unwrap())).unwrap();
-        assert!(!started.dns && started.capture.is_none());
+        assert!(started.dns.is_none() && started.capture.is_none());
         let server = tokio::spawn(async move {
             let (mut s, _) = host.accept().await.unwrap();
             let mut b = [0u8; 7];
@@ -323,5 +323,183 @@ mod tests {
             err.to_string().contains(&started.relay_addr.to_string()),
             "{err}"
         );
+    }
+
+    /// Runs `body` on a current-thread runtime in a thread with a fresh
+    /// network namespace (lo up), so nothing of this machine's network is
+    /// touched; a panic in it fails the test.
+    fn in_fresh_netns<F, Fut>(body: F)
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let thread = std::thread::spawn(move || {
+            // SAFETY: unshare of this thread's network namespace only.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                panic!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+            }
+            crate::agent::init::loopback_up().expect("lo up");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(body());
+        });
+        if let Err(panic) = thread.join() {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
+    /// One A query for `name` to the stub at `dns`; the answer's address.
+    async fn resolve(dns: SocketAddrV4, name: &str) -> Ipv4Addr {
+        let mut q = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+        for label in name.split('.') {
+            q.push(label.len() as u8);
+            q.extend_from_slice(label.as_bytes());
+        }
+        q.extend_from_slice(&[0, 0, 1, 0, 1]);
+        let udp = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        udp.send_to(&q, dns).await.unwrap();
+        let mut buf = [0u8; 512];
+        let (n, _) = tokio::time::timeout(Duration::from_secs(5), udp.recv_from(&mut buf))
+            .await
+            .expect("the stub answers")
+            .unwrap();
+        assert_eq!(u16::from_be_bytes([buf[6], buf[7]]), 1, "one answer");
+        Ipv4Addr::new(buf[n - 4], buf[n - 3], buf[n - 2], buf[n - 1])
+    }
+
+    /// A stand-in for the host's proxy on a unix socket: SOCKS5 streams
+    /// (user/pass checked against `password`) get their CONNECT target
+    /// recorded and then an echo with a prefix; anything else (the relay's
+    /// raw bytes) is echoed as is.
+    async fn fake_host(
+        listener: tokio::net::UnixListener,
+        password: &'static [u8],
+    ) -> tokio::sync::mpsc::UnboundedReceiver<Vec<u8>> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let first = s.read_u8().await.unwrap();
+                    if first != 5 {
+                        let mut rest = vec![first];
+                        let mut b = [0u8; 64];
+                        let n = s.read(&mut b).await.unwrap();
+                        rest.extend_from_slice(&b[..n]);
+                        s.write_all(&rest).await.unwrap();
+                        return;
+                    }
+                    let mut m = [0u8; 2];
+                    s.read_exact(&mut m).await.unwrap();
+                    s.write_all(&[5, 2]).await.unwrap();
+                    let _ver = s.read_u8().await.unwrap();
+                    let ulen = s.read_u8().await.unwrap();
+                    let mut user = vec![0u8; usize::from(ulen)];
+                    s.read_exact(&mut user).await.unwrap();
+                    let plen = s.read_u8().await.unwrap();
+                    let mut pass = vec![0u8; usize::from(plen)];
+                    s.read_exact(&mut pass).await.unwrap();
+                    assert_eq!(pass, password);
+                    s.write_all(&[1, 0]).await.unwrap();
+                    let mut head = [0u8; 4];
+                    s.read_exact(&mut head).await.unwrap();
+                    let mut target = vec![head[3]];
+                    let len = match head[3] {
+                        1 => 4,
+                        3 => {
+                            let l = s.read_u8().await.unwrap();
+                            target.push(l);
+                            usize::from(l)
+                        }
+                        t => panic!("atyp {t}"),
+                    };
+                    let mut rest = vec![0u8; len + 2];
+                    s.read_exact(&mut rest).await.unwrap();
+                    target.extend_from_slice(&rest);
+                    tx.send(target).unwrap();
+                    s.write_all(&[5, 0, 0, 1, 0, 0, 0, 0, 0, 0]).await.unwrap();
+                    let mut b = [0u8; 4];
+                    s.read_exact(&mut b).await.unwrap();
+                    s.write_all(b"via:").await.unwrap();
+                    s.write_all(&b).await.unwrap();
+                });
+            }
+        });
+        rx
+    }
+
+    /// Both stages through `start` in a fresh network namespace: the relay,
+    /// the DNS stub, the capture and attribution of a connection of this
+    /// very process (its session registered as a spawn). A name from the
+    /// stub goes to the host by name, an IP literal by address; once the
+    /// spawn is gone the same connection is reset.
+    #[test]
+    fn both_stages_end_to_end_in_a_fresh_netns() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIPPED: a network namespace and the capture need root");
+            return;
+        }
+        in_fresh_netns(|| async {
+            let dir = tempfile::tempdir().unwrap();
+            let sock = dir.path().join("egress.sock");
+            let mut targets =
+                fake_host(tokio::net::UnixListener::bind(&sock).unwrap(), b"tok").await;
+            let spawns = Spawns::new();
+            // SAFETY: getsid(0) has no preconditions.
+            let sid = unsafe { libc::getsid(0) };
+            let key = if sid > 1 {
+                sid
+            } else {
+                std::process::id() as i32
+            };
+            let ticket = spawns
+                .register(key, Some("http://sess:tok@127.0.0.1:3128"))
+                .unwrap();
+            let started = start(Options {
+                relay_addr: "127.0.0.1:0".parse().unwrap(),
+                dns_addr: Some("127.0.0.1:0".parse().unwrap()),
+                ..Options::production(Upstream::Unix(sock), spawns.clone())
+            })
+            .unwrap();
+            assert!(started.capture.is_some(), "capture installed as root");
+            // Stage 1: raw bytes through the relay.
+            let mut c = tokio::net::TcpStream::connect(started.relay_addr)
+                .await
+                .unwrap();
+            c.write_all(b"GET / HTTP/1.1").await.unwrap();
+            let mut b = [0u8; 14];
+            c.read_exact(&mut b).await.unwrap();
+            assert_eq!(&b, b"GET / HTTP/1.1");
+            // Stage 2 by name.
+            let ip = resolve(started.dns.unwrap(), "allowed.test").await;
+            assert!(fake::FakePool::contains(ip), "{ip}");
+            let ping = |dst: SocketAddrV4| async move {
+                let mut c = tokio::net::TcpStream::connect(dst).await.unwrap();
+                c.write_all(b"ping").await.unwrap();
+                let mut b = Vec::new();
+                let r = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut b))
+                    .await
+                    .expect("answered or reset in time");
+                r.map(|_| b)
+            };
+            assert_eq!(ping(SocketAddrV4::new(ip, 443)).await.unwrap(), b"via:ping");
+            let mut want = vec![3, 12];
+            want.extend_from_slice(b"allowed.test");
+            want.extend_from_slice(&443u16.to_be_bytes());
+            assert_eq!(targets.recv().await.unwrap(), want);
+            // Stage 2 by address.
+            let lit = Ipv4Addr::new(192, 0, 2, 1);
+            assert_eq!(ping(SocketAddrV4::new(lit, 22)).await.unwrap(), b"via:ping");
+            assert_eq!(targets.recv().await.unwrap(), vec![1, 192, 0, 2, 1, 0, 22]);
+            // The spawn exited: its connections are no longer carried.
+            spawns.unregister(ticket);
+            let err = ping(SocketAddrV4::new(ip, 443)).await.unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+            assert!(targets.try_recv().is_err(), "nothing reached the host");
+        });
     }
 }
