@@ -25,7 +25,8 @@ Builds, into the output directory:
   vmlinuz      Debian's linux-image-cloud-amd64 kernel (scripts/fetch-kernel.sh)
   initramfs    gzip'd newc cpio (scripts/mkinitramfs.sh): /init = the static guest agent
                ($AGENT_BIN), busybox-static with applet links, and mkinitramfs.sh's 'guest'
-               module set (virtio mmio/pci, vsock, virtiofs, virtio-blk, virtio-rng, ext4)
+               module set (virtio mmio/pci, vsock, virtiofs, virtio-blk, virtio-rng,
+               virtio-balloon, ext4)
                with their dependencies, decompressed, plus a modules.dep the agent loads
                them from in dependency order; e2fsprogs' mke2fs as /sbin/mkfs.ext4
                with its shared libraries and loader (the agent formats a blank session

@@ -15,12 +15,12 @@ export LC_ALL=C
 # Named module sets. Dependencies are added automatically, so each set lists only the modules
 # the guest actually uses.
 #   harness: the nested-KVM harness's L1 guest (virtio-pci, virtiofs root share, KVM on AMD SVM)
-#   guest:   the cowork guest image (virtio-mmio and -pci, vsock, virtiofs, block, rng, and
-#            overlay for the session userland's writable layer)
+#   guest:   the cowork guest image (virtio-mmio and -pci, vsock, virtiofs, block, rng, balloon
+#            for free page reporting, and overlay for the session userland's writable layer)
 module_set() {
 	case "$1" in
 	harness) echo "virtio_pci virtiofs kvm_amd" ;;
-	guest) echo "virtio_mmio virtio_pci virtio_blk virtio_rng vmw_vsock_virtio_transport virtiofs ext4 overlay" ;;
+	guest) echo "virtio_mmio virtio_pci virtio_blk virtio_rng virtio_balloon vmw_vsock_virtio_transport virtiofs ext4 overlay" ;;
 	*) die "unknown module set '$1' (known: harness, guest)" ;;
 	esac
 }

@@ -12,7 +12,7 @@
 //! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
 //! `startVM.cpuCount` vCPUs (default [`sizing::DEFAULT_CPUS`], at most the
 //! host's CPUs and [`MAX_CPUS`]), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
-//! `$COWORK_GUEST_LOG`), and four virtio-mmio devices, which the guest
+//! `$COWORK_GUEST_LOG`), and these virtio-mmio devices, which the guest
 //! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
 //! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
 //! dials CID 2 port [`AGENT_PORT`] and the device hands the helper a
@@ -24,7 +24,10 @@
 //! disk `sessiondata.img`, read-write with serial
 //! [`devices::blk::SESSION_DISK_SERIAL`], locked exclusively while the VM
 //! exists and flushed and closed when it ends; the agent formats it as
-//! ext4 when blank and mounts it at `/sessions`) and virtio-rng. The host must be
+//! ext4 when blank and mounts it at `/sessions`), virtio-rng, the userland's
+//! read-only root disks, and virtio-balloon with free page reporting (the
+//! guest reports pages it freed, [`HostMappingReleaser`] drops them from the
+//! helper's RSS; the balloon itself is never inflated). The host must be
 //! able to run Linux under KVM ([`vmm::kvm_check::linux_capable`]); on a
 //! host that cannot (no VT-x/AMD-V, or PVM) `startVM` fails at once with
 //! the reason instead of booting a kernel that would die half way.
@@ -48,8 +51,9 @@
 //! Limits: x86_64 hosts with hardware virtualisation only; no network
 //! besides vsock (the egress proxy is the only way out); guest
 //! memory is anonymous and never pre-touched, so the helper's RSS grows by
-//! what the guest touches. Files in shared folders are created with the
-//! helper's uid, as with QEMU.
+//! what the guest touches and shrinks again, a few seconds later, by what
+//! the guest frees in runs of 2 MiB or more (free page reporting). Files in
+//! shared folders are created with the helper's uid, as with QEMU.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,6 +61,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use devices::balloon::{BalloonDevice, HostMappingReleaser};
 use devices::blk::{
     BlkConfig, BlkDevice, DeviceError as BlkDeviceError, ImageError, RawImage, SESSION_DISK_SERIAL,
 };
@@ -316,6 +321,9 @@ async fn start(
     for device in root_devices {
         config.virtio_devices.push(Box::new(device));
     }
+    config
+        .virtio_devices
+        .push(Box::new(BalloonDevice::new(Arc::new(HostMappingReleaser))));
     let (mem_mib, vcpus) = (config.mem_mib, config.vcpus);
 
     let began = Instant::now();

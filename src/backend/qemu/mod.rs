@@ -15,7 +15,8 @@
 //! QEMU's stdout, and `vhost-user-vsock-pci`, `vhost-user-fs-pci`,
 //! `vhost-user-blk-pci` (the session disk) and `vhost-user-rng-pci` on
 //! sockets in a private 0700 directory, every device served from threads of
-//! this process. The agent dials CID 2 port 51234; the device hands the
+//! this process, plus QEMU's own `virtio-balloon-pci` with free page
+//! reporting (memory the guest frees goes back to the host). The agent dials CID 2 port 51234; the device hands the
 //! helper a socketpair end, which becomes the agent link. The guest's relay
 //! dials port [`guest_agent::proto::EGRESS_PORT`], served by the host egress
 //! proxy through an [`EgressAcceptor`] until the machine ends.

@@ -3,7 +3,8 @@
 //! an i440fx `pc` machine with memfd-shared memory (vhost-user needs it),
 //! no default devices, the serial console on stdout, and every device ours
 //! over vhost-user sockets (vsock, virtio-fs, the session disk, rng, and
-//! the read-only root disks).
+//! the read-only root disks) but QEMU's own virtio-balloon, for free page
+//! reporting ([`BALLOON_DEVICE`]).
 //!
 //! Limits: x86_64 guests only; paths reach QEMU's option syntax escaped
 //! ([`qemu_opt_escape`]), never the disk images themselves (our servers
@@ -28,6 +29,11 @@ pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
 /// Kernel command line (the agent is `/init`; `panic=-1` plus `-no-reboot`
 /// turn a guest panic into QEMU exiting).
 pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 quiet";
+/// QEMU's own balloon, last so the other devices keep their PCI slots. Free
+/// page reporting: the guest reports runs of free memory (2 MiB and up) and
+/// QEMU punches them out of the memfd, so QEMU's RSS falls again after the
+/// guest frees memory; the balloon is never inflated.
+pub const BALLOON_DEVICE: &str = "virtio-balloon-pci,free-page-reporting=on";
 /// Queue size of the virtio-fs device (QEMU's largest; deep queues let
 /// the guest keep readahead and writeback requests in flight).
 pub const FS_QUEUE_SIZE: u16 = 1024;
@@ -189,6 +195,7 @@ impl QemuPlan {
                 format!("vhost-user-blk-pci,chardev=root{i},num-queues=1"),
             );
         }
+        push("-device", BALLOON_DEVICE.into());
         a.push("-kernel".into());
         a.push(self.image.vmlinuz.clone().into());
         a.push("-initrd".into());

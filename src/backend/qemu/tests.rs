@@ -90,14 +90,16 @@ fn qemu_command_line() {
             "socket,id=rng0,path=/run/x,,y/rng.sock"
         ]
     );
-    // Every device is ours over vhost-user; QEMU's own rng is not used.
+    // Every device is ours over vhost-user (QEMU's own rng is not used)
+    // but the balloon, last.
     assert_eq!(
         values(&a, "-device"),
         [
             "vhost-user-vsock-pci,chardev=vsock",
             "vhost-user-fs-pci,chardev=fs0,tag=cowork-sessions,queue-size=1024",
             "vhost-user-blk-pci,chardev=blk0,num-queues=1",
-            "vhost-user-rng-pci,chardev=rng0"
+            "vhost-user-rng-pci,chardev=rng0",
+            "virtio-balloon-pci,free-page-reporting=on"
         ]
     );
     // The image itself is never handed to QEMU.
@@ -136,7 +138,8 @@ fn qemu_command_line() {
         devices[4..],
         [
             "vhost-user-blk-pci,chardev=root0,num-queues=1",
-            "vhost-user-blk-pci,chardev=root1,num-queues=1"
+            "vhost-user-blk-pci,chardev=root1,num-queues=1",
+            plan::BALLOON_DEVICE
         ]
     );
     assert!(values(&r, "-chardev").contains(&"socket,id=root1,path=/run/x/root1.sock"));
