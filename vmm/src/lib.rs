@@ -10,7 +10,8 @@
 //! host's KVM can boot Linux at all.
 //!
 //! Module map: [`layout`] (addresses), [`memory`], [`boot`], [`cpuid`],
-//! [`acpi`], [`mptable`], [`devices`], [`bus`], [`vcpu`], [`machine`],
+//! [`acpi`], [`mptable`], [`devices`], [`bus`], [`vcpu`], [`machine`], [`seccomp`] (per-thread
+//! system call filters),
 //! [`virtio`] (transport, separate work).
 
 pub mod acpi;
@@ -25,6 +26,7 @@ pub mod layout;
 pub mod machine;
 pub mod memory;
 pub mod mptable;
+pub mod seccomp;
 pub mod vcpu;
 pub mod virtio;
 
