@@ -127,6 +127,7 @@ pub fn start(pool: Arc<FakePool>, addr: SocketAddrV4) -> Result<(), DnsError> {
 /// [`start`], returning the bound address: with port 0, TCP gets an
 /// ephemeral port and UDP is bound to the same one.
 pub fn serve(pool: Arc<FakePool>, addr: SocketAddrV4) -> Result<SocketAddrV4, DnsError> {
+    tokio::runtime::Handle::try_current().map_err(|e| DnsError::Runtime(io::Error::other(e)))?;
     let tcp =
         std::net::TcpListener::bind(addr).map_err(|source| DnsError::BindTcp { addr, source })?;
     let bound = match tcp.local_addr() {
@@ -695,6 +696,13 @@ mod tests {
         // Binding the same address again fails with an actionable error.
         let err = serve(pool, addr).unwrap_err();
         assert!(err.to_string().contains(&addr.to_string()), "{err}");
+    }
+
+    #[test]
+    fn start_outside_a_runtime_is_an_error_not_a_panic() {
+        let pool = Arc::new(FakePool::new());
+        let err = start(pool, SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0)).unwrap_err();
+        assert!(matches!(err, DnsError::Runtime(_)), "{err}");
     }
 
     /// A real client library (python's socket module, when python3 is

@@ -254,3 +254,14 @@ fn in_a_user_namespace_the_capture_falls_back_to_fixed_ports() {
         "did not run:\n{stdout}\n{stderr}"
     );
 }
+
+#[test]
+fn the_capture_types_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Capture>();
+    send::<Captured>();
+    send_sync::<CaptureError>();
+    send_sync::<crate::egress::dns::DnsError>();
+    send_sync::<crate::egress::fake::FakePool>();
+}
