@@ -64,6 +64,10 @@ const UDP_RECV_BUF: usize = 4096;
 /// clients cannot pin tasks forever.
 const TCP_IDLE: Duration = Duration::from_secs(10);
 
+/// Pause after a failed UDP receive or TCP accept, so a persistent error
+/// (`EMFILE`) costs no busy loop.
+const RECV_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
 /// At most this many TCP clients are served at once; more wait in the
 /// listen backlog.
 const TCP_MAX_CLIENTS: usize = 64;
@@ -155,8 +159,10 @@ async fn serve_udp(sock: tokio::net::UdpSocket, pool: Arc<FakePool>) {
         let (n, from) = match sock.recv_from(&mut buf).await {
             Ok(r) => r,
             Err(e) => {
-                // E.g. ICMP errors reported on the socket: nothing to do.
+                // E.g. ICMP errors reported on the socket: nothing to do
+                // but not spin should the error persist.
                 tracing::debug!(error = %e, "DNS stub: UDP receive failed");
+                tokio::time::sleep(RECV_ERROR_PAUSE).await;
                 continue;
             }
         };
@@ -186,7 +192,7 @@ async fn serve_tcp(listener: tokio::net::TcpListener, pool: Arc<FakePool>) {
             Err(e) => {
                 // EMFILE and friends: back off briefly instead of spinning.
                 tracing::warn!(error = %e, "DNS stub: TCP accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(RECV_ERROR_PAUSE).await;
             }
         }
     }
