@@ -48,8 +48,13 @@ pub const POWEROFF_DEADLINE: Duration = Duration::from_secs(10);
 /// How often the agent listener (and a finishing vhost-user thread) is polled.
 pub(crate) const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
-/// Name of the thread that accepts the guest's egress connections.
-pub const EGRESS_THREAD_NAME: &str = "cowork-egress-accept";
+/// Name of the thread that accepts the guest's egress connections (at
+/// most 15 bytes, so `/proc/<pid>/task/*/comm` shows it whole).
+pub const EGRESS_THREAD_NAME: &str = "egress-accept";
+
+/// Longest thread name the kernel keeps (`TASK_COMM_LEN` minus the NUL).
+const THREAD_COMM_MAX: usize = 15;
+const _: () = assert!(EGRESS_THREAD_NAME.len() <= THREAD_COMM_MAX);
 
 /// Why the egress port could not be served.
 #[derive(Debug, thiserror::Error)]
