@@ -164,6 +164,12 @@ fn cap_bit(hex: &str, cap: u32) -> bool {
 /// CAP_SYS_ADMIN's number.
 const CAP_SYS_ADMIN: u32 = 21;
 
+/// CAP_NET_ADMIN's number (the agent's capture route).
+const CAP_NET_ADMIN: u32 = 12;
+
+/// CAP_NET_BIND_SERVICE's number (the agent's DNS stub on port 53).
+const CAP_NET_BIND_SERVICE: u32 = 10;
+
 // ---------------------------------------------------------------- the view
 
 #[test]
@@ -372,9 +378,13 @@ async fn inner_view() {
 
     // The agent keeps CAP_SYS_ADMIN (of its user namespace) across exec;
     // a non-root agent through the ambient set.
-    assert!(cap_bit(get("cap_eff"), CAP_SYS_ADMIN), "{text}");
-    if uid != 0 {
-        assert!(cap_bit(get("cap_amb"), CAP_SYS_ADMIN), "{text}");
+    // So do the network capabilities of its egress (over the sandbox's
+    // own network namespace).
+    for cap in [CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_NET_BIND_SERVICE] {
+        assert!(cap_bit(get("cap_eff"), cap), "cap {cap}: {text}");
+        if uid != 0 {
+            assert!(cap_bit(get("cap_amb"), cap), "cap {cap}: {text}");
+        }
     }
 
     // A minimal environment.

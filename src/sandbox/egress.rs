@@ -5,9 +5,9 @@
 //! its agent relays every session connection to this socket, and the proxy
 //! applies the spawn's allowlist on the host. The socket lives in a private
 //! directory of the daemon (0700, the socket itself 0600), named after the
-//! daemon's pid, under `$XDG_RUNTIME_DIR` or the temporary directory. The
-//! init binds that directory at [`super::EGRESS_DIR`] for the agent alone
-//! (the agent hides it from what it spawns, as it hides
+//! daemon's pid and a random part, under `$XDG_RUNTIME_DIR` or the temporary
+//! directory. The init binds that directory at [`super::EGRESS_DIR`] for the
+//! agent alone (the agent hides it from what it spawns, as it hides
 //! [`super::HOST_ROOT`]).
 //!
 //! [`EgressSocket`] owns the directory and the task that accepts on the
@@ -33,8 +33,13 @@ use crate::egress::EgressProxy;
 /// [`super::EGRESS_DIR`] inside the sandbox).
 pub const SOCKET_NAME: &str = "proxy.sock";
 
-/// Prefix of the run directories: `cowork-sandbox-<daemon pid>-<sequence>`.
+/// Prefix of the run directories:
+/// `cowork-sandbox-<daemon pid>-<sequence>-<random>`.
 const RUN_DIR_PREFIX: &str = "cowork-sandbox-";
+
+/// Random bytes in a run directory's name, so another user of a shared
+/// temporary directory cannot take the name first.
+const RUN_DIR_RANDOM_BYTES: usize = 8;
 
 /// Longest unix socket path `bind` accepts (`sun_path` minus the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -60,8 +65,14 @@ impl EgressSocket {
     /// Creates the run directory, binds the socket in it and serves it with
     /// `proxy` on a new task. Must be called within a tokio runtime.
     pub fn open(proxy: EgressProxy) -> Result<EgressSocket, SandboxError> {
+        let mut random = [0u8; RUN_DIR_RANDOM_BYTES];
+        getrandom::getrandom(&mut random).map_err(|e| SandboxError::Io {
+            what: "name the sandbox run directory",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let random: String = random.iter().map(|b| format!("{b:02x}")).collect();
         let name = format!(
-            "{RUN_DIR_PREFIX}{}-{}",
+            "{RUN_DIR_PREFIX}{}-{}-{random}",
             std::process::id(),
             RUN_DIR_SEQ.fetch_add(1, Ordering::Relaxed)
         );
@@ -145,9 +156,13 @@ fn base_dir(name: &str) -> PathBuf {
 
 /// The daemon pid in a run directory's name, if it is one.
 fn owner_pid(name: &str) -> Option<u32> {
-    let (pid, seq) = name.strip_prefix(RUN_DIR_PREFIX)?.split_once('-')?;
-    seq.parse::<u64>().ok()?;
-    pid.parse().ok()
+    let mut parts = name.strip_prefix(RUN_DIR_PREFIX)?.split('-');
+    let (pid, seq, random) = (parts.next()?, parts.next()?, parts.next()?);
+    let random_ok =
+        random.len() == 2 * RUN_DIR_RANDOM_BYTES && random.bytes().all(|b| b.is_ascii_hexdigit());
+    (parts.next().is_none() && random_ok && seq.parse::<u64>().is_ok())
+        .then(|| pid.parse().ok())
+        .flatten()
 }
 
 /// Removes the run directories of daemons that are gone.
@@ -173,22 +188,23 @@ mod tests {
 
     #[test]
     fn run_dir_names_carry_the_pid() {
-        assert_eq!(owner_pid("cowork-sandbox-123-4"), Some(123));
-        assert_eq!(owner_pid("cowork-sandbox-123"), None);
-        assert_eq!(owner_pid("cowork-sandbox-x-1"), None);
+        assert_eq!(
+            owner_pid("cowork-sandbox-123-4-0123456789abcdef"),
+            Some(123)
+        );
+        assert_eq!(owner_pid("cowork-sandbox-123-4"), None);
+        assert_eq!(owner_pid("cowork-sandbox-123-4-0123456789abcdef.x"), None);
+        assert_eq!(owner_pid("cowork-sandbox-x-1-0123456789abcdef"), None);
         assert_eq!(owner_pid("cowork-qemu-123-4"), None);
     }
 
     #[test]
     fn base_dir_fits_sun_path() {
-        let base = base_dir("cowork-sandbox-4294967295-18446744073709551615");
+        let longest = "cowork-sandbox-4294967295-18446744073709551615-0123456789abcdef";
+        let base = base_dir(longest);
         assert!(base.is_absolute());
         assert!(
-            base.join("cowork-sandbox-4294967295-18446744073709551615")
-                .join(SOCKET_NAME)
-                .as_os_str()
-                .len()
-                <= MAX_SOCKET_PATH
+            base.join(longest).join(SOCKET_NAME).as_os_str().len() <= MAX_SOCKET_PATH
                 || base == Path::new("/tmp")
         );
     }
