@@ -3,8 +3,13 @@
 //! [`Vm::run`] runs it to an [`ExitReason`].
 //!
 //! Threads: `run()` spawns one thread per vCPU and runs the VMM event loop
-//! (event-manager) on the calling thread; it returns once the guest resets,
-//! powers off, fails, or a [`StopHandle`] stops it. Before it returns every
+//! (event-manager); it returns once the guest resets, powers off, fails, or
+//! a [`StopHandle`] stops it. With seccomp ([`Config::seccomp`], on by
+//! default) the event loop runs on a thread of its own
+//! ([`EVENT_LOOP_THREAD_NAME`]) so the caller's thread stays unfiltered,
+//! and every vCPU thread, the event loop and every device worker install
+//! their class's filter ([`crate::seccomp`]) before the guest runs;
+//! without, the event loop runs on the calling thread. Before it returns every
 //! vCPU thread is joined and every fd the VM owned (KVM, VM, vCPUs,
 //! eventfds, guest memory) is closed — the `Vm` value then only holds the
 //! [`Timeline`]. Nothing here ever exits the process.
@@ -34,6 +39,7 @@ use crate::devices::i8042::I8042;
 use crate::devices::serial::{Serial, SerialSink};
 use crate::devices::ExitSignal;
 use crate::memory::{self, Backing, GuestMemory, GuestRam};
+use crate::seccomp::{self, Filter, ThreadClass};
 use crate::vcpu::{VcpuShared, VcpuThread};
 use crate::virtio::{MmioTransport, VirtioDevice};
 use crate::{cpuid, kvm_check, layout, mptable};
@@ -78,11 +84,16 @@ pub struct Config {
     /// index), an irqfd for the interrupt, a `virtio_mmio.device=` entry on
     /// the command line and an `LNRO0005` device in the DSDT.
     pub virtio_devices: Vec<Box<dyn VirtioDevice>>,
+    /// Seccomp filters of the VM's threads (default: what
+    /// [`seccomp::SECCOMP_ENV`] says, else [`seccomp::Mode::On`]; see
+    /// [`crate::seccomp`]).
+    pub seccomp: seccomp::Mode,
 }
 
 impl Config {
     /// A config with 1 vCPU, 256 MiB, anonymous memory, no initrd, no
-    /// devices, serial discarded, and [`DEFAULT_CMDLINE`].
+    /// devices, serial discarded, [`DEFAULT_CMDLINE`], and seccomp as
+    /// [`seccomp::Mode::from_env`] says.
     pub fn new(kernel: impl Into<PathBuf>) -> Self {
         Self {
             kernel: kernel.into(),
@@ -93,9 +104,13 @@ impl Config {
             memory_backing: Backing::Anonymous,
             serial: None,
             virtio_devices: Vec::new(),
+            seccomp: seccomp::Mode::from_env(),
         }
     }
 }
+
+/// Name of the thread running the VMM event loop when seccomp is on.
+pub const EVENT_LOOP_THREAD_NAME: &str = "vmm-event-loop";
 
 /// Default kernel command line: console on COM1, reset through the i8042
 /// on reboot, reboot instead of hanging on panic, no PCI probing (there is
@@ -164,6 +179,12 @@ pub enum VmError {
     /// Event loop.
     #[error("VMM event loop: {0:?}")]
     EventManager(event_manager::Error),
+    /// Seccomp filters could not be built or installed.
+    #[error(transparent)]
+    Seccomp(#[from] seccomp::SeccompError),
+    /// The event loop thread could not be created.
+    #[error("cannot start the VMM event loop thread: {0}")]
+    EventLoopThread(std::io::Error),
     /// `run()` was called twice.
     #[error("this VM has already run; build a new one")]
     AlreadyRan,
@@ -233,6 +254,7 @@ pub struct Vm {
     origin: Instant,
     timeline: Timeline,
     cmdline: String,
+    seccomp: seccomp::Mode,
 }
 
 impl std::fmt::Debug for Vm {
@@ -278,6 +300,7 @@ impl Vm {
             memory_backing,
             serial,
             virtio_devices,
+            seccomp,
         } = config;
         if vcpus == 0 || vcpus > layout::MAX_VCPUS {
             return Err(VmError::Config(format!(
@@ -481,6 +504,7 @@ impl Vm {
                 ..Default::default()
             },
             cmdline: full_cmdline,
+            seccomp,
         })
     }
 
@@ -512,15 +536,48 @@ impl Vm {
     /// threading and cleanup guarantees.
     pub fn run(&mut self) -> Result<ExitReason, VmError> {
         let live = self.live.take().ok_or(VmError::AlreadyRan)?;
-        let result = self.run_live(live);
+        // Process-wide and once; before any filter (rt_sigaction is in none).
+        crate::vcpu::install_kick_handler()?;
+        let result = match self.seccomp {
+            seccomp::Mode::Off => self.run_live(live, None),
+            mode => self.run_filtered(live, mode),
+        };
         if let Some(exit) = self.timeline.exit {
             self.timeline.teardown = Some(self.origin.elapsed().saturating_sub(exit));
         }
         result
     }
 
-    fn run_live(&mut self, mut live: Live) -> Result<ExitReason, VmError> {
-        crate::vcpu::install_kick_handler()?;
+    /// [`Self::run_live`] on an event loop thread of its own that installs
+    /// the event loop's filter first; the vCPUs get theirs.
+    fn run_filtered(&mut self, live: Live, mode: seccomp::Mode) -> Result<ExitReason, VmError> {
+        // Built here so a table error is reported before anything runs; the
+        // spawner must exist before the first filtered thread needs it.
+        let event_loop = Filter::new(ThreadClass::EventLoop, mode)?;
+        let vcpu = Filter::new(ThreadClass::Vcpu, mode)?;
+        seccomp::start_spawner()?;
+        std::thread::scope(|scope| {
+            let handle = std::thread::Builder::new()
+                .name(EVENT_LOOP_THREAD_NAME.into())
+                .spawn_scoped(scope, move || {
+                    if let Some(f) = &event_loop {
+                        f.install()?;
+                    }
+                    self.run_live(live, vcpu)
+                })
+                .map_err(VmError::EventLoopThread)?;
+            match handle.join() {
+                Ok(result) => result,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
+    }
+
+    fn run_live(
+        &mut self,
+        mut live: Live,
+        vcpu_filter: Option<Filter>,
+    ) -> Result<ExitReason, VmError> {
         let mut em = EventManager::<Arc<Mutex<dyn MutEventSubscriber + Send>>>::new()
             .map_err(VmError::EventManager)?;
         em.add_subscriber(Arc::new(Mutex::new(ExitWatcher {
@@ -535,6 +592,7 @@ impl Vm {
             exit: live.exit.clone(),
             stop: stop.clone(),
             first_run: first_run.clone(),
+            seccomp: vcpu_filter,
         };
         let mut threads = Vec::with_capacity(live.vcpus.len());
         let mut spawn_err = None;

@@ -98,6 +98,20 @@ impl Mode {
     }
 }
 
+impl Mode {
+    /// The mode [`SECCOMP_ENV`] asks for, [`Mode::On`] when it is unset; an
+    /// unknown word is logged and means [`Mode::On`].
+    pub fn from_env() -> Mode {
+        match std::env::var(SECCOMP_ENV) {
+            Ok(word) => word.parse().unwrap_or_else(|e: SeccompError| {
+                tracing::warn!("{SECCOMP_ENV}: {e}; keeping seccomp on");
+                Mode::On
+            }),
+            Err(_) => Mode::On,
+        }
+    }
+}
+
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -323,7 +337,7 @@ const RUNTIME: &[Allow] = &[
 const VCPU: &[Allow] = &[
     allow!(
         SYS_ioctl,
-        Only::ArgIn(1, &[KVM_RUN, libc::FIONBIO as u64, libc::FIOCLEX as u64]),
+        Only::ArgIn(1, &[KVM_RUN, libc::FIONBIO, libc::FIOCLEX]),
         "KVM_RUN; FIONBIO/FIOCLEX when a device activation sets up its fds"
     ),
     allow!(SYS_read, "draining an eventfd on device reset"),
@@ -349,7 +363,7 @@ const EVENT_LOOP: &[Allow] = &[
     allow!(SYS_read, "draining the exit eventfd"),
     allow!(
         SYS_ioctl,
-        Only::ArgIn(1, &[libc::FIONBIO as u64, libc::FIOCLEX as u64]),
+        Only::ArgIn(1, &[libc::FIONBIO, libc::FIOCLEX]),
         "devices stopped at teardown adjust their fds"
     ),
     allow!(SYS_flock, "the session disk's lock released at close"),
@@ -363,14 +377,7 @@ const QUEUES: &[Allow] = &[
     allow!(SYS_readv, "stream reads into several buffers"),
     allow!(
         SYS_ioctl,
-        Only::ArgIn(
-            1,
-            &[
-                libc::FIONBIO as u64,
-                libc::FIOCLEX as u64,
-                libc::FIONREAD as u64
-            ]
-        ),
+        Only::ArgIn(1, &[libc::FIONBIO, libc::FIOCLEX, libc::FIONREAD]),
         "non-blocking streams and fds, bytes pending on a stream"
     ),
 ];
@@ -478,7 +485,7 @@ const FILES: &[Allow] = &[
     allow!(SYS_capset, "dropping CAP_FSETID for writes"),
     allow!(
         SYS_ioctl,
-        Only::ArgIn(1, &[libc::FIONBIO as u64, libc::FIOCLEX as u64]),
+        Only::ArgIn(1, &[libc::FIONBIO, libc::FIOCLEX]),
         "fd flags; no file ioctls are passed through"
     ),
 ];
@@ -497,7 +504,7 @@ const VHOST_USER: &[Allow] = &[
     allow!(SYS_memfd_create, "shared log memory"),
 ];
 
-/// Bitmask of `kind` tests in [`Only`] for 32-bit arguments.
+/// A condition on the 32-bit argument `arg`.
 fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, String> {
     SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value).map_err(|e| e.to_string())
 }
@@ -528,7 +535,7 @@ fn rule_map(class: ThreadClass) -> Result<BTreeMap<i64, Vec<SeccompRule>>, Strin
     let mut map: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for group in class.groups() {
         for entry in group.iter() {
-            let nr = i64::from(entry.nr);
+            let nr: i64 = entry.nr;
             let rules = rules_of(entry.only)?;
             let any = unconditional.entry(nr).or_insert(false);
             if rules.is_empty() {

@@ -25,6 +25,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use crate::bus::Bus;
 use crate::devices::ExitSignal;
 use crate::machine::ExitReason;
+use crate::seccomp::Filter;
 
 /// Errors of vCPU thread management.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +97,9 @@ pub struct VcpuShared {
     pub stop: Arc<AtomicBool>,
     /// When vCPU 0 first entered KVM_RUN.
     pub first_run: Arc<OnceLock<Instant>>,
+    /// The filter each vCPU thread installs before its first KVM_RUN
+    /// (`None`: seccomp off).
+    pub seccomp: Option<Filter>,
 }
 
 /// A running vCPU thread.
@@ -109,14 +113,26 @@ impl VcpuThread {
     /// Starts the run loop for `vcpu` (index `id`) on a new thread.
     pub fn spawn(id: u8, mut vcpu: VcpuFd, shared: VcpuShared) -> Result<Self, VcpuError> {
         let run = RunPtr(vcpu.get_kvm_run() as *mut kvm_run);
-        let handle = std::thread::Builder::new()
+        let builder = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .stack_size(256 * 1024)
-            .spawn(move || {
-                run_loop(id, &mut vcpu, &shared);
-                vcpu
-            })
-            .map_err(|source| VcpuError::Spawn { id, source })?;
+            .stack_size(256 * 1024);
+        // The caller (the event loop) may be filtered: its filter must not
+        // be inherited, the thread installs the vCPU one itself.
+        let handle = crate::seccomp::spawn_unfiltered(builder, move || {
+            // Before the guest runs: every exit it causes is handled
+            // under the filter.
+            if let Some(filter) = &shared.seccomp {
+                if let Err(e) = filter.install() {
+                    shared
+                        .exit
+                        .request(ExitReason::GuestError(format!("vCPU {id}: {e}")));
+                    return vcpu;
+                }
+            }
+            run_loop(id, &mut vcpu, &shared);
+            vcpu
+        })
+        .map_err(|source| VcpuError::Spawn { id, source })?;
         Ok(Self { id, run, handle })
     }
 

@@ -39,6 +39,7 @@ use fuse_backend_rs::transport::{Reader, VirtioFsWriter, Writer};
 use tracing::{error, info, warn};
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Address, Bytes};
+use vmm::seccomp::ThreadClass;
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
@@ -173,7 +174,8 @@ impl FsDevice {
         config[..tag.len()].copy_from_slice(tag.as_bytes());
         config[TAG_LEN..].copy_from_slice(&u32::from(request_queues).to_le_bytes());
         Ok(Self {
-            worker: DeviceWorker::new("virtio-fs"),
+            // File system calls: the class with the file table.
+            worker: DeviceWorker::with_class("virtio-fs", ThreadClass::FsWorker),
             common: DeviceCommon::new(
                 "virtio-fs",
                 FS_DEVICE_ID,

@@ -12,6 +12,14 @@
 //! worker). [`DeviceWorker::stop`] (on reset, and on drop) writes the stop
 //! eventfd and joins the thread, returning what its body returned.
 //!
+//! Seccomp: a worker started by a filtered thread (the vCPU that activated
+//! the device, under [`crate::seccomp`]) is created without that filter
+//! ([`crate::seccomp::spawn_unfiltered`]) and installs its own class's
+//! ([`ThreadClass::DeviceWorker`] unless the device chose another with
+//! [`DeviceWorker::with_class`]) in the same mode before its body runs;
+//! `start` returns only once it did, and fails if it could not. A worker
+//! started by an unfiltered thread (seccomp off, unit tests) is unfiltered.
+//!
 //! Limits: one thread per device; level-triggered `EPOLLIN` only.
 //!
 //! [`VirtioDevice::activate`]: super::VirtioDevice::activate
@@ -25,6 +33,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{ActivateError, VirtioInterrupt};
+use crate::seccomp::{self, Filter, ThreadClass};
 
 /// epoll token of the stop eventfd; devices register their fds under other
 /// tokens.
@@ -149,7 +158,9 @@ impl WorkerLoop {
 
 struct Running<T> {
     stop: EventFd,
-    thread: JoinHandle<T>,
+    /// `None` when the thread could not install its filter (its body never
+    /// ran).
+    thread: JoinHandle<Option<T>>,
 }
 
 /// A device's worker thread slot: empty while the device is inactive. The
@@ -158,14 +169,24 @@ struct Running<T> {
 pub struct DeviceWorker<T> {
     /// Prefix of the log lines about this worker (`"rng"`, `"blk"`...).
     name: &'static str,
+    /// The seccomp class the worker thread installs when filtered.
+    class: ThreadClass,
     running: Option<Running<T>>,
 }
 
 impl<T> DeviceWorker<T> {
     /// An empty slot for a device that logs as `name`.
     pub fn new(name: &'static str) -> Self {
+        Self::with_class(name, ThreadClass::DeviceWorker)
+    }
+
+    /// An empty slot whose worker installs `class`'s seccomp filter (when
+    /// the thread starting it is filtered) instead of
+    /// [`ThreadClass::DeviceWorker`]'s.
+    pub fn with_class(name: &'static str, class: ThreadClass) -> Self {
         Self {
             name,
+            class,
             running: None,
         }
     }
@@ -187,11 +208,7 @@ impl<T> DeviceWorker<T> {
             self.running = Some(running);
             return Err(StopError::Signal(e));
         }
-        running
-            .thread
-            .join()
-            .map(Some)
-            .map_err(|_| StopError::Panicked)
+        running.thread.join().map_err(|_| StopError::Panicked)
     }
 }
 
@@ -207,9 +224,35 @@ impl<T: Send + 'static> DeviceWorker<T> {
         body: impl FnOnce(WorkerLoop) -> T + Send + 'static,
     ) -> io::Result<()> {
         let WorkerSetup { stop, worker } = setup;
-        let thread = std::thread::Builder::new()
-            .name(thread_name.into())
-            .spawn(move || body(worker))?;
+        let builder = std::thread::Builder::new().name(thread_name.into());
+        let filter = match seccomp::current() {
+            Some((_, mode)) => Filter::new(self.class, mode).map_err(io::Error::other)?,
+            None => None,
+        };
+        let Some(filter) = filter else {
+            let thread = builder.spawn(move || Some(body(worker)))?;
+            let _ = self.stop();
+            self.running = Some(Running { stop, thread });
+            return Ok(());
+        };
+        // The body runs only under the filter; the thread says whether it
+        // got there before `start` returns.
+        let (installed_tx, installed_rx) = std::sync::mpsc::sync_channel(1);
+        let thread = seccomp::spawn_unfiltered(builder, move || {
+            let installed = filter.install();
+            let ok = installed.is_ok();
+            let _ = installed_tx.send(installed);
+            ok.then(|| body(worker))
+        })?;
+        let installed = installed_rx.recv().unwrap_or_else(|_| {
+            Err(seccomp::SeccompError::Spawner(io::Error::other(
+                "the worker ended before installing its filter",
+            )))
+        });
+        if let Err(e) = installed {
+            let _ = thread.join();
+            return Err(io::Error::other(e));
+        }
         let _ = self.stop();
         self.running = Some(Running { stop, thread });
         Ok(())
