@@ -3,7 +3,10 @@
 //! loopback services; the egress proxy's unix socket is in the agent's view
 //! (named in its environment, served) and not in a session's; the socket and
 //! its directory go away at `stopVM` and when the machine dies, and
-//! start/stop cycles leak no descriptor in the daemon.
+//! start/stop cycles leak no descriptor in the daemon. A session's proxied
+//! request goes agent relay → egress socket → host proxy, which takes the
+//! spawn's credential and applies its guard. Nothing here leaves the
+//! machine (the one name resolved on the host is `localhost`).
 
 mod common;
 
@@ -216,4 +219,27 @@ async fn the_socket_goes_at_stop_vm_and_machine_death_without_leaks() {
     );
     assert_eq!(run_dirs(&d), Vec::<PathBuf>::new());
     d.stop();
+}
+
+#[tokio::test]
+async fn a_session_reaches_the_host_proxy_through_the_agent() {
+    // The proxy named in the session's environment is the agent's relay on
+    // the sandbox's loopback; it carries the request over the egress socket
+    // to the host proxy, which takes the spawn's credential (no 407) and
+    // applies its guard: `localhost` resolves (through the host's
+    // /etc/hosts, no DNS query) to the host's loopback, which is refused.
+    let (d, p) = shared_vm().await;
+    let pipe = p.pipe(d).await;
+    let mut sub = p.subscribe(d).await;
+    let script = "curl -sS -D - -o /dev/null --noproxy '' -x \"$http_proxy\" http://localhost:9/";
+    let out = run(&pipe, &mut sub, sh(&uid("via"), &uid("s-via"), script)).await;
+    let text = out.stdout_str();
+    assert_eq!(out.exit_code(), Some(0), "{text}{}", out.stderr_str());
+    let status = text.lines().next().unwrap_or_default();
+    assert!(status.starts_with("HTTP/1.1 403"), "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("x-proxy-error: blocked-by-allowlist"),
+        "{text}"
+    );
 }
