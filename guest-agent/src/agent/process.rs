@@ -919,6 +919,72 @@ mod tests {
         }
     }
 
+    /// Each spawn leads its own session (what egress attribution keys on),
+    /// and its egress credential is registered under its pid while it runs
+    /// and removed when it has exited.
+    #[tokio::test]
+    async fn spawns_lead_sessions_and_register_their_egress_credential() {
+        let t = tempfile::tempdir().unwrap();
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (outbox, _writer) = Outbox::start(FdIo::new(a.into()).unwrap());
+        b.set_nonblocking(true).unwrap();
+        let mut link = tokio::io::BufReader::new(tokio::net::UnixStream::from_std(b).unwrap());
+        let spawns = crate::egress::Spawns::new();
+        let procs = Processes::new(
+            ProcessConfig {
+                sessions_root: t.path().join("sessions"),
+                egress: spawns.clone(),
+                ..ProcessConfig::default()
+            },
+            Reaper::start(super::super::reaper::ReapMode::Own).unwrap(),
+            outbox,
+        );
+        let mut s = spec(&[], None);
+        s.command = "sh".into();
+        s.args = vec![
+            "-c".into(),
+            "echo $$ $(cut -d' ' -f6 /proc/$$/stat); read x || true".into(),
+        ];
+        s.egress_proxy = Some(Secret("http://s:t%40k@127.0.0.1:3128".into()));
+        let started = procs.spawn(s).await.expect("spawn");
+        let pid = started.pid();
+        started.run();
+        let mut out = Vec::new();
+        let mut buf = Vec::new();
+        while !out.ends_with(b"\n") {
+            assert!(
+                crate::framing::read_frame(&mut link, proto::MAX_MESSAGE, &mut buf)
+                    .await
+                    .unwrap()
+            );
+            let env: proto::Envelope<AgentMessage> =
+                proto::decode(std::mem::take(&mut buf)).unwrap();
+            if let AgentMessage::Stdout { .. } = env.header {
+                out.extend(env.payload);
+            }
+        }
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(text.trim(), format!("{pid} {pid}"), "pid and session id");
+        let cred = spawns.get(pid).expect("registered while running");
+        assert_eq!(cred.password, b"t@k");
+        procs.close_stdin("p").unwrap();
+        loop {
+            assert!(
+                crate::framing::read_frame(&mut link, proto::MAX_MESSAGE, &mut buf)
+                    .await
+                    .unwrap()
+            );
+            let env: proto::Envelope<AgentMessage> =
+                proto::decode(std::mem::take(&mut buf)).unwrap();
+            if let AgentMessage::Exit { exit_code, .. } = env.header {
+                assert_eq!(exit_code, Some(0));
+                break;
+            }
+        }
+        assert!(spawns.get(pid).is_none(), "removed at exit");
+        assert!(spawns.is_empty());
+    }
+
     #[tokio::test]
     async fn session_processes_run_as_their_own_users() {
         use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -189,9 +189,13 @@ fn pids(proc_root: &Path) -> Result<Vec<i32>, AttribError> {
 
 /// A process that holds `socket:[inode]` among its descriptors. Processes
 /// whose descriptors cannot be read (gone, or not ours to read) are skipped.
+/// Newest pids first: the connecting process is usually recent, and the
+/// long-lived low pids (init, kernel threads) come last.
 pub fn find_socket_owner(proc_root: &Path, inode: u64) -> Result<i32, AttribError> {
     let want = format!("socket:[{inode}]");
-    for pid in pids(proc_root)? {
+    let mut pids = pids(proc_root)?;
+    pids.sort_unstable_by(|a, b| b.cmp(a));
+    for pid in pids {
         let Ok(fds) = fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
             continue;
         };
