@@ -32,7 +32,7 @@ use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
 use support::gate::{qemu_gate, qemu_missing};
 use support::nested::{self, Mode};
-use support::procfs::{children_named, status_kib};
+use support::procfs::{children_named, status_kib, thread_names};
 use support::session::{self, assert_exit_0, bash, ok, run, wait_stdout};
 use support::vm_helper::{self, built_helper, VmHelper};
 
@@ -69,6 +69,10 @@ const SESSION: &str = "balloon";
 const RELEASE_FILE: &str = "balloon-release";
 /// What the allocating process prints once its buffer is written.
 const HELD: &str = "held";
+/// The in-process device's log line at reset, with its counters.
+const DEVICE_RESET: &str = "balloon: device reset";
+/// Name of the in-process device's worker thread.
+const WORKER_THREAD: &str = "virtio-balloon";
 /// Prefix of the measurement lines (echoed from the nested run).
 const REPORT_PREFIX: &str = "balloon: ";
 /// Environment variable that prints the helper's log at the end.
@@ -258,6 +262,37 @@ async fn balloon_cycle(backend: Backend, helper: &VmHelper, pipe: &Pipe, sub: &m
         eprintln!("{REPORT_PREFIX}{name}: 5 s later {rss} MiB");
     }
     pipe.call("stopVM", json!({})).await.expect("stopVM");
+    if let Backend::Kvm = backend {
+        // Our device did the releasing (it logs its counters at reset: the
+        // guest's first reports after boot count too), and its worker is
+        // gone with the VM.
+        let log = helper.log_text();
+        let released = log
+            .lines()
+            .filter(|l| l.contains(DEVICE_RESET))
+            .filter_map(|l| {
+                l.split("released_mib=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max();
+        eprintln!("{REPORT_PREFIX}{name}: the device released {released:?} MiB in all");
+        assert!(
+            released.is_some_and(|mib| mib >= MIN_RISE_MIB),
+            "{name}: the balloon device did not report releasing {MIN_RISE_MIB} MiB: {log}"
+        );
+        let left: Vec<String> = thread_names(pid)
+            .into_iter()
+            .filter(|t| t.starts_with(WORKER_THREAD))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "{name}: balloon worker left after stopVM: {left:?}"
+        );
+    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {

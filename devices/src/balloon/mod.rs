@@ -440,7 +440,14 @@ impl InProcessDevice for BalloonDevice {
     fn stop(&mut self) -> bool {
         let stopped = self.worker.stop().is_ok();
         if stopped {
-            info!("balloon: device reset");
+            let s = &self.stats;
+            info!(
+                reports = s.reports.load(Ordering::Relaxed),
+                released_mib = s.bytes_released.load(Ordering::Relaxed) >> 20,
+                rejected = s.rejected.load(Ordering::Relaxed),
+                release_failures = s.release_failures.load(Ordering::Relaxed),
+                "balloon: device reset"
+            );
         }
         stopped
     }
