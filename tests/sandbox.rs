@@ -764,7 +764,56 @@ echo "end=yes"
 
 #[tokio::test]
 async fn network_is_loopback_only_and_the_egress_socket_reaches_pid1() {
-    let sessions = temp_dir(None);
+    check_network_view(temp_dir(None).path()).await;
+}
+
+#[test]
+fn network_and_egress_socket_as_nobody() {
+    if !is_root() {
+        eprintln!(
+            "not root: cannot switch to nobody; the current-user test is the unprivileged one"
+        );
+        return;
+    }
+    let sessions = temp_dir(Some(NOBODY));
+    let bin = temp_dir(None);
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let test_exe = reachable_copy(&std::env::current_exe().expect("test binary"), bin.path());
+    let helper_exe = reachable_copy(&helper(), bin.path());
+    run_inner_binary(&test_exe, "inner_network_view", |cmd| {
+        cmd.env(ENV_HELPER, &helper_exe)
+            .env(ENV_SESSIONS, sessions.path())
+            // Neither root's runtime directory nor a cwd nobody can read.
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("TMPDIR", "/tmp")
+            .current_dir("/");
+        // SAFETY: only async-signal-safe id changes between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setresgid(NOBODY, NOBODY, NOBODY) != 0
+                    || libc::setresuid(NOBODY, NOBODY, NOBODY) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+}
+
+#[tokio::test]
+#[ignore = "run by network_and_egress_socket_as_nobody in a child process"]
+async fn inner_network_view() {
+    let sessions =
+        PathBuf::from(std::env::var_os(ENV_SESSIONS).expect("sessions dir from the outer test"));
+    check_network_view(&sessions).await;
+    println!("{INNER_OK}");
+}
+
+/// Starts a sandbox with an egress socket and a shell as PID 1, and checks
+/// its network, its names and the socket, before and after its end.
+async fn check_network_view(sessions: &Path) {
     // A service on the host's loopback, reachable from the host.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
     let port = listener.local_addr().expect("addr").port();
@@ -773,7 +822,7 @@ async fn network_is_loopback_only_and_the_egress_socket_reaches_pid1() {
     listener.accept().expect("the host's own connection");
 
     let script = NET_SCRIPT.replace("@PORT@", &port.to_string());
-    let (mut sandbox, mut link) = Sandbox::start(egress_shell_config(sessions.path(), &script))
+    let (mut sandbox, mut link) = Sandbox::start(egress_shell_config(sessions, &script))
         .await
         .expect("start");
     let socket = sandbox.egress_socket().expect("an egress socket");
