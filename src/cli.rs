@@ -46,6 +46,28 @@ pub enum UserlandArg {
     Initramfs,
 }
 
+/// `--seccomp`, as typed (see [`vmm::seccomp`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SeccompArg {
+    /// Filters on: calls outside a thread's table fail with EPERM.
+    On,
+    /// No filters (logged as a warning at start).
+    Off,
+    /// Filters that allow everything and have the kernel log what the
+    /// table would refuse (dmesg); for finding a missing entry.
+    Log,
+}
+
+impl From<SeccompArg> for vmm::seccomp::Mode {
+    fn from(a: SeccompArg) -> Self {
+        match a {
+            SeccompArg::On => vmm::seccomp::Mode::On,
+            SeccompArg::Off => vmm::seccomp::Mode::Off,
+            SeccompArg::Log => vmm::seccomp::Mode::Log,
+        }
+    }
+}
+
 impl From<UserlandArg> for UserlandChoice {
     fn from(a: UserlandArg) -> Self {
         match a {
@@ -89,6 +111,12 @@ pub struct Cli {
     /// (startVM fails when it is unusable).
     #[arg(long, env = "COWORK_USERLAND", value_enum, default_value = "auto")]
     pub userland: UserlandArg,
+    /// Seccomp filters on the in-process VM's threads that handle guest
+    /// data (vCPUs, the VMM event loop, device workers): each may make only
+    /// the system calls its job needs. `off` disables them (with a
+    /// warning), `log` only has the kernel log what they would refuse.
+    #[arg(long, env = vmm::seccomp::SECCOMP_ENV, value_enum, default_value = "on")]
+    pub seccomp: SeccompArg,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -304,7 +332,7 @@ pub fn main(args: Vec<String>) -> i32 {
         }
         Some(Command::Doctor(ref d)) => {
             let (backend, userland) = d.choices(&cli);
-            doctor(backend, userland)
+            doctor(backend, userland, cli.seccomp.into())
         }
         Some(Command::Vm(VmCommand::Run {
             kernel,
@@ -328,7 +356,7 @@ pub fn main(args: Vec<String>) -> i32 {
     }
 }
 
-fn doctor(backend: BackendChoice, userland: UserlandArg) -> i32 {
+fn doctor(backend: BackendChoice, userland: UserlandArg, seccomp: vmm::seccomp::Mode) -> i32 {
     // A report for people, often piped into `head` or `grep -q`: a reader
     // that goes away ends it quietly, as it does any Unix filter, instead of
     // println! panicking on EPIPE. (Only here: the daemon keeps SIGPIPE
@@ -338,6 +366,7 @@ fn doctor(backend: BackendChoice, userland: UserlandArg) -> i32 {
     let (kind, why) = resolve_backend(backend);
     println!("auto picks: {} ({why})", kind.as_str());
     println!("userland: {}", userland_line(userland.into()));
+    println!("seccomp: {}", seccomp_line(seccomp));
     match crate::sandbox::probe() {
         Ok(()) => {
             println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
@@ -389,6 +418,33 @@ fn doctor(backend: BackendChoice, userland: UserlandArg) -> i32 {
     0
 }
 
+/// The `doctor` line about seccomp: the mode, and whether this kernel
+/// takes our filters (installed for real on a throwaway thread).
+fn seccomp_line(mode: vmm::seccomp::Mode) -> String {
+    use vmm::seccomp::{Filter, ThreadClass};
+    if mode == vmm::seccomp::Mode::Off {
+        return "off (--seccomp=off or COWORK_SECCOMP=off): the kvm backend's VM threads may make any system call".into();
+    }
+    // One throwaway thread per class: a filter cannot be removed, and none
+    // allows installing another.
+    let check = ThreadClass::ALL.into_iter().try_for_each(|class| {
+        std::thread::spawn(move || -> Result<(), String> {
+            match Filter::new(class, mode).map_err(|e| e.to_string())? {
+                Some(f) => f.install().map_err(|e| e.to_string()),
+                None => Ok(()),
+            }
+        })
+        .join()
+        .unwrap_or_else(|_| Err("checking it failed (a bug)".into()))
+    });
+    match check {
+        Ok(()) => format!(
+            "{mode} (kvm backend: vCPU, VMM event loop, device worker, virtio-fs worker filters; this kernel accepts them)"
+        ),
+        Err(e) => format!("{mode}, but UNUSABLE here: {e}"),
+    }
+}
+
 fn serve(cli: Cli) -> i32 {
     crate::logging::init();
     let socket = match cli.socket.clone().map(Ok).unwrap_or_else(default_socket) {
@@ -421,7 +477,18 @@ fn serve(cli: Cli) -> i32 {
         helper_exe,
         fs_xattr: cli.fs_xattr,
         userland: cli.userland.into(),
+        seccomp: cli.seccomp.into(),
     };
+    match settings.seccomp {
+        vmm::seccomp::Mode::On => {}
+        vmm::seccomp::Mode::Off => tracing::warn!(
+            "seccomp filters are OFF (--seccomp=off / {}=off): a guest that takes over a vCPU or device thread of the kvm backend can make any system call this helper can",
+            vmm::seccomp::SECCOMP_ENV
+        ),
+        vmm::seccomp::Mode::Log => tracing::warn!(
+            "seccomp filters only LOG (--seccomp=log): calls the tables would refuse are allowed and logged by the kernel (dmesg); use it to report a missing entry, not for everyday use"
+        ),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(16)
@@ -537,8 +604,33 @@ mod tests {
             helper_exe: "/h".into(),
             fs_xattr: cli.fs_xattr,
             userland: cli.userland.into(),
+            seccomp: cli.seccomp.into(),
         };
         assert!(settings.fs_options().xattr);
+    }
+
+    #[test]
+    fn seccomp_is_on_unless_turned_off() {
+        if std::env::var_os(vmm::seccomp::SECCOMP_ENV).is_none() {
+            let cli = Cli::try_parse_from(["h", "--socket", "/x"]).unwrap();
+            assert_eq!(
+                vmm::seccomp::Mode::from(cli.seccomp),
+                vmm::seccomp::Mode::On
+            );
+        }
+        for (word, mode) in [
+            ("off", vmm::seccomp::Mode::Off),
+            ("on", vmm::seccomp::Mode::On),
+            ("log", vmm::seccomp::Mode::Log),
+        ] {
+            let flag = format!("--seccomp={word}");
+            let cli = Cli::try_parse_from(["h", "--socket", "/x", &flag]).unwrap();
+            assert_eq!(vmm::seccomp::Mode::from(cli.seccomp), mode);
+        }
+        assert!(Cli::try_parse_from(["h", "--seccomp=maybe"]).is_err());
+        // The doctor line installs every class's filter for real.
+        assert!(seccomp_line(vmm::seccomp::Mode::On).contains("accepts them"));
+        assert!(seccomp_line(vmm::seccomp::Mode::Off).starts_with("off"));
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct Settings {
     pub fs_xattr: bool,
     /// Which userland the VM backends boot into (`--userland`).
     pub userland: crate::backend::userland::UserlandChoice,
+    /// Seccomp filters of the kvm backend's VM threads (`--seccomp`).
+    pub seccomp: vmm::seccomp::Mode,
 }
 
 impl Settings {
@@ -262,6 +264,7 @@ impl Daemon {
                     cpu_count: params.cpu_count,
                     fs: self.settings.fs_options(),
                     userland: self.settings.userland,
+                    seccomp: self.settings.seccomp,
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null

@@ -309,6 +309,9 @@ async fn start(
     config.cmdline = cmdline(std::env::var(GUEST_LOG_ENV).ok().as_deref());
     config.mem_mib = memory_mib(opts.memory_gb);
     config.vcpus = cpu_count(opts.cpu_count, host_cpus);
+    // vCPUs, the event loop and device workers filter their system calls
+    // (vmm::seccomp) unless the daemon runs with --seccomp=off.
+    config.seccomp = opts.seccomp;
     // Runs on the vCPU thread that writes the UART: it only buffers, logs
     // and pushes.
     config.serial = Some(Box::new(ConsoleLines::new(console.clone(), "serial")));

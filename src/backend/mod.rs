@@ -204,6 +204,9 @@ pub struct BootOptions {
     /// Which userland the VM backends give the guest (the daemon's
     /// `--userland`).
     pub userland: userland::UserlandChoice,
+    /// Seccomp filters of the in-process VM's threads (the daemon's
+    /// `--seccomp`); the kvm backend applies it.
+    pub seccomp: vmm::seccomp::Mode,
 }
 
 /// Boots `cfg.backend`.
