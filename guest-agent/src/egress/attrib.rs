@@ -5,9 +5,11 @@
 //! (the client's own address) for original destination `D`. Steps, all
 //! through procfs (its root is a parameter so tests can use a fake tree):
 //!
-//! 1. the client's socket: the line of `net/tcp` (or `net/tcp6`, for a
-//!    dual-stack socket with IPv4-mapped addresses) whose local address is
-//!    `P` and remote address is `D` gives its inode ([`find_socket_inode`]);
+//! 1. the client's socket, whose local address is `P` and remote address
+//!    is `D`: the kernel's exact socket lookup ([`super::sockdiag`]) gives
+//!    its inode, or, where that is unavailable, the line of `net/tcp` (or
+//!    `net/tcp6`, for a dual-stack socket with IPv4-mapped addresses)
+//!    ([`find_socket_inode`]);
 //! 2. the process holding `socket:[inode]`: a scan of `<pid>/fd`
 //!    ([`find_socket_owner`]);
 //! 3. the spawn: the owner's session id (field 6 of `<pid>/stat`; each
@@ -32,6 +34,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::sockdiag::Diag;
 use super::spawns::{ProxyCredential, Spawns};
 
 /// Where procfs is mounted on a running machine.
@@ -270,16 +273,33 @@ pub fn credential_of(
     })
 }
 
+/// The client socket's inode: the exact lookup, else the tables (and when
+/// the tables find a socket the exact lookup missed, it is switched off).
+pub fn socket_inode(
+    proc_root: &Path,
+    diag: &Diag,
+    peer: SocketAddr,
+    dst: SocketAddr,
+) -> Result<u64, AttribError> {
+    if let Ok(Some(inode)) = diag.inode(peer, dst) {
+        return Ok(inode);
+    }
+    let inode = find_socket_inode(proc_root, peer, dst)?;
+    diag.disable();
+    Ok(inode)
+}
+
 /// Attributes the connection from `peer` to `dst`: the owning process and
-/// the credential of its spawn. Blocking (procfs reads): call it from a
-/// blocking thread.
+/// the credential of its spawn. Blocking (netlink, procfs reads): call it
+/// from a blocking thread.
 pub fn attribute(
     proc_root: &Path,
+    diag: &Diag,
     spawns: &Spawns,
     peer: SocketAddr,
     dst: SocketAddr,
 ) -> Result<(i32, Arc<ProxyCredential>), AttribError> {
-    let inode = find_socket_inode(proc_root, peer, dst)?;
+    let inode = socket_inode(proc_root, diag, peer, dst)?;
     let pid = find_socket_owner(proc_root, inode)?;
     let cred = credential_of(proc_root, spawns, pid)?;
     Ok((pid, cred))
@@ -426,6 +446,7 @@ mod tests {
         registered(&spawns, 100, "cred-a");
         let (pid, cred) = attribute(
             p.root(),
+            &Diag::new(),
             &spawns,
             peer.parse().unwrap(),
             dst.parse().unwrap(),
@@ -454,6 +475,7 @@ mod tests {
         registered(&spawns, 999, "other");
         let (pid, cred) = attribute(
             p.root(),
+            &Diag::new(),
             &spawns,
             peer.parse().unwrap(),
             dst.parse().unwrap(),
@@ -479,7 +501,14 @@ mod tests {
         let spawns = Spawns::new();
         registered(&spawns, 1, "init-never-counts");
         let at = |d: &str| {
-            attribute(p.root(), &spawns, peer.parse().unwrap(), d.parse().unwrap()).unwrap_err()
+            attribute(
+                p.root(),
+                &Diag::new(),
+                &spawns,
+                peer.parse().unwrap(),
+                d.parse().unwrap(),
+            )
+            .unwrap_err()
         };
         let err = at(dst);
         assert!(
@@ -500,6 +529,7 @@ mod tests {
         let missing = Path::new("/nonexistent/proc");
         let err = attribute(
             missing,
+            &Diag::new(),
             &spawns,
             peer.parse().unwrap(),
             dst.parse().unwrap(),
@@ -534,7 +564,9 @@ mod tests {
         } else {
             registered(&spawns, me, "mine");
         }
-        let (pid, cred) = attribute(proc_root, &spawns, peer, dst).unwrap();
+        let diag = Diag::new();
+        let (pid, cred) = attribute(proc_root, &diag, &spawns, peer, dst).unwrap();
+        assert_eq!(socket_inode(proc_root, &diag, peer, dst).unwrap(), inode);
         assert_eq!((pid, cred.password.as_slice()), (me, &b"mine"[..]));
     }
 }

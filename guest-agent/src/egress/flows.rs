@@ -37,6 +37,7 @@ use tokio::sync::Semaphore;
 use super::attrib;
 use super::fake::FakePool;
 use super::relay;
+use super::sockdiag::Diag;
 use super::socks_client::{self, Target};
 use super::spawns::Spawns;
 use super::upstream::Upstream;
@@ -74,6 +75,7 @@ pub struct FlowContext {
     pub pool: Arc<FakePool>,
     /// procfs root for attribution ([`attrib::PROC_ROOT`] in production).
     pub proc_root: PathBuf,
+    diag: Diag,
     slots: Arc<Semaphore>,
     log: RateLimitedLog,
 }
@@ -90,6 +92,7 @@ impl FlowContext {
             spawns,
             pool,
             proc_root,
+            diag: Diag::new(),
             slots: Arc::new(Semaphore::new(MAX_CAPTURED_CONNECTIONS)),
             log: RateLimitedLog::new(),
         }
@@ -156,7 +159,7 @@ async fn open(
     let target = target_for(&ctx.pool, dst)?;
     let c = Arc::clone(ctx);
     let (pid, cred) = tokio::task::spawn_blocking(move || {
-        attrib::attribute(&c.proc_root, &c.spawns, peer, SocketAddr::V4(dst))
+        attrib::attribute(&c.proc_root, &c.diag, &c.spawns, peer, SocketAddr::V4(dst))
     })
     .await
     .map_err(|e| FlowError::Internal(e.to_string()))??;

@@ -32,6 +32,7 @@ pub mod dns;
 pub mod fake;
 pub mod flows;
 pub mod relay;
+pub mod sockdiag;
 pub mod socks_client;
 pub mod spawns;
 pub mod upstream;
