@@ -753,6 +753,14 @@ echo "ifaces=$(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\n' ' ')
 echo "addrs=$(ip -o -4 addr show dev lo | awk '{print $4}' | tr '\n' ' ')"
 echo "v4_lookup=$(getent ahostsv4 localhost | head -n 1 | cut -d' ' -f1)"
 bash -c 'exec 5<>/dev/tcp/127.0.0.1/@PORT@' 2>/tmp/err; echo "host_tcp=$? $(tr '\n' ' ' < /tmp/err)"
+if command -v python3 >/dev/null; then
+  echo "abstract=$(python3 -c 'import socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(b"\0@ABSTRACT@"); print("connected")
+except OSError as e:
+    print(e.errno)')"
+else echo "abstract=no-python"; fi
 echo "egress_env=${COWORK_EGRESS_SOCKET:-unset}"
 test -S "$COWORK_EGRESS_SOCKET" && echo "egress_socket=yes"
 echo "egress_http=$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$COWORK_EGRESS_SOCKET" http://example.invalid/)"
@@ -821,7 +829,24 @@ async fn check_network_view(sessions: &Path) {
         .expect("the host reaches its own listener");
     listener.accept().expect("the host's own connection");
 
-    let script = NET_SCRIPT.replace("@PORT@", &port.to_string());
+    // A service on a host abstract unix socket (scoped by network namespace).
+    let abstract_name = format!("cowork-abstract-probe-{}-{port}", std::process::id());
+    let abstract_addr = {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())
+            .expect("abstract address")
+    };
+    let abstract_listener =
+        std::os::unix::net::UnixListener::bind_addr(&abstract_addr).expect("bind abstract");
+    std::os::unix::net::UnixStream::connect_addr(&abstract_addr)
+        .expect("the host reaches its own abstract socket");
+    abstract_listener
+        .accept()
+        .expect("the host's own connection");
+
+    let script = NET_SCRIPT
+        .replace("@PORT@", &port.to_string())
+        .replace("@ABSTRACT@", &abstract_name);
     let (mut sandbox, mut link) = Sandbox::start(egress_shell_config(sessions, &script))
         .await
         .expect("start");
@@ -848,6 +873,10 @@ async fn check_network_view(sessions: &Path) {
     // Loopback only, and up: a connection to 127.0.0.1 is refused there
     // (not unreachable), and the host's listener is not behind it.
     assert_eq!(get("ifaces"), "lo", "{text}");
+    match get("abstract") {
+        "no-python" => eprintln!("no python3 here: the abstract socket check did not run"),
+        v => assert_eq!(v, libc::ECONNREFUSED.to_string(), "{text}"),
+    }
     // A second loopback address, so IPv4-only lookups with AI_ADDRCONFIG work.
     assert_eq!(get("addrs"), "127.0.0.1/8 127.0.0.2/8", "{text}");
     assert_eq!(get("v4_lookup"), "127.0.0.1", "{text}");

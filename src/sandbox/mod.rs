@@ -15,7 +15,7 @@
 //! Network: sessions have loopback only (no host interfaces, no host
 //! loopback services, no host abstract unix sockets). The one way out is
 //! the daemon's egress proxy ([`SandboxConfig::egress`]), served on a unix
-//! socket per sandbox ([`egress`]) that only the agent sees, at
+//! socket per sandbox (module `egress`) that only the agent sees, at
 //! [`EGRESS_DIR`]`/`[`EGRESS_SOCKET_NAME`], named to it in the environment
 //! variable [`guest_agent::proto::EGRESS_SOCKET_ENV`]. The socket and its
 //! serving task end with the sandbox.
