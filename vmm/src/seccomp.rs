@@ -6,10 +6,12 @@
 //! Classes ([`ThreadClass`]): the vCPU threads (`KVM_RUN` and the MMIO/PIO
 //! exits, which include the virtio-mmio register file and so device
 //! activation), the VMM event loop (waits for the VM's end, then tears it
-//! down), the workers of the in-process virtio devices (vsock, blk, rng;
+//! down), the workers of the in-process virtio devices (vsock, blk, rng,
+//! balloon;
 //! virtio-fs has its own class because it alone needs the file system
 //! calls), and the vhost-user servers the QEMU backend runs (protocol
-//! socket, guest memory mapped from fds, and every device model behind it).
+//! socket, guest memory mapped from fds, and every device model behind it;
+//! they filter themselves, see `devices::vhost_user`).
 //! The daemon's own threads (tokio runtime, agent link, egress proxy) are
 //! not filtered: they start processes, open sockets and files on behalf of
 //! the client, and never parse guest memory.
@@ -174,7 +176,7 @@ pub enum ThreadClass {
     /// The VMM event loop: waits for the VM's end, kicks and joins the
     /// vCPUs, stops the devices and closes everything.
     EventLoop,
-    /// The worker of an in-process vsock, blk or rng device.
+    /// The worker of an in-process vsock, blk, rng or balloon device.
     DeviceWorker,
     /// The worker of the in-process virtio-fs device (file system calls on
     /// the granted folders).
@@ -354,6 +356,9 @@ const ACTIVATION: &[Allow] = &[
         "dup of eventfds (F_DUPFD_CLOEXEC), non-blocking flags"
     ),
     allow!(SYS_dup, "cloning an fd"),
+    allow!(SYS_timerfd_create, "the vsock muxer's credit/retry timer"),
+    allow!(SYS_timerfd_settime, "arming that timer"),
+    allow!(SYS_timerfd_gettime, "reading that timer"),
 ];
 
 /// The VMM event loop.

@@ -250,6 +250,7 @@ impl InProcessDevice for FsDevice {
             server: self.server.clone(),
             stats: self.stats.clone(),
             log_budget: self.log_budget.clone(),
+            fs: self.fs.clone(),
         };
         self.worker
             .start("virtio-fs", setup, move |worker| ctx.run(worker))
@@ -263,11 +264,9 @@ impl InProcessDevice for FsDevice {
     }
 
     fn stop(&mut self) -> bool {
+        // The worker ends the FUSE session before it returns.
         let stopped = self.worker.stop().is_ok();
         if stopped {
-            // End the FUSE session as DESTROY would: open files and inodes
-            // of the previous driver instance are released.
-            FileSystem::destroy(&*self.fs);
             info!("virtio-fs device reset");
         }
         stopped
@@ -295,6 +294,8 @@ struct WorkerCtx {
     server: Arc<Server<Arc<SessionFs>>>,
     stats: Arc<FsDeviceStats>,
     log_budget: Arc<AtomicU32>,
+    /// Destroyed (the FUSE session ended) when the worker is stopped.
+    fs: Arc<SessionFs>,
 }
 
 impl WorkerCtx {
@@ -305,6 +306,12 @@ impl WorkerCtx {
             self.stats.needs_reset.fetch_add(1, Ordering::Relaxed);
             worker.park_needs_reset("virtio-fs", self.interrupt.as_ref());
         }
+        // Stopped (device reset or VM end): end the FUSE session as DESTROY
+        // would, so open files and inodes of this driver instance are
+        // released. Here rather than in `stop`, which runs on the vCPU that
+        // wrote the status register: re-importing the grant roots opens
+        // files, which only this thread's seccomp class may do.
+        FileSystem::destroy(&*self.fs);
     }
 
     fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
