@@ -111,9 +111,10 @@ pub struct Cli {
     /// (startVM fails when it is unusable).
     #[arg(long, env = "COWORK_USERLAND", value_enum, default_value = "auto")]
     pub userland: UserlandArg,
-    /// Seccomp filters on the in-process VM's threads that handle guest
-    /// data (vCPUs, the VMM event loop, device workers): each may make only
-    /// the system calls its job needs. `off` disables them (with a
+    /// Seccomp filters on the threads that handle guest data (the kvm
+    /// backend's vCPUs, VMM event loop and device workers, the qemu
+    /// backend's vhost-user servers): each may make only the system calls
+    /// its job needs. `off` disables them (with a
     /// warning), `log` only has the kernel log what they would refuse.
     #[arg(long, env = vmm::seccomp::SECCOMP_ENV, value_enum, default_value = "on")]
     pub seccomp: SeccompArg,
@@ -423,7 +424,7 @@ fn doctor(backend: BackendChoice, userland: UserlandArg, seccomp: vmm::seccomp::
 fn seccomp_line(mode: vmm::seccomp::Mode) -> String {
     use vmm::seccomp::{Filter, ThreadClass};
     if mode == vmm::seccomp::Mode::Off {
-        return "off (--seccomp=off or COWORK_SECCOMP=off): the kvm backend's VM threads may make any system call".into();
+        return "off (--seccomp=off or COWORK_SECCOMP=off): the VM backends' device and vCPU threads may make any system call".into();
     }
     // One throwaway thread per class: a filter cannot be removed, and none
     // allows installing another.
@@ -439,7 +440,7 @@ fn seccomp_line(mode: vmm::seccomp::Mode) -> String {
     });
     match check {
         Ok(()) => format!(
-            "{mode} (kvm backend: vCPU, VMM event loop, device worker, virtio-fs worker filters; this kernel accepts them)"
+            "{mode} (kvm backend: vCPU, VMM event loop, device worker, virtio-fs worker filters; qemu backend: vhost-user filter; this kernel accepts them)"
         ),
         Err(e) => format!("{mode}, but UNUSABLE here: {e}"),
     }
@@ -482,7 +483,7 @@ fn serve(cli: Cli) -> i32 {
     match settings.seccomp {
         vmm::seccomp::Mode::On => {}
         vmm::seccomp::Mode::Off => tracing::warn!(
-            "seccomp filters are OFF (--seccomp=off / {}=off): a guest that takes over a vCPU or device thread of the kvm backend can make any system call this helper can",
+            "seccomp filters are OFF (--seccomp=off / {}=off): a guest that takes over a vCPU or device thread can make any system call this helper can",
             vmm::seccomp::SECCOMP_ENV
         ),
         vmm::seccomp::Mode::Log => tracing::warn!(

@@ -35,7 +35,8 @@ pub struct Settings {
     pub fs_xattr: bool,
     /// Which userland the VM backends boot into (`--userland`).
     pub userland: crate::backend::userland::UserlandChoice,
-    /// Seccomp filters of the kvm backend's VM threads (`--seccomp`).
+    /// Seccomp filters of the VM backends' device and vCPU threads
+    /// (`--seccomp`).
     pub seccomp: vmm::seccomp::Mode,
 }
 

@@ -204,8 +204,9 @@ pub struct BootOptions {
     /// Which userland the VM backends give the guest (the daemon's
     /// `--userland`).
     pub userland: userland::UserlandChoice,
-    /// Seccomp filters of the in-process VM's threads (the daemon's
-    /// `--seccomp`); the kvm backend applies it.
+    /// Seccomp filters of the threads handling guest data (the daemon's
+    /// `--seccomp`): the kvm backend's VM threads, the qemu backend's
+    /// vhost-user servers.
     pub seccomp: vmm::seccomp::Mode,
 }
 

@@ -507,6 +507,7 @@ const VHOST_USER: &[Allow] = &[
     allow!(SYS_getsockname, "the listener's address"),
     allow!(SYS_epoll_create1, "vring handler epoll sets"),
     allow!(SYS_memfd_create, "shared log memory"),
+    allow!(SYS_unlink, "the server removes its socket when the frontend leaves"),
 ];
 
 /// A condition on the 32-bit argument `arg`.

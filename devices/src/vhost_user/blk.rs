@@ -100,6 +100,13 @@ impl VhostUserBlkServer {
         Ok(self.inner.run()?)
     }
 
+    /// Filters the threads serving the frontend with `mode` (see
+    /// [`super`]); call before [`Self::run`].
+    pub fn seccomp(self, mode: vmm::seccomp::Mode) -> Self {
+        self.inner.set_seccomp(mode);
+        self
+    }
+
     /// [`Self::run`] on a new thread named `vhost-user-blk`.
     pub fn spawn(self) -> io::Result<JoinHandle<Result<(), VhostUserServeError>>> {
         self.inner.spawn()

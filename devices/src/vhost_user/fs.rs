@@ -63,6 +63,7 @@ use crate::fs::device::{
     serve_chain, FsDeviceStats, MALFORMED_LOG_BUDGET, MAX_REQUEST_QUEUES, QUEUE_SIZE,
 };
 use crate::fs::SessionFs;
+use crate::vhost_user::ThreadFilter;
 
 /// Guest memory as the vhost-user-backend crate maps it.
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -152,6 +153,8 @@ pub struct VhostUserFsBackend {
     panics: AtomicU64,
     /// One exit event per worker thread.
     exits: Vec<(EventConsumer, EventNotifier)>,
+    /// Seccomp of the threads serving the frontend.
+    filter: ThreadFilter,
 }
 
 impl VhostUserFsBackend {
@@ -177,6 +180,7 @@ impl VhostUserFsBackend {
             log_budget: AtomicU32::new(MALFORMED_LOG_BUDGET),
             panics: AtomicU64::new(0),
             exits,
+            filter: ThreadFilter::default(),
         })
     }
 
@@ -251,6 +255,8 @@ impl VhostUserBackend for VhostUserFsBackend {
     }
 
     fn features(&self) -> u64 {
+        // The request thread's first call.
+        self.filter.apply_or_log("fs");
         (1 << VIRTIO_F_VERSION_1)
             | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
             | (1 << VIRTIO_RING_F_EVENT_IDX)
@@ -274,6 +280,7 @@ impl VhostUserBackend for VhostUserFsBackend {
     }
 
     fn update_memory(&self, mem: Mem) -> io::Result<()> {
+        self.filter.apply()?;
         *self.mem.write().unwrap_or_else(|p| p.into_inner()) = mem;
         Ok(())
     }
@@ -294,6 +301,8 @@ impl VhostUserBackend for VhostUserFsBackend {
         vrings: &[Self::Vring],
         thread_id: usize,
     ) -> io::Result<()> {
+        // Before the ring is read.
+        self.filter.apply()?;
         // Each thread has exactly one vring: queue `thread_id`.
         let (Some(vring), Ok(index)) = (vrings.first(), u16::try_from(thread_id)) else {
             debug!(
@@ -384,6 +393,8 @@ impl VhostUserFsServer {
     /// Accepts one frontend and serves it until it disconnects.
     pub fn run(mut self) -> Result<(), VhostUserFsError> {
         self.daemon.start(&mut self.listener).map_err(daemon_err)?;
+        // The request thread is started: from here this one only waits.
+        self.backend.filter.apply_or_log("fs");
         info!(socket = %self.socket.display(), "vhost-user-fs: frontend connected");
         let res = self.daemon.wait();
         for h in self.daemon.get_epoll_handlers() {
@@ -404,6 +415,13 @@ impl VhostUserFsServer {
             )) => Ok(()),
             Err(e) => Err(daemon_err(e)),
         }
+    }
+
+    /// Filters the threads serving the frontend with `mode` (see the
+    /// module docs); call before [`Self::run`].
+    pub fn seccomp(self, mode: vmm::seccomp::Mode) -> Self {
+        self.backend.filter.set(mode);
+        self
     }
 
     /// [`Self::run`] on a new thread named `vhost-user-fs`.

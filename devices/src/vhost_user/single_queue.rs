@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use super::ThreadFilter;
+
 use tracing::{info, warn};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
@@ -79,6 +81,8 @@ pub(crate) struct SingleQueueBackend<T> {
     mem: Mem,
     exit_consumer: EventConsumer,
     exit_notifier: EventNotifier,
+    /// Seccomp of the threads serving the frontend.
+    filter: ThreadFilter,
 }
 
 impl<T: VhostQueueModel> SingleQueueBackend<T> {
@@ -90,6 +94,7 @@ impl<T: VhostQueueModel> SingleQueueBackend<T> {
             mem,
             exit_consumer,
             exit_notifier,
+            filter: ThreadFilter::default(),
         })
     }
 }
@@ -107,6 +112,8 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 
     fn features(&self) -> u64 {
+        // The request thread's first call.
+        self.filter.apply_or_log(T::NAME);
         self.model.features()
             | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
@@ -141,6 +148,7 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 
     fn update_memory(&mut self, mem: Mem) -> io::Result<()> {
+        self.filter.apply()?;
         self.mem = mem;
         Ok(())
     }
@@ -159,6 +167,8 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
         vrings: &[Self::Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
+        // Before the ring is read.
+        self.filter.apply()?;
         let Some(vring) = vrings.get(usize::from(device_event)) else {
             warn!(
                 device_event,
@@ -199,6 +209,8 @@ pub(crate) struct SingleQueueServer<T: VhostQueueModel> {
     listener: Listener,
     backend: Arc<Mutex<SingleQueueBackend<T>>>,
     daemon: VhostUserDaemon<Arc<Mutex<SingleQueueBackend<T>>>>,
+    /// The backend's seccomp mode, shared.
+    filter: ThreadFilter,
 }
 
 impl<T: VhostQueueModel> SingleQueueServer<T> {
@@ -206,7 +218,9 @@ impl<T: VhostQueueModel> SingleQueueServer<T> {
     /// may connect from now on.
     pub(crate) fn bind(socket: &Path, model: T) -> Result<Self, VhostUserServeError> {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let backend = Arc::new(Mutex::new(SingleQueueBackend::new(model, mem.clone())?));
+        let backend = SingleQueueBackend::new(model, mem.clone())?;
+        let filter = backend.filter.clone();
+        let backend = Arc::new(Mutex::new(backend));
         let daemon = VhostUserDaemon::new(format!("vhost-user-{}", T::NAME), backend.clone(), mem)
             .map_err(|e| VhostUserServeError::Daemon {
                 name: T::NAME,
@@ -222,7 +236,14 @@ impl<T: VhostQueueModel> SingleQueueServer<T> {
             listener,
             backend,
             daemon,
+            filter,
         })
+    }
+
+    /// Filters the threads serving the frontend with `mode` (see
+    /// [`super`]); call before [`Self::run`].
+    pub(crate) fn set_seccomp(&self, mode: vmm::seccomp::Mode) {
+        self.filter.set(mode);
     }
 
     /// The socket path.
@@ -237,6 +258,8 @@ impl<T: VhostQueueModel> SingleQueueServer<T> {
             reason: e.to_string(),
         };
         self.daemon.start(&mut self.listener).map_err(daemon_err)?;
+        // The request thread is started: from here this one only waits.
+        self.filter.apply_or_log(T::NAME);
         info!(socket = %self.socket.display(), "vhost-user-{}: frontend connected", T::NAME);
         let res = self.daemon.wait();
         for h in self.daemon.get_epoll_handlers() {

@@ -42,6 +42,7 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
+use crate::vhost_user::ThreadFilter;
 use crate::vsock::device::{NUM_QUEUES, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
 use crate::vsock::{DeviceError, VsockConfig, VsockHost, VsockModel};
 
@@ -113,6 +114,8 @@ pub struct VhostUserVsockBackend {
     queue_size: u16,
     exit_consumer: EventConsumer,
     exit_notifier: EventNotifier,
+    /// Seccomp of the threads serving the frontend.
+    filter: ThreadFilter,
 }
 
 impl VhostUserVsockBackend {
@@ -131,6 +134,7 @@ impl VhostUserVsockBackend {
             queue_size: config.queue_size,
             exit_consumer,
             exit_notifier,
+            filter: ThreadFilter::default(),
         })
     }
 
@@ -185,6 +189,8 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
     }
 
     fn features(&self) -> u64 {
+        // The request thread's first call.
+        self.filter.apply_or_log("vsock");
         (1 << VIRTIO_F_VERSION_1)
             | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
             | (1 << VIRTIO_RING_F_EVENT_IDX)
@@ -217,6 +223,7 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
     }
 
     fn update_memory(&mut self, mem: Mem) -> io::Result<()> {
+        self.filter.apply()?;
         self.mem = mem;
         Ok(())
     }
@@ -235,6 +242,8 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
         vrings: &[Self::Vring],
         _thread_id: usize,
     ) -> io::Result<()> {
+        // Before a ring or a host stream is read.
+        self.filter.apply()?;
         if device_event as usize > NUM_QUEUES + 1 {
             warn!(device_event, "vhost-user-vsock: unknown event ignored");
             return Ok(());
@@ -271,6 +280,8 @@ pub struct VhostUserVsockServer {
     socket: PathBuf,
     listener: Listener,
     daemon: VhostUserDaemon<Arc<RwLock<VhostUserVsockBackend>>>,
+    /// The backend's seccomp mode, shared.
+    filter: ThreadFilter,
 }
 
 impl VhostUserVsockServer {
@@ -283,6 +294,7 @@ impl VhostUserVsockServer {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let backend = VhostUserVsockBackend::new(config, host, mem.clone())?;
         let host_fd = backend.host_fd();
+        let filter = backend.filter.clone();
         let backend = Arc::new(RwLock::new(backend));
         let daemon =
             VhostUserDaemon::new("vhost-user-vsock".into(), backend, mem).map_err(daemon_err)?;
@@ -300,6 +312,7 @@ impl VhostUserVsockServer {
             socket: config.socket.clone(),
             listener,
             daemon,
+            filter,
         })
     }
 
@@ -319,6 +332,8 @@ impl VhostUserVsockServer {
     /// Accepts one frontend and serves it until it disconnects.
     pub fn run(mut self) -> Result<(), VhostUserVsockError> {
         self.daemon.start(&mut self.listener).map_err(daemon_err)?;
+        // The request thread is started: from here this one only waits.
+        self.filter.apply_or_log("vsock");
         info!(socket = %self.socket.display(), "vhost-user-vsock: frontend connected");
         let res = self.daemon.wait();
         for h in self.daemon.get_epoll_handlers() {
@@ -332,6 +347,13 @@ impl VhostUserVsockServer {
             )) => Ok(()),
             Err(e) => Err(daemon_err(e)),
         }
+    }
+
+    /// Filters the threads serving the frontend with `mode` (see the
+    /// module docs); call before [`Self::run`].
+    pub fn seccomp(self, mode: vmm::seccomp::Mode) -> Self {
+        self.filter.set(mode);
+        self
     }
 
     /// [`Self::run`] on a new thread named `vhost-user-vsock`.

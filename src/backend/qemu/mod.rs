@@ -73,7 +73,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use devices::blk::{BlkConfig, ImageError, RawImage, SESSION_DISK_SERIAL};
-use devices::fs::{SessionFs, SessionFsOptions};
+use devices::fs::SessionFs;
 use devices::vhost_user::blk::{VhostUserBlkError, VhostUserBlkServer, VhostUserServeError};
 use devices::vhost_user::fs::{VhostUserFsConfig, VhostUserFsError, VhostUserFsServer};
 use devices::vhost_user::rng::VhostUserRngServer;
@@ -228,7 +228,7 @@ pub async fn boot(
             .into_iter()
             .collect(),
     };
-    start(plan, run_dir, &accel_why, opts.fs, userland, egress)
+    start(plan, run_dir, &accel_why, opts, userland, egress)
         .await
         .map_err(|e| e.to_string())
 }
@@ -237,7 +237,7 @@ async fn start(
     plan: QemuPlan,
     run_dir: RunDir,
     accel_why: &str,
-    fs_options: SessionFsOptions,
+    opts: &BootOptions,
     userland: UserlandPlan,
     egress: &EgressProxy,
 ) -> Result<Booted, QemuError> {
@@ -248,20 +248,24 @@ async fn start(
     let server = VhostUserVsockServer::bind(
         &VhostUserVsockConfig::new(&plan.vsock_socket, GUEST_CID),
         &host,
-    )?;
-    let fs = Arc::new(SessionFs::new(fs_options));
+    )?
+    // Every vhost-user server filters the threads that serve QEMU with the
+    // daemon's --seccomp (devices::vhost_user).
+    .seccomp(opts.seccomp);
+    let fs = Arc::new(SessionFs::new(opts.fs));
     let mut fs_config = VhostUserFsConfig::new(&plan.fs_socket);
     fs_config.queue_size = FS_QUEUE_SIZE;
-    let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?;
+    let fs_server = VhostUserFsServer::bind(&fs_config, fs.clone())?.seccomp(opts.seccomp);
     // Locked exclusively from here until the blk server thread ends.
     let disk = RawImage::open(&plan.session_disk)?;
     let blk_server = VhostUserBlkServer::bind(
         &plan.blk_socket,
         Box::new(disk),
         &BlkConfig::new(SESSION_DISK_SERIAL),
-    )?;
+    )?
+    .seccomp(opts.seccomp);
     let blk_stats = blk_server.stats();
-    let rng_server = VhostUserRngServer::bind(&plan.rng_socket)?;
+    let rng_server = VhostUserRngServer::bind(&plan.rng_socket)?.seccomp(opts.seccomp);
     // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
     let mut root_servers = Vec::with_capacity(plan.root_disks.len());
     for root in &plan.root_disks {
@@ -274,7 +278,8 @@ async fn start(
             &root.socket,
             Box::new(image),
             &BlkConfig::new(root.disk.serial),
-        )?;
+        )?
+        .seccomp(opts.seccomp);
         root_servers.push((server, root.socket.clone()));
     }
     let vhost = server.spawn().map_err(QemuError::Thread)?;

@@ -20,14 +20,14 @@ fn no_userland() -> UserlandPlan {
     }
 }
 
-/// Starts `plan` with default shared-folder options, no root disk and the
-/// production egress proxy.
+/// Starts `plan` with default boot options (shared folders, seccomp on), no
+/// root disk and the production egress proxy.
 async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuError> {
     start(
         plan,
         run_dir,
         "test",
-        SessionFsOptions::default(),
+        &BootOptions::default(),
         no_userland(),
         &crate::egress::EgressProxy::from_env(),
     )
