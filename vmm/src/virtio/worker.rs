@@ -292,6 +292,75 @@ mod tests {
         }
     }
 
+    /// The `Seccomp:` mode of thread `tid` of this process from /proc (2 =
+    /// filtered).
+    fn kernel_seccomp_mode(tid: i64) -> u32 {
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/status"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("Seccomp:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap()
+    }
+
+    /// Starts a worker of `class` (None: the default) from a thread
+    /// filtered as a vCPU when `vcpu_filtered`; returns what the worker
+    /// knows of its filter and what the kernel says, read from this
+    /// (unfiltered) thread while the worker waits to be stopped (a filtered
+    /// thread cannot open /proc).
+    fn worker_filter(
+        vcpu_filtered: bool,
+        class: Option<ThreadClass>,
+    ) -> (Option<(ThreadClass, seccomp::Mode)>, u32) {
+        seccomp::start_spawner().unwrap();
+        let (seen_tx, seen_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let starter = std::thread::spawn(move || {
+            if vcpu_filtered {
+                let vcpu = Filter::new(ThreadClass::Vcpu, seccomp::Mode::On)
+                    .unwrap()
+                    .unwrap();
+                vcpu.install().unwrap();
+            }
+            let mut worker = match class {
+                Some(c) => DeviceWorker::with_class("test", c),
+                None => DeviceWorker::new("test"),
+            };
+            worker
+                .start("worker-test", WorkerSetup::new().unwrap(), move |lp| {
+                    // SAFETY: gettid has no arguments.
+                    let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+                    seen_tx.send((seccomp::current(), tid)).unwrap();
+                    lp.serve(1, |e| e, |_| Ok(())).unwrap();
+                })
+                .unwrap();
+            done_rx.recv().unwrap();
+            worker.stop().unwrap();
+        });
+        let (class, tid) = seen_rx.recv().unwrap();
+        let kernel = kernel_seccomp_mode(tid);
+        done_tx.send(()).unwrap();
+        starter.join().unwrap();
+        (class, kernel)
+    }
+
+    #[test]
+    fn workers_of_filtered_threads_get_their_own_class() {
+        assert_eq!(
+            worker_filter(true, None),
+            (Some((ThreadClass::DeviceWorker, seccomp::Mode::On)), 2)
+        );
+        assert_eq!(
+            worker_filter(true, Some(ThreadClass::FsWorker)),
+            (Some((ThreadClass::FsWorker, seccomp::Mode::On)), 2)
+        );
+    }
+
+    #[test]
+    fn workers_of_unfiltered_threads_are_unfiltered() {
+        assert_eq!(worker_filter(false, None), (None, 0));
+    }
+
     #[test]
     fn stop_token_is_reserved() {
         let setup = WorkerSetup::new().unwrap();
