@@ -7,22 +7,24 @@
 //! exits, which include the virtio-mmio register file and so device
 //! activation), the VMM event loop (waits for the VM's end, then tears it
 //! down), the workers of the in-process virtio devices (vsock, blk, rng,
-//! balloon;
-//! virtio-fs has its own class because it alone needs the file system
-//! calls), and the vhost-user servers the QEMU backend runs (protocol
-//! socket, guest memory mapped from fds, and every device model behind it;
-//! they filter themselves, see `devices::vhost_user`).
-//! The daemon's own threads (tokio runtime, agent link, egress proxy) are
-//! not filtered: they start processes, open sockets and files on behalf of
-//! the client, and never parse guest memory.
+//! balloon; virtio-fs has its own class because it alone needs the file
+//! system calls), and the vhost-user servers the QEMU backend runs
+//! (protocol socket, guest memory mapped from fds, and every device model
+//! behind it; they filter themselves, see `devices::vhost_user`). The
+//! daemon's own threads (tokio runtime, agent link, egress proxy) are not
+//! filtered: they start processes, open sockets and files on behalf of the
+//! client, and never read guest memory (the agent link's frames arrive
+//! through a socketpair and are parsed by code with its own limits).
 //!
 //! Installation: [`Filter::install`] on the thread itself (filters are per
 //! thread, no `TSYNC`). A thread created by a filtered thread inherits its
 //! filter, so device workers are never created by the (filtered) vCPU thread
-//! that activates them: [`spawn_unfiltered`] hands the `clone` to one
-//! process-wide spawner thread started by [`start_spawner`] before any filter
-//! exists, and the new worker installs its own class's filter first thing.
-//! As a consequence no filtered thread needs `clone`, `execve` or `fork`.
+//! that activates them, nor vCPUs by the (filtered) event loop:
+//! [`spawn_unfiltered`] hands the `clone` to one process-wide spawner thread
+//! ([`SPAWNER_THREAD_NAME`], started by [`start_spawner`] before any filter
+//! exists, never filtered itself: it only creates threads), and the new
+//! thread installs its own class's filter first thing. As a consequence no
+//! filtered thread needs `clone`, `execve` or `fork`.
 //!
 //! What a denied call does: it fails with `EPERM` ([`Mode::On`]); nothing is
 //! killed. A denied call in a worker surfaces as an ordinary I/O error: the
@@ -507,7 +509,10 @@ const VHOST_USER: &[Allow] = &[
     allow!(SYS_getsockname, "the listener's address"),
     allow!(SYS_epoll_create1, "vring handler epoll sets"),
     allow!(SYS_memfd_create, "shared log memory"),
-    allow!(SYS_unlink, "the server removes its socket when the frontend leaves"),
+    allow!(
+        SYS_unlink,
+        "the server removes its socket when the frontend leaves"
+    ),
 ];
 
 /// A condition on the 32-bit argument `arg`.
