@@ -2,7 +2,7 @@
 //! reports `apiReachability` events — the first result and every change.
 //!
 //! The probe connects through the egress proxy's dialer
-//! ([`EgressDialer::connect_str`], unrestricted policy), the path every
+//! ([`crate::egress::EgressDialer::connect_str`], unrestricted policy), the path every
 //! session's traffic takes: the same address guard, the same resolver, the
 //! helper's own upstream proxy (`HTTPS_PROXY`/`NO_PROXY`) when set. So the
 //! answer is what sessions can reach, not what the helper process could: a

@@ -1,6 +1,6 @@
 //! vhost-user faces of the device models.
 //!
-//! Seccomp: a server given a filtering mode ([`ThreadFilter`], set with
+//! Seccomp: a server given a filtering mode (`ThreadFilter`, set with
 //! each server's `seccomp` method before it runs) filters every thread that
 //! serves its frontend with [`ThreadClass::VhostUser`]: its own thread once
 //! the frontend is accepted (it then only waits), the request thread the
