@@ -11,7 +11,8 @@
 //! [`run_machine_init`] (`--init`, or PID 1 started by the kernel without
 //! arguments) does everything a VM's init must before the agent dials the
 //! host: the mounts, the kernel modules ([`super::modules`]), the clock
-//! ([`super::clock`]), the loopback interface, the session userland and
+//! ([`super::clock`]), the loopback interface (with a second address,
+//! [`SECOND_LOOPBACK_ADDR`]), the session userland and
 //! session disk ([`super::userland`], which may switch the root away from
 //! the initramfs and sets up host name, `/etc` and limits) and the host's
 //! session share. Powering off at the end is [`super::power`].
@@ -226,6 +227,54 @@ pub fn loopback_up() -> Result<(), InitError> {
     Ok(())
 }
 
+/// A second loopback address, added to `lo` as [`LOOPBACK_ALIAS`]. glibc's
+/// `getaddrinfo` with `AI_ADDRCONFIG` (`getent ahostsv4`, curl `-4`, python's
+/// `socket.create_connection` through it) answers nothing for IPv4 on a
+/// system whose only IPv4 address is 127.0.0.1, which it ignores; the VM has
+/// no NIC, so without this the DNS stub's fake addresses would never reach
+/// such programs. 127.0.0.2 already belongs to the 127.0.0.0/8 that `lo`
+/// serves: it makes nothing new reachable.
+pub const SECOND_LOOPBACK_ADDR: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
+
+/// The interface label of [`SECOND_LOOPBACK_ADDR`] (an alias of `lo`).
+pub const LOOPBACK_ALIAS: &CStr = c"lo:1";
+
+/// Adds [`SECOND_LOOPBACK_ADDR`] to `lo` (as [`LOOPBACK_ALIAS`]); adding it
+/// again is harmless.
+pub fn loopback_alias() -> Result<(), InitError> {
+    // SAFETY: plain socket(2).
+    let fd =
+        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
+            .map_err(InitError::Loopback)?;
+    // SAFETY: a new descriptor owned by nobody else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; zero is valid.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(LOOPBACK_ALIAS.to_bytes()) {
+        *dst = *src as libc::c_char;
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(SECOND_LOOPBACK_ADDR).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a sockaddr_in (16 bytes) fits the ifreq's sockaddr (16 bytes).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            (&sin as *const libc::sockaddr_in).cast::<u8>(),
+            std::ptr::addr_of_mut!(req.ifr_ifru.ifru_addr).cast::<u8>(),
+            std::mem::size_of::<libc::sockaddr_in>(),
+        );
+    }
+    // SAFETY: SIOCSIFADDR reads a valid ifreq.
+    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) })
+        .map_err(InitError::Loopback)?;
+    Ok(())
+}
+
 /// Whether a virtio device is bound to the virtio-fs driver (a share may be
 /// there; which tags is only known by trying).
 pub fn virtiofs_device_present(driver_dir: &Path) -> bool {
@@ -279,6 +328,14 @@ pub fn run_machine_init() -> MachineInit {
     match loopback_up() {
         Ok(()) => tracing::debug!("loopback up"),
         Err(e) => tracing::warn!(error = %e, "loopback not up"),
+    }
+    match loopback_alias() {
+        Ok(()) => tracing::debug!(addr = %SECOND_LOOPBACK_ADDR, "second loopback address"),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "cannot add {SECOND_LOOPBACK_ADDR} to lo; IPv4-only name lookups of sessions \
+             (AI_ADDRCONFIG) will find nothing"
+        ),
     }
     let booted = userland::boot();
     let mut private_paths = booted.private_paths;
