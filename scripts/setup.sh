@@ -55,7 +55,13 @@ packages=(
 	debian-archive-keyring      # verifies the Debian archive mmdebstrap installs from
 	fdisk                       # sfdisk: the client-style GPT bundle of tests/qemu_userland.rs
 	iproute2 curl               # tests/egress_netns.rs: veth pairs, curl as a real proxy client
+	openssl python3             # tests/egress_vm.rs: test certificate, HTTPS/UDP test servers,
+	                            # python urllib in sandbox sessions
 )
+# node: sandbox sessions' `fetch` in tests/egress_vm.rs (the host's node; any source will do).
+if ! command -v node >/dev/null 2>&1; then
+	packages+=(nodejs)
+fi
 # npm fetches the Claude Code CLI for the tests (scripts/fetch-claude-cli.sh). Only installed
 # when missing: a node from another source already brings its own npm, and Debian's npm
 # package would want Debian's nodejs instead.
