@@ -193,19 +193,48 @@ impl VsockStream {
             AsyncFd::register_with_interest(owned, Interest::READABLE | Interest::WRITABLE)
         }
         .map_err(io::Error::from)?;
-        if pending {
+        // Wait for the connect to finish. The writable readiness that says so
+        // must stay set: the socket stays writable, so under tokio's
+        // edge-triggered epoll no new edge would come until the host sends
+        // something — and in both proxy protocols the client speaks first.
+        // Only a wake-up that finds the socket still unconnected is cleared.
+        while pending {
             let mut guard = fd.writable().await?;
-            guard.clear_ready();
             let err = socket_error(fd.get_ref())?;
             if err != 0 {
                 return Err(io::Error::from_raw_os_error(err));
             }
+            if is_connected(fd.get_ref())? {
+                break;
+            }
+            guard.clear_ready();
         }
         Ok(Self { fd })
     }
 }
 
 /// `SO_ERROR` of a socket: the outcome of a nonblocking connect.
+/// Whether the socket has a peer (`getpeername` succeeds): a connect that
+/// is still in progress answers `ENOTCONN`.
+fn is_connected(fd: &OwnedFd) -> io::Result<bool> {
+    // SAFETY: sockaddr_vm is plain data; all-zero is valid.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+    // SAFETY: valid out-pointers of the right size.
+    let r = unsafe {
+        libc::getpeername(
+            fd.as_raw_fd(),
+            (&mut addr as *mut libc::sockaddr_vm).cast(),
+            &mut len,
+        )
+    };
+    match sys::cvt(r) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 fn socket_error(fd: &OwnedFd) -> io::Result<i32> {
     let mut err: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
