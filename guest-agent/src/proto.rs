@@ -239,6 +239,38 @@ pub struct Hello {
     /// init (absent otherwise, and from agents that predate it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub userland: Option<UserlandInfo>,
+    /// What the agent did with the session disk at boot, when it is a VM's
+    /// init (absent otherwise, and from agents that predate it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_disk: Option<SessionDiskInfo>,
+}
+
+/// The session disk as a VM's agent found it at boot (see
+/// `agent::sessiondisk`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionDiskInfo {
+    /// [`SessionDiskInfo::MOUNTED`], [`SessionDiskInfo::FORMATTED`],
+    /// [`SessionDiskInfo::ABSENT`] or [`SessionDiskInfo::FAILED`]; a string
+    /// so a newer agent's word does not break an older host.
+    pub state: String,
+    /// The guest's device node, when the disk was found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dev: Option<String>,
+    /// Why it could not be used ([`SessionDiskInfo::FAILED`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl SessionDiskInfo {
+    /// It held a filesystem and is mounted at `/sessions`.
+    pub const MOUNTED: &'static str = "mounted";
+    /// It was blank, was formatted and is mounted at `/sessions`.
+    pub const FORMATTED: &'static str = "formatted";
+    /// No disk with [`SESSION_DISK_SERIAL`] was found.
+    pub const ABSENT: &'static str = "absent";
+    /// It was found but not mounted (and not formatted): see `error`.
+    pub const FAILED: &'static str = "failed";
 }
 
 /// The userland a VM's agent switched to at boot (see `agent::userland`).

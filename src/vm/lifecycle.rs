@@ -37,7 +37,7 @@ impl Vm {
         self.hub
             .publish(&event::startup_step(step::VM_BOOT, "started"))
             .await;
-        if let Err(e) = self.create_storage(None) {
+        if let Err(e) = self.prepare_storage_for_boot().await {
             self.hub
                 .publish(&event::startup_step(step::VM_BOOT, "failed"))
                 .await;
@@ -92,6 +92,7 @@ impl Vm {
         };
         let hello = hello.and_then(|(hello, stream)| {
             check_userland(userland.as_ref(), &hello)?;
+            self.check_guest_disk(&hello)?;
             Ok((hello, stream))
         });
         let (hello, stream) = match hello {

@@ -454,6 +454,7 @@ impl Agent {
             boot: self.clock.times(self.is_init, sys::boottime_us()),
             kernel: sys::kernel_release(),
             userland: userland::booted(),
+            session_disk: sessiondisk::outcome(),
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,

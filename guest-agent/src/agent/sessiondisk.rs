@@ -11,7 +11,8 @@
 //!    keeps sessions on its root filesystem);
 //! 2. reads its first [`PROBE_LEN`] bytes ([`classify`]): an ext2/3/4
 //!    superblock magic ([`crate::extfs`]) means it is formatted; all
-//!    zeroes means blank; anything else is left alone;
+//!    zeroes there and in its last [`TAIL_LEN`] bytes means blank;
+//!    anything else is left alone;
 //! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
 //! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
@@ -23,9 +24,22 @@
 //!    `EXT4_IOC_RESIZE_FS` on the mounted filesystem, as `resize2fs` does
 //!    ([`grow`]).
 //!
-//! Limits: only a disk that reads as zeroes in its first 64 KiB is ever
-//! formatted, so a disk holding another filesystem or a partition table is
-//! never overwritten (and not mounted either: the failure is logged); a
+//! What happened is kept for the hello ([`outcome`],
+//! [`proto::SessionDiskInfo`]): a disk that was found but could not be
+//! mounted is reported as failed with the reason, and the host fails
+//! `startVM` with it rather than let sessions live on the root filesystem,
+//! which does not survive `stopVM`.
+//!
+//! Blank: the host already refuses to boot an image that is not zero from
+//! its first byte to its last (`src/vm/storage.rs`, which can afford that
+//! check because the image is sparse); the agent cannot read a whole disk
+//! quickly, so its own check, a second line of defence, covers where
+//! signatures live: the first [`PROBE_LEN`] bytes (MBR, GPT, ext, XFS,
+//! ISO 9660, btrfs at 64 KiB, the first ZFS labels) and the last
+//! [`TAIL_LEN`] (the GPT backup, md 1.0 superblocks, the last ZFS labels).
+//!
+//! Limits: a disk holding another filesystem or a partition table is
+//! never overwritten (and not mounted either: the failure is reported); a
 //! format interrupted after its first writes leaves such a disk, which then
 //! needs a fresh image from the host. The mount point is the default
 //! sessions root (`/sessions`), not a `--sessions-root` override. The
@@ -35,8 +49,10 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::extfs::{self, FsSize, Superblock};
@@ -47,8 +63,14 @@ use crate::proto;
 pub const SYS_BLOCK: &str = "/sys/block";
 /// Where their device nodes are (devtmpfs).
 pub const DEV_DIR: &str = "/dev";
-/// Bytes read from the start of the disk to decide whether it is blank.
-pub const PROBE_LEN: usize = 64 * 1024;
+/// Bytes read from the start of the disk to decide whether it is blank
+/// (1 MiB: past btrfs's superblock at 64 KiB and ZFS's second label at
+/// 256 KiB).
+pub const PROBE_LEN: usize = 1024 * 1024;
+/// Bytes read from the end of the disk to decide whether it is blank
+/// (1 MiB: the GPT backup header and entries, md 1.0 superblocks, ZFS's
+/// last two labels).
+pub const TAIL_LEN: u64 = 1024 * 1024;
 /// Programs tried, in order, to format the disk (e2fsprogs' mke2fs under
 /// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
 pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
@@ -230,6 +252,25 @@ fn read_head(dev: &Path) -> Result<Vec<u8>, SessionDiskError> {
     Ok(head)
 }
 
+/// Whether the last [`TAIL_LEN`] bytes of `dev` (all of it if smaller)
+/// read as zeroes.
+fn tail_is_zero(dev: &Path) -> Result<bool, SessionDiskError> {
+    let err = |source| SessionDiskError::Probe {
+        dev: dev.to_path_buf(),
+        source,
+    };
+    let len = disk_bytes(dev).map_err(|e| match e {
+        SessionDiskError::Size { source, .. } => err(source),
+        other => other,
+    })?;
+    let start = len.saturating_sub(TAIL_LEN);
+    let mut tail = vec![0u8; usize::try_from(len - start).unwrap_or(0)];
+    File::open(dev)
+        .and_then(|f| f.read_exact_at(&mut tail, start))
+        .map_err(err)?;
+    Ok(tail.iter().all(|&b| b == 0))
+}
+
 /// The first existing program of `candidates`.
 pub fn find_mkfs(candidates: &[&str]) -> Option<PathBuf> {
     candidates.iter().map(PathBuf::from).find(|p| p.is_file())
@@ -334,6 +375,7 @@ pub fn prepare(
             false
         }
         DiskContents::Unknown => return Err(SessionDiskError::Foreign(dev)),
+        DiskContents::Blank if !tail_is_zero(&dev)? => return Err(SessionDiskError::Foreign(dev)),
         DiskContents::Blank => {
             let mkfs = find_mkfs(mkfs_candidates).ok_or(SessionDiskError::NoMkfs)?;
             tracing::info!(dev = %dev.display(), mkfs = %mkfs.display(), "formatting the blank session disk as ext4");
@@ -361,17 +403,43 @@ pub fn prepare(
     })
 }
 
+/// What [`mount_session_disk`] did at this boot, for the hello.
+static OUTCOME: OnceLock<proto::SessionDiskInfo> = OnceLock::new();
+
+/// What [`mount_session_disk`] did at this boot (`None` when it did not
+/// run: the agent is not a VM's init).
+pub fn outcome() -> Option<proto::SessionDiskInfo> {
+    OUTCOME.get().cloned()
+}
+
+/// The hello's report of a [`prepare`] result.
+pub fn report(result: &Result<Prepared, SessionDiskError>) -> proto::SessionDiskInfo {
+    use proto::SessionDiskInfo as Info;
+    let (state, dev, error) = match result {
+        Ok(Prepared::NoDisk) => (Info::ABSENT, None, None),
+        Ok(Prepared::Formatted(dev)) => (Info::FORMATTED, Some(dev), None),
+        Ok(Prepared::Mounted(dev)) => (Info::MOUNTED, Some(dev), None),
+        Err(e) => (Info::FAILED, None, Some(e.to_string())),
+    };
+    Info {
+        state: state.to_string(),
+        dev: dev.map(|d| d.display().to_string()),
+        error,
+    }
+}
+
 /// [`prepare`] for the running VM, mounting on `target` (`/sessions` of the
 /// root the sessions will see: the initramfs's, or the new root's before
-/// the agent switches to it), logging the outcome; failures leave the
-/// sessions on the root filesystem.
+/// the agent switches to it), logging the outcome and keeping it for the
+/// hello ([`outcome`]); the host refuses a boot whose disk failed.
 pub fn mount_session_disk(target: &Path) {
-    match prepare(
+    let result = prepare(
         Path::new(SYS_BLOCK),
         Path::new(DEV_DIR),
         &MKFS_CANDIDATES,
         target,
-    ) {
+    );
+    match &result {
         Ok(Prepared::NoDisk) => tracing::info!(
             serial = proto::SESSION_DISK_SERIAL,
             "no session disk; sessions live on the root filesystem"
@@ -387,9 +455,10 @@ pub fn mount_session_disk(target: &Path) {
             "session disk mounted"
         ),
         Err(e) => {
-            tracing::warn!(error = %e, "session disk not mounted; sessions live on the root filesystem")
+            tracing::error!(error = %e, "session disk not mounted and not formatted; the host is told")
         }
     }
+    let _ = OUTCOME.set(report(&result));
 }
 
 #[cfg(test)]
@@ -530,6 +599,59 @@ mod tests {
             format(Path::new("/bin/false"), &img),
             Err(SessionDiskError::MkfsFailed { .. })
         ));
+        // A zero head is not enough: a GPT backup header in the last
+        // sector makes the disk foreign, and it is left as it was.
+        f.set_len(8 << 20).unwrap();
+        f.write_all_at(b"EFI PART", (8 << 20) - 512).unwrap();
+        let result = prepare(&sys, &dev, &["/bin/false"], &target);
+        assert!(
+            matches!(result, Err(SessionDiskError::Foreign(_))),
+            "{result:?}"
+        );
+        let mut back = [0u8; 8];
+        File::open(&img)
+            .unwrap()
+            .read_exact_at(&mut back, (8 << 20) - 512)
+            .unwrap();
+        assert_eq!(&back, b"EFI PART", "untouched");
+        // The hello says it failed, and why.
+        let info = report(&result);
+        assert_eq!(info.state, proto::SessionDiskInfo::FAILED);
+        assert!(
+            info.error
+                .as_deref()
+                .is_some_and(|e| e.contains("left untouched")),
+            "{info:?}"
+        );
+    }
+
+    #[test]
+    fn the_hello_reports_each_outcome() {
+        use proto::SessionDiskInfo as Info;
+        let r = report(&Ok(Prepared::NoDisk));
+        assert_eq!(
+            (r.state.as_str(), r.dev, r.error),
+            (Info::ABSENT, None, None)
+        );
+        let r = report(&Ok(Prepared::Formatted("/dev/vdb".into())));
+        assert_eq!(
+            (r.state.as_str(), r.dev.as_deref()),
+            (Info::FORMATTED, Some("/dev/vdb"))
+        );
+        let r = report(&Ok(Prepared::Mounted("/dev/vdb".into())));
+        assert_eq!((r.state.as_str(), r.error), (Info::MOUNTED, None));
+        let r = report(&Err(SessionDiskError::Mount {
+            dev: "/dev/vdb".into(),
+            target: "/sessions".into(),
+            source: io::Error::from_raw_os_error(libc::EUCLEAN),
+        }));
+        assert_eq!(r.state, Info::FAILED);
+        assert!(r
+            .error
+            .unwrap()
+            .contains("cannot mount session disk /dev/vdb"));
+        // Not a VM's init in a unit test: nothing to report.
+        assert_eq!(outcome(), None);
     }
 
     #[test]
