@@ -214,11 +214,20 @@ pub struct BootOptions {
 pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> {
     match cfg.backend {
         BackendKind::Sandbox => {
+            // The guest-hostility tests' hook (see its docs): a program in
+            // front of the agent, named by the helper's environment only.
+            let command_override = std::env::var_os(crate::sandbox::AGENT_WRAPPER_ENV)
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .map(|wrapper| {
+                    tracing::warn!(wrapper = %wrapper.display(), "test hook: the sandbox runs this program in front of the agent");
+                    crate::sandbox::wrapped_agent_command(&wrapper, &cfg.helper_exe, true)
+                });
             let sandbox_cfg = SandboxConfig {
                 helper_exe: cfg.helper_exe.clone(),
                 sessions_dir: cfg.sessions_dir(),
                 agent_args: vec![],
-                command_override: None,
+                command_override,
                 // Sessions' only way out: the daemon's proxy on the sandbox's
                 // own unix socket, which ends with the sandbox.
                 egress: Some(cfg.egress.clone()),

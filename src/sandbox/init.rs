@@ -355,7 +355,7 @@ fn open_own_executable() -> Result<OwnedFd, Failure> {
 
 /// The agent's fixed arguments; with an egress socket, its directory is
 /// one more private path.
-fn agent_args(egress: bool) -> Vec<String> {
+pub(super) fn agent_args(egress: bool) -> Vec<String> {
     let mut args: Vec<String> = AGENT_ARGS.iter().map(|a| a.to_string()).collect();
     if egress {
         args.extend(["--private-path".to_string(), EGRESS_DIR.to_string()]);

@@ -111,6 +111,32 @@ pub struct SandboxConfig {
     pub egress: Option<crate::egress::EgressProxy>,
 }
 
+/// Environment variable of the agent-wrapper test hook: an absolute host
+/// path of a program the sandbox runs as PID 1 *instead of* the agent, with
+/// the agent's own command line (as a path under [`HOST_ROOT`]) as its
+/// arguments, so it can `exec` the real agent or stand in for it. The
+/// guest-hostility tests put a misbehaving fake agent there. Read from the
+/// helper's environment only (the client cannot set it); whoever sets the
+/// helper's environment can run any program as the helper's user anyway.
+pub const AGENT_WRAPPER_ENV: &str = "COWORK_TEST_SANDBOX_AGENT_WRAPPER";
+
+/// The [`SandboxConfig::command_override`] of the [`AGENT_WRAPPER_ENV`]
+/// hook: `wrapper` (a host path) followed by the agent's command line as
+/// the init would run it, with the helper `helper_exe` (a host path) named
+/// by its path under [`HOST_ROOT`]; `egress` as for a sandbox with an
+/// egress proxy.
+pub fn wrapped_agent_command(
+    wrapper: &std::path::Path,
+    helper_exe: &std::path::Path,
+    egress: bool,
+) -> Vec<String> {
+    let under_host_root = |p: &std::path::Path| agent_view_of_host(&p.to_string_lossy());
+    std::iter::once(under_host_root(wrapper))
+        .chain(std::iter::once(under_host_root(helper_exe)))
+        .chain(init::agent_args(egress))
+        .collect()
+}
+
 impl SandboxConfig {
     /// A configuration that runs the agent with no extra arguments.
     pub fn new(helper_exe: impl Into<PathBuf>, sessions_dir: impl Into<PathBuf>) -> Self {

@@ -176,18 +176,17 @@ impl Vm {
                 .map(|(id, _)| id.clone())
                 .collect()
         };
+        // Why, when the agent broke the link protocol.
+        let why = link.violation().map_or_else(
+            || "the VM stopped unexpectedly; the process was killed with it".to_string(),
+            |v| format!("{v}; the process was killed with the VM"),
+        );
         for id in orphans {
             // The agent could not report these processes' ends: they died
             // with the machine. Say so, then close them with an exit.
             self.flush_output(&id).await;
             lock(&self.procs).mark_exited(&id, None);
-            self.hub
-                .publish(&event::error(
-                    &id,
-                    "the VM stopped unexpectedly; the process was killed with it",
-                    true,
-                ))
-                .await;
+            self.hub.publish(&event::error(&id, &why, true)).await;
             self.hub
                 .publish(&event::exit(&id, None, Some("SIGKILL"), None))
                 .await;

@@ -4,9 +4,29 @@
 //! their requests and hands the agent's unsolicited messages to the [`Vm`];
 //! and the agent's hello, which must be its first message.
 //!
-//! Limits: at most [`AGENT_QUEUE`] frames wait for the writer (senders then
-//! wait); one write carries at most about [`WRITE_BATCH`] bytes; a frame
-//! the link cannot parse ends the link.
+//! The agent is not trusted (a guest is hostile by assumption): whatever it
+//! sends, the helper neither panics nor grows without bound, and a caller
+//! never waits longer than its deadline.
+//!
+//! - A frame the link cannot parse (announced over [`proto::MAX_MESSAGE`],
+//!   cut short, a header that is not one of our messages, a second hello)
+//!   is a protocol violation: the link is closed, every request waiting on
+//!   it fails with the reason, and the VM handles it like the agent going
+//!   away (each running process gets a fatal `error` event and an `exit`).
+//! - Answers to ids nobody waits for (late answers of requests that timed
+//!   out, or made-up ids) are dropped; output, exits and errors for process
+//!   ids the host does not know are dropped by the process table. Such
+//!   drops are counted and logged once per link, not once per message.
+//! - At most [`MAX_PENDING_REQUESTS`] requests may await their answer at
+//!   once ([`MAX_PENDING_ENV`] overrides it); beyond it a request fails at
+//!   once with [`VmError::Busy`]. A request whose caller gave up (timed out
+//!   or dropped) leaves the table at once.
+//! - At most [`MAX_QUEUED_BYTES`] of frames wait for the writer (and at
+//!   most [`AGENT_QUEUE`] frames); a sender waits for room no longer than
+//!   its deadline, so an agent that stops reading makes requests fail with
+//!   a timeout instead of piling up.
+//!
+//! Limits: one write carries at most about [`WRITE_BATCH`] bytes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,15 +38,42 @@ use guest_agent::proto::{self, AgentMessage, Envelope, Hello, HostMessage, Op};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Vm, VmError};
 
 /// Frames queued towards the agent before senders wait.
 const AGENT_QUEUE: usize = 256;
 
+/// Bytes of frames queued towards the agent before senders wait: six of
+/// the largest frames, enough to keep a reading agent busy while the next
+/// ones are encoded, and what an agent that stops reading can make the
+/// helper hold per VM.
+pub const MAX_QUEUED_BYTES: usize = 6 * proto::MAX_MESSAGE;
+
 /// Largest batch the link writer coalesces into one write.
 const WRITE_BATCH: usize = 1024 * 1024;
+
+/// Requests to the agent that may await their answer at once, per VM.
+/// Far above what a client has in flight (the desktop client waits for
+/// each spawn and pipelines stdin writes the agent answers at once), and
+/// what an agent that stops answering can make the helper track: each
+/// entry is a few hundred bytes until its caller's deadline passes.
+pub const MAX_PENDING_REQUESTS: usize = 1024;
+
+/// Environment variable that overrides [`MAX_PENDING_REQUESTS`] (a
+/// positive number; tests use a small one).
+pub const MAX_PENDING_ENV: &str = "COWORK_MAX_PENDING_REQUESTS";
+
+/// The pending-request cap in force: [`MAX_PENDING_ENV`] when it is a
+/// positive number, else [`MAX_PENDING_REQUESTS`].
+pub fn max_pending_requests() -> usize {
+    std::env::var(MAX_PENDING_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(MAX_PENDING_REQUESTS)
+}
 
 /// Answer of one agent request.
 struct Reply {
@@ -34,72 +81,155 @@ struct Reply {
     payload: Vec<u8>,
 }
 
+/// Requests awaiting their answer, by id.
+type PendingMap = Arc<Mutex<HashMap<u64, oneshot::Sender<Reply>>>>;
+
 /// The host end of the agent protocol.
 pub struct AgentLink {
-    tx: mpsc::Sender<Vec<u8>>,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    tx: mpsc::Sender<(Vec<u8>, OwnedSemaphorePermit)>,
+    /// Byte budget of the frames queued for the writer.
+    queued: Arc<Semaphore>,
+    pending: PendingMap,
+    max_pending: usize,
     next_id: AtomicU64,
     pub(super) closed: AtomicBool,
+    /// Why the link ended, when the agent broke the protocol (said to the
+    /// callers it fails and in the processes' fatal events).
+    violation: Mutex<Option<String>>,
     pub hello: Hello,
 }
 
 impl AgentLink {
-    /// Sends `op` (with `payload`) and waits for its answer.
+    /// Sends `op` (with `payload`) and waits for its answer; `timeout`
+    /// bounds the wait for room in the queue and, again, for the answer.
     pub async fn call(
         &self,
         op: Op,
         payload: &[u8],
         timeout: Duration,
     ) -> Result<(Value, Vec<u8>), VmError> {
-        self.send(op, payload).await?.wait(self, timeout).await
+        self.send_within(op, payload, timeout)
+            .await?
+            .wait(self, timeout)
+            .await
     }
 
     /// Queues `op` towards the agent. Requests sent one after another reach
     /// the agent in that order; the answer is awaited separately.
     pub async fn send(&self, op: Op, payload: &[u8]) -> Result<PendingCall, VmError> {
+        self.send_within(op, payload, super::CALL_TIMEOUT).await
+    }
+
+    /// [`AgentLink::send`], waiting at most `timeout` for room in the queue.
+    async fn send_within(
+        &self,
+        op: Op,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<PendingCall, VmError> {
         if self.closed.load(Ordering::Acquire) {
-            return Err(VmError::AgentGone);
+            return Err(self.gone_error());
         }
         let name = op_name(&op);
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        lock(&self.pending).insert(id, tx);
+        {
+            let mut pending = lock(&self.pending);
+            if pending.len() >= self.max_pending {
+                return Err(VmError::Busy {
+                    op: name,
+                    limit: self.max_pending,
+                });
+            }
+            pending.insert(id, tx);
+        }
+        // From here on the entry leaves the table when `call` is dropped.
+        let call = PendingCall {
+            id,
+            name,
+            rx,
+            pending: self.pending.clone(),
+        };
         let mut frame = Vec::with_capacity(64 + payload.len());
         proto::encode_frame_into(&mut frame, &HostMessage::Request { id, op }, payload);
-        if self.tx.send(frame).await.is_err() {
-            lock(&self.pending).remove(&id);
-            return Err(VmError::AgentGone);
+        self.enqueue(frame, name, timeout).await?;
+        Ok(call)
+    }
+
+    /// Puts one frame in the writer's queue, waiting at most `timeout` for
+    /// room (bytes and frames).
+    async fn enqueue(
+        &self,
+        frame: Vec<u8>,
+        op: &'static str,
+        timeout: Duration,
+    ) -> Result<(), VmError> {
+        // A frame never exceeds MAX_MESSAGE plus its prefix, far below the
+        // budget, so one frame always fits an empty queue.
+        let cost = u32::try_from(frame.len().min(MAX_QUEUED_BYTES)).unwrap_or(u32::MAX);
+        let queue = async {
+            let permit = self
+                .queued
+                .clone()
+                .acquire_many_owned(cost)
+                .await
+                .map_err(|_| self.gone_error())?;
+            self.tx
+                .send((frame, permit))
+                .await
+                .map_err(|_| self.gone_error())
+        };
+        match tokio::time::timeout(timeout, queue).await {
+            Ok(r) => r,
+            Err(_) => Err(VmError::NotReading { op, timeout }),
         }
-        Ok(PendingCall { id, name, rx })
+    }
+
+    /// The error of a request on a link that ended.
+    fn gone_error(&self) -> VmError {
+        match lock(&self.violation).clone() {
+            Some(why) => VmError::Agent(why),
+            None => VmError::AgentGone,
+        }
+    }
+
+    /// Why the link ended, when the agent broke the protocol.
+    pub(super) fn violation(&self) -> Option<String> {
+        lock(&self.violation).clone()
     }
 }
 
-/// A request that reached the agent's queue and awaits its answer.
+/// A request that reached the agent's queue and awaits its answer. Dropping
+/// it (the caller gave up) forgets the request: a late answer is dropped.
 pub struct PendingCall {
     id: u64,
     name: &'static str,
     rx: oneshot::Receiver<Reply>,
+    pending: PendingMap,
+}
+
+impl Drop for PendingCall {
+    fn drop(&mut self) {
+        lock(&self.pending).remove(&self.id);
+    }
 }
 
 impl PendingCall {
     /// Waits for the answer.
     pub async fn wait(
-        self,
-        link: &AgentLink,
+        mut self,
+        _link: &AgentLink,
         timeout: Duration,
     ) -> Result<(Value, Vec<u8>), VmError> {
-        let PendingCall { id, name, rx } = self;
-        match tokio::time::timeout(timeout, rx).await {
+        let name = self.name;
+        match tokio::time::timeout(timeout, &mut self.rx).await {
             Ok(Ok(Reply {
                 result: Ok(v),
                 payload,
             })) => Ok((v, payload)),
             Ok(Ok(Reply { result: Err(e), .. })) => Err(VmError::Agent(e)),
             Ok(Err(_)) => Err(VmError::AgentGone),
-            Err(_) => {
-                lock(&link.pending).remove(&id);
-                Err(VmError::Timeout { op: name, timeout })
-            }
+            Err(_) => Err(VmError::Timeout { op: name, timeout }),
         }
     }
 }
@@ -109,17 +239,29 @@ impl AgentLink {
     async fn notify(&self, msg: &HostMessage) -> Result<(), VmError> {
         let mut frame = Vec::new();
         proto::encode_frame_into(&mut frame, msg, &[]);
-        self.tx.send(frame).await.map_err(|_| VmError::AgentGone)
+        self.enqueue(frame, "sendGuestResponse", super::CALL_TIMEOUT)
+            .await
     }
 
+    /// Ends the link: every waiting request fails (with `violation` when
+    /// the agent broke the protocol), later ones fail at once.
     pub(super) fn fail_pending(&self) {
         self.closed.store(true, Ordering::Release);
+        self.queued.close();
+        let why = self
+            .violation()
+            .unwrap_or_else(|| "the guest agent disconnected".into());
         for (_, tx) in lock(&self.pending).drain() {
             let _ = tx.send(Reply {
-                result: Err("the guest agent disconnected".into()),
+                result: Err(why.clone()),
                 payload: vec![],
             });
         }
+    }
+
+    /// Records that the agent broke the protocol (the first reason wins).
+    fn set_violation(&self, why: String) {
+        lock(&self.violation).get_or_insert(why);
     }
 }
 
@@ -144,19 +286,59 @@ pub(super) fn op_name(op: &Op) -> &'static str {
 impl Vm {
     /// Wires a connected agent stream: writer and reader tasks.
     pub(super) fn attach(self: &Arc<Self>, hello: Hello, stream: UnixStream) -> Arc<AgentLink> {
+        self.attach_tasks(hello, stream).0
+    }
+
+    /// Runs the host end of the link over `data`, the bytes an agent sends
+    /// (its hello first), until the link ends; the fuzz target of the link
+    /// reader. Nothing the host sends is answered.
+    #[doc(hidden)]
+    pub async fn replay_agent_stream(self: &Arc<Self>, data: Vec<u8>) -> Result<(), VmError> {
+        let (host, mut agent) =
+            UnixStream::pair().map_err(|e| VmError::Start(format!("socketpair: {e}")))?;
+        let feeder = tokio::spawn(async move {
+            let _ = agent.write_all(&data).await;
+            let _ = agent.shutdown().await;
+            // Kept open (and drained) until the host side is done.
+            let mut sink = Vec::new();
+            let _ = tokio::io::AsyncReadExt::read_to_end(&mut agent, &mut sink).await;
+        });
+        let (hello, stream) = match read_hello(host).await {
+            Ok(h) => h,
+            Err(e) => {
+                feeder.abort();
+                return Err(e);
+            }
+        };
+        let (link, reader) = self.attach_tasks(hello, stream);
+        let _ = reader.await;
+        link.fail_pending();
+        feeder.abort();
+        Ok(())
+    }
+
+    /// [`Vm::attach`], also returning the reader task.
+    fn attach_tasks(
+        self: &Arc<Self>,
+        hello: Hello,
+        stream: UnixStream,
+    ) -> (Arc<AgentLink>, tokio::task::JoinHandle<()>) {
         let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::channel(AGENT_QUEUE);
         let link = Arc::new(AgentLink {
             tx,
-            pending: Mutex::new(HashMap::new()),
+            queued: Arc::new(Semaphore::new(MAX_QUEUED_BYTES)),
+            pending: Arc::new(Mutex::new(HashMap::new())),
+            max_pending: max_pending_requests(),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            violation: Mutex::new(None),
             hello,
         });
         *self.link.write().unwrap_or_else(|p| p.into_inner()) = Some(link.clone());
         tokio::spawn(link_writer(wr, rx));
-        tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd));
-        link
+        let reader = tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd));
+        (link, reader)
     }
 
     pub async fn send_guest_response(
@@ -213,14 +395,25 @@ pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStr
     }
 }
 
-async fn link_writer(mut wr: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Receiver<Vec<u8>>) {
+async fn link_writer(
+    mut wr: tokio::net::unix::OwnedWriteHalf,
+    mut rx: mpsc::Receiver<(Vec<u8>, OwnedSemaphorePermit)>,
+) {
     let mut batch = Vec::new();
-    while let Some(first) = rx.recv().await {
+    // The permits of the frames in `batch`: their bytes stay counted as
+    // queued until they are written.
+    let mut permits = Vec::new();
+    while let Some((first, permit)) = rx.recv().await {
         batch.clear();
         batch.extend_from_slice(&first);
+        drop(first);
+        permits.push(permit);
         while batch.len() < WRITE_BATCH {
             match rx.try_recv() {
-                Ok(more) => batch.extend_from_slice(&more),
+                Ok((more, permit)) => {
+                    batch.extend_from_slice(&more);
+                    permits.push(permit);
+                }
                 Err(_) => break,
             }
         }
@@ -228,8 +421,52 @@ async fn link_writer(mut wr: tokio::net::unix::OwnedWriteHalf, mut rx: mpsc::Rec
             tracing::debug!(error = %e, "agent link write failed");
             break;
         }
+        permits.clear();
+        // A burst of large frames must not pin its peak size.
+        if batch.capacity() > 2 * WRITE_BATCH {
+            batch = Vec::new();
+        }
     }
     let _ = wr.shutdown().await;
+}
+
+/// The sentence a protocol violation ends the link with (callers and
+/// processes get it as their error).
+fn violation_text(what: &str) -> String {
+    format!(
+        "the guest agent broke the link protocol ({what}); the helper closed the link: \
+         stop and start the VM"
+    )
+}
+
+/// Messages the link reader dropped, counted for one summary line.
+#[derive(Default)]
+struct Dropped {
+    /// Answers to requests nobody waits for.
+    stray_answers: u64,
+    /// Output, exits and errors of processes the host does not know.
+    unknown_process: u64,
+}
+
+impl Dropped {
+    fn note_stray_answer(&mut self, id: u64) {
+        if self.stray_answers == 0 {
+            tracing::debug!(
+                id,
+                "answer to a request nobody waits for dropped (later ones are counted)"
+            );
+        }
+        self.stray_answers += 1;
+    }
+
+    fn note_unknown_process(&mut self) {
+        if self.unknown_process == 0 {
+            tracing::warn!(
+                "message about a process the helper does not know dropped (later ones are counted)"
+            );
+        }
+        self.unknown_process += 1;
+    }
 }
 
 async fn link_reader(
@@ -238,6 +475,7 @@ async fn link_reader(
     mut rd: tokio::net::unix::OwnedReadHalf,
 ) {
     let mut buf = Vec::new();
+    let mut dropped = Dropped::default();
     loop {
         match framing::read_frame(&mut rd, proto::MAX_MESSAGE, &mut buf).await {
             Ok(true) => {}
@@ -247,7 +485,8 @@ async fn link_reader(
                 break;
             }
             Err(e) => {
-                tracing::error!(error = %e, "agent link framing lost; dropping the link");
+                tracing::error!(error = %e, "agent link framing lost; closing the link");
+                link.set_violation(violation_text(&e.to_string()));
                 break;
             }
         }
@@ -256,29 +495,51 @@ async fn link_reader(
         let (header, payload) = match proto::decode_ref::<AgentMessage>(&buf) {
             Ok(decoded) => decoded,
             Err(e) => {
-                tracing::warn!(error = %e, "malformed agent message ignored");
-                continue;
+                tracing::error!(error = %e, "malformed agent message; closing the link");
+                link.set_violation(violation_text(&e.to_string()));
+                break;
             }
         };
         match header {
             AgentMessage::Response { id, error, result } => {
                 let tx = lock(&link.pending).remove(&id);
-                if let Some(tx) = tx {
-                    let result = match error {
-                        Some(e) => Err(e),
-                        None => Ok(result),
-                    };
-                    let _ = tx.send(Reply {
-                        result,
-                        payload: payload.to_vec(),
-                    });
+                match tx {
+                    Some(tx) => {
+                        let result = match error {
+                            Some(e) => Err(e),
+                            None => Ok(result),
+                        };
+                        let _ = tx.send(Reply {
+                            result,
+                            payload: payload.to_vec(),
+                        });
+                    }
+                    None => dropped.note_stray_answer(id),
                 }
+            }
+            AgentMessage::Hello(_) => {
+                tracing::error!("second hello from the guest agent; closing the link");
+                link.set_violation(violation_text("a second hello"));
+                break;
             }
             other => {
                 let Some(vm) = vm.upgrade() else { break };
-                vm.on_agent_message(other, payload).await;
+                if !vm.on_agent_message(other, payload).await {
+                    dropped.note_unknown_process();
+                }
             }
         }
+        // A huge frame must not pin its buffer for the link's life.
+        if buf.capacity() > 2 * proto::MAX_CHUNK + 4096 {
+            buf = Vec::new();
+        }
+    }
+    if dropped.stray_answers > 0 || dropped.unknown_process > 0 {
+        tracing::warn!(
+            stray_answers = dropped.stray_answers,
+            unknown_process = dropped.unknown_process,
+            "agent messages dropped on this link"
+        );
     }
     if let Some(vm) = vm.upgrade() {
         vm.agent_gone(&link).await;

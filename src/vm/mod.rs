@@ -18,8 +18,10 @@
 //! `sdk` (`installSdk`, re-applied after every boot). The machine itself
 //! comes from [`crate::backend`], which does not depend on this module.
 //!
-//! Limits: one machine per profile; exited process records are kept for the
-//! last [`EXITED_RECORDS`] processes.
+//! Limits: one machine per profile; at most [`MAX_PROCESSES`] processes
+//! per profile; at most [`MAX_PENDING_REQUESTS`] requests awaiting the
+//! agent's answer and [`MAX_QUEUED_BYTES`] queued towards it; exited
+//! process records are kept for the last [`EXITED_RECORDS`] processes.
 
 mod lifecycle;
 mod link;
@@ -37,9 +39,14 @@ use tokio::sync::{oneshot, watch};
 
 use crate::backend::{HostPaths, VmConfig};
 use crate::events::EventHub;
-pub use link::{AgentLink, PendingCall};
+pub use link::{
+    max_pending_requests, AgentLink, PendingCall, MAX_PENDING_ENV, MAX_PENDING_REQUESTS,
+    MAX_QUEUED_BYTES,
+};
 use processes::Procs;
-pub use processes::{SpawnRequest, EXITED_RECORDS};
+pub use processes::{
+    max_processes, SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV,
+};
 pub use storage::{session_disk_bytes, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB};
 
 /// Default deadline of one agent request.
@@ -61,6 +68,12 @@ pub enum VmError {
     AgentGone,
     #[error("the guest agent did not answer {op} within {timeout:?}")]
     Timeout { op: &'static str, timeout: Duration },
+    #[error("the guest agent is not reading its link: {op} could not be sent within {timeout:?}")]
+    NotReading { op: &'static str, timeout: Duration },
+    #[error("{op} refused: the guest agent already has {limit} requests awaiting an answer (the helper's limit); retry when earlier ones have completed")]
+    Busy { op: &'static str, limit: usize },
+    #[error("spawn refused: this VM already runs {limit} processes (the helper's limit per profile); wait for one to exit or kill one")]
+    TooManyProcesses { limit: usize },
     #[error("{0}")]
     Agent(String),
     #[error("{0}")]

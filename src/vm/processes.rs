@@ -14,8 +14,14 @@
 //! the machine is torn down. Neither the credential nor the URL is ever
 //! logged (the spec's `Debug` shows environment names only).
 //!
-//! Limits: exited records are kept for the last [`EXITED_RECORDS`]
-//! processes; a mount of the host root is refused. Connections a process
+//! Limits: at most [`MAX_PROCESSES`] processes run per profile (spawn
+//! beyond it fails with [`VmError::TooManyProcesses`];
+//! [`MAX_PROCESSES_ENV`] overrides the number); exited records are kept
+//! for the last [`EXITED_RECORDS`] processes; a mount of the host root is
+//! refused. Output, exits and errors the agent reports for a process id the
+//! host never spawned (or already forgot) are dropped, so a hostile agent
+//! cannot make the table grow or send the client events for processes it
+//! did not start. Connections a process
 //! opened through the proxy run on after its credential is revoked (new
 //! ones get 407).
 
@@ -34,6 +40,27 @@ use crate::utf8::Utf8Stream;
 
 /// Exited process records kept for `isProcessRunning`.
 pub const EXITED_RECORDS: usize = 4096;
+
+/// Processes one profile's VM may run at once (spawns in flight count).
+/// Far above what a desktop session uses (a CLI and its tools), low
+/// enough that a runaway client cannot exhaust the host's (sandbox) or the
+/// guest's process table or the helper's memory (a record, an egress
+/// credential and output decoders per process).
+pub const MAX_PROCESSES: usize = 512;
+
+/// Environment variable that overrides [`MAX_PROCESSES`] (a positive
+/// number; tests use a small one).
+pub const MAX_PROCESSES_ENV: &str = "COWORK_MAX_PROCESSES";
+
+/// The process cap in force: [`MAX_PROCESSES_ENV`] when it is a positive
+/// number, else [`MAX_PROCESSES`].
+pub fn max_processes() -> usize {
+    std::env::var(MAX_PROCESSES_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(MAX_PROCESSES)
+}
 
 /// One spawn's egress credential; revoked when dropped (see the module
 /// docs for when that happens).
@@ -111,6 +138,11 @@ impl Procs {
                 }
             }
         }
+    }
+
+    /// Processes running (or being spawned).
+    pub(super) fn running_count(&self) -> usize {
+        self.map.values().filter(|r| r.running).count()
     }
 
     /// Revokes every credential still held (the machine is gone, so no
@@ -213,17 +245,26 @@ impl Vm {
         }
     }
 
-    /// Routes one unsolicited agent message.
-    pub(super) async fn on_agent_message(&self, msg: AgentMessage, payload: &[u8]) {
+    /// Whether `id` is a process this VM runs (its spawn may be in flight).
+    fn runs_process(&self, id: &str) -> bool {
+        lock(&self.procs).map.get(id).is_some_and(|r| r.running)
+    }
+
+    /// Routes one unsolicited agent message; `false` when it was dropped
+    /// because it names a process this VM does not run.
+    pub(super) async fn on_agent_message(&self, msg: AgentMessage, payload: &[u8]) -> bool {
         match msg {
-            AgentMessage::Stdout { id } => self.on_output(true, id, payload).await,
-            AgentMessage::Stderr { id } => self.on_output(false, id, payload).await,
+            AgentMessage::Stdout { id } => return self.on_output(true, id, payload).await,
+            AgentMessage::Stderr { id } => return self.on_output(false, id, payload).await,
             AgentMessage::Exit {
                 id,
                 exit_code,
                 signal,
                 oom_kill_count,
             } => {
+                if !self.runs_process(&id) {
+                    return false;
+                }
                 self.flush_output(&id).await;
                 lock(&self.procs).mark_exited(&id, exit_code);
                 tracing::debug!(id = %id, exit_code, signal = signal.as_deref(), "process exited");
@@ -237,6 +278,9 @@ impl Vm {
                     .await;
             }
             AgentMessage::Error { id, message, fatal } => {
+                if !self.runs_process(&id) {
+                    return false;
+                }
                 self.hub.publish(&event::error(&id, &message, fatal)).await;
             }
             AgentMessage::Request { id, method, params } => {
@@ -245,17 +289,21 @@ impl Vm {
                     .publish(&event::guest_request(&id, &method, &params))
                     .await;
             }
-            AgentMessage::Hello(_) | AgentMessage::Response { .. } => {
-                tracing::warn!("unexpected agent message ignored");
-            }
+            // The link reader handles these itself.
+            AgentMessage::Hello(_) | AgentMessage::Response { .. } => return false,
         }
+        true
     }
 
-    async fn on_output(&self, stdout: bool, id: String, bytes: &[u8]) {
+    /// Publishes output of a running process; `false` (dropped) for any
+    /// other id.
+    async fn on_output(&self, stdout: bool, id: String, bytes: &[u8]) -> bool {
         let stream = if stdout { "stdout" } else { "stderr" };
         let frame = {
             let mut procs = lock(&self.procs);
-            let rec = procs.map.entry(id.clone()).or_default();
+            let Some(rec) = procs.map.get_mut(&id).filter(|r| r.running) else {
+                return false;
+            };
             let decoder = if stdout {
                 &mut rec.stdout
             } else {
@@ -268,6 +316,7 @@ impl Vm {
         if let Some(frame) = frame {
             self.hub.publish_output(frame).await;
         }
+        true
     }
 
     /// Validates a client mount and maps it into the agent's view.
@@ -341,6 +390,11 @@ impl Vm {
                     "a process with id {:?} is already running",
                     spec.id
                 )));
+            }
+            let limit = max_processes();
+            if procs.running_count() >= limit {
+                tracing::warn!(limit, id = %spec.id, "spawn refused: process limit reached");
+                return Err(VmError::TooManyProcesses { limit });
             }
             procs.map.insert(
                 spec.id.clone(),

@@ -57,6 +57,15 @@ pub const MAX_EXITED_RECORDS: usize = 1024;
 /// Requested pipe capacity (best effort; capped by `/proc/sys/fs/pipe-max-size`).
 const PIPE_SIZE: usize = 1024 * 1024;
 
+/// Stdin bytes a process may have queued in the agent (accepted by
+/// `WriteStdin`, not yet written into its pipe) before further writes are
+/// refused with [`ProcessError::StdinFull`]: sixteen of the pipe's
+/// [`PIPE_SIZE`], so a client streaming into a process that reads keeps
+/// far ahead of it, while one that never reads cannot grow the agent (in
+/// the sandbox, a host process) without bound. A refused write is not
+/// queued at all; the accepted ones stay whole and in order.
+pub const MAX_QUEUED_STDIN: usize = 16 * PIPE_SIZE;
+
 /// Bytes asked for per `read` of an output pipe.
 const READ_CHUNK: usize = proto::MAX_CHUNK;
 
@@ -101,6 +110,13 @@ pub enum ProcessError {
     NotRunning(String),
     #[error("stdin of process {0} is closed")]
     StdinClosed(String),
+    #[error("stdin of process {id} already has {queued} bytes queued that it has not read; writing {len} more would pass the limit of {limit} bytes per process: the write was refused, retry once the process reads its input")]
+    StdinFull {
+        id: String,
+        queued: usize,
+        len: usize,
+        limit: usize,
+    },
     #[error("invalid signal number {0}")]
     InvalidSignal(i32),
     #[error("cannot signal process {id}: {source}")]
@@ -145,9 +161,16 @@ enum StdinCmd {
     Close,
 }
 
+/// The sending end of a process's stdin queue and its byte count (bytes
+/// accepted and not yet written into the pipe, see [`MAX_QUEUED_STDIN`]).
+struct StdinTx {
+    tx: mpsc::UnboundedSender<StdinCmd>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+}
+
 enum State {
     Running {
-        stdin: Option<mpsc::UnboundedSender<StdinCmd>>,
+        stdin: Option<StdinTx>,
     },
     Exited(ExitStatus),
 }
@@ -198,7 +221,11 @@ pub struct Started {
     id: String,
     pid: libc::pid_t,
     generation: u64,
-    stdin: (FdIo, mpsc::UnboundedReceiver<StdinCmd>),
+    stdin: (
+        FdIo,
+        mpsc::UnboundedReceiver<StdinCmd>,
+        Arc<std::sync::atomic::AtomicUsize>,
+    ),
     stdout: FdIo,
     stderr: FdIo,
     status: oneshot::Receiver<ExitStatus>,
@@ -455,6 +482,11 @@ impl Processes {
             }
         };
         let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let tx = StdinTx {
+            tx,
+            queued: queued.clone(),
+        };
         let mut table = self.table();
         if let Some(Record {
             state: State::Running { .. },
@@ -486,7 +518,7 @@ impl Processes {
             id: spec.id,
             pid,
             generation,
-            stdin: (stdin, rx),
+            stdin: (stdin, rx, queued),
             stdout,
             stderr,
             status,
@@ -503,9 +535,26 @@ impl Processes {
             None => Err(ProcessError::Unknown(id.to_string())),
             Some(State::Exited(_)) => Err(ProcessError::NotRunning(id.to_string())),
             Some(State::Running { stdin: None }) => Err(ProcessError::StdinClosed(id.to_string())),
-            Some(State::Running { stdin: Some(tx) }) => tx
-                .send(StdinCmd::Data(data))
-                .map_err(|_| ProcessError::StdinClosed(id.to_string())),
+            Some(State::Running { stdin: Some(tx) }) => {
+                use std::sync::atomic::Ordering;
+                let len = data.len();
+                // Only this function adds (under the table lock); the
+                // writer subtracts, so the check cannot be raced past.
+                let queued = tx.queued.load(Ordering::Acquire);
+                if queued.saturating_add(len) > MAX_QUEUED_STDIN && queued > 0 {
+                    return Err(ProcessError::StdinFull {
+                        id: id.to_string(),
+                        queued,
+                        len,
+                        limit: MAX_QUEUED_STDIN,
+                    });
+                }
+                tx.queued.fetch_add(len, Ordering::AcqRel);
+                tx.tx.send(StdinCmd::Data(data)).map_err(|_| {
+                    tx.queued.fetch_sub(len, Ordering::AcqRel);
+                    ProcessError::StdinClosed(id.to_string())
+                })
+            }
         }
     }
 
@@ -517,7 +566,7 @@ impl Processes {
             Some(State::Exited(_)) => Ok(()),
             Some(State::Running { stdin }) => {
                 if let Some(tx) = stdin.take() {
-                    let _ = tx.send(StdinCmd::Close);
+                    let _ = tx.tx.send(StdinCmd::Close);
                 }
                 Ok(())
             }
@@ -654,8 +703,8 @@ impl Started {
 
     /// Starts the stdin writer and the supervisor.
     pub fn run(self) {
-        let (stdin, rx) = self.stdin;
-        tokio::spawn(stdin_writer(self.id.clone(), stdin, rx));
+        let (stdin, rx, queued) = self.stdin;
+        tokio::spawn(stdin_writer(self.id.clone(), stdin, rx, queued));
         tokio::spawn(supervise(
             self.procs,
             self.id,
@@ -671,11 +720,19 @@ impl Started {
     }
 }
 
-async fn stdin_writer(id: String, io: FdIo, mut rx: mpsc::UnboundedReceiver<StdinCmd>) {
+async fn stdin_writer(
+    id: String,
+    io: FdIo,
+    mut rx: mpsc::UnboundedReceiver<StdinCmd>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+) {
     while let Some(cmd) = rx.recv().await {
         match cmd {
             StdinCmd::Data(d) => {
-                if let Err(e) = io.write_all(&d).await {
+                let written = io.write_all(&d).await;
+                // Counted as queued until it is in the pipe.
+                queued.fetch_sub(d.len(), std::sync::atomic::Ordering::AcqRel);
+                if let Err(e) = written {
                     tracing::debug!(id = %id, error = %e, "stdin closed by the process");
                     break;
                 }
