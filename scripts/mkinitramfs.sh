@@ -14,14 +14,15 @@ export LC_ALL=C
 
 # Named module sets. Dependencies are added automatically, so each set lists only the modules
 # the guest actually uses.
-#   harness: the nested-KVM harness's L1 guest (virtio-pci, virtiofs root share, KVM on AMD SVM)
+#   harness: the nested-KVM harness's L1 guest (virtio-pci, virtiofs root share, KVM on AMD SVM,
+#            veth for tests that build network namespaces inside L1, e.g. tests/egress_vm.rs)
 #   guest:   the cowork guest image (virtio-mmio and -pci, vsock, virtiofs, block, rng, balloon
 #            for free page reporting, overlay for the session userland's writable layer, and
 #            tcp_diag so the egress relay attributes a connection to its session with one
 #            sock_diag lookup instead of scanning /proc/net/tcp)
 module_set() {
 	case "$1" in
-	harness) echo "virtio_pci virtiofs kvm_amd" ;;
+	harness) echo "virtio_pci virtiofs kvm_amd veth" ;;
 	guest) echo "virtio_mmio virtio_pci virtio_blk virtio_rng virtio_balloon vmw_vsock_virtio_transport virtiofs ext4 overlay tcp_diag" ;;
 	*) die "unknown module set '$1' (known: harness, guest)" ;;
 	esac

@@ -283,7 +283,7 @@ t no_credential curl -fsS --max-time 30 -x http://127.0.0.1:3128 http://allowed.
         );
         expect.push(("vsock_other_port", false));
     }
-    vec![
+    let mut plans = vec![
         Plan {
             session: "alpha",
             allowed: json!(["allowed.test", "loop.test", "self.test"]),
@@ -308,8 +308,36 @@ t no_credential curl -fsS --max-time 30 -x http://127.0.0.1:3128 http://allowed.
             ),
             expect: vec![("curl", false), ("raw", false)],
         },
-    ]
+    ];
+    if vm {
+        // Guest root (the helper's COWORK_GUEST_ROOT_SESSION test hook):
+        // what the host enforces does not depend on who asks in the guest.
+        plans.push(Plan {
+            session: ROOT_SESSION,
+            allowed: json!(["allowed.test"]),
+            script: format!(
+                "t is_root sh -c 'test \"$(id -u)\" = 0 && grep -q \"^CapEff:.*[1-9a-f]\" /proc/self/status'\n\
+                 t vsock_other_port python3 -c 'import socket; s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM); s.settimeout(10); s.connect((2, 1234))'\n\
+                 t udp python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5); s.sendto(b\"/root/denied-udp\", (\"{S_V4}\", {UDP_PORT})); print(s.recv(100))'\n\
+                 t udp_host python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5); s.sendto(b\"/root/denied-udp-host\", (\"{P_V4}\", {UDP_PORT})); print(s.recv(100))'\n\
+                 t no_credential curl -fsS --max-time 30 -x http://127.0.0.1:3128 http://allowed.test:{HTTP_PORT}/root/denied-nocred\n\
+                 t raw_literal raw {S_V4} {HTTP_PORT} /root/denied-raw-literal\n"
+            ),
+            expect: vec![
+                ("is_root", true),
+                ("vsock_other_port", false),
+                ("udp", false),
+                ("udp_host", false),
+                ("no_credential", false),
+                ("raw_literal", false),
+            ],
+        });
+    }
+    plans
 }
+
+/// The session that runs as guest root under the VM backends.
+const ROOT_SESSION: &str = "rootcheck";
 
 /// The path of startVM's `apiProbeURL`: the helper's probe goes through the
 /// egress dialer, so it reaches a test server by name like a session does.
@@ -421,6 +449,22 @@ fn inner_egress_vm() {
         ]) {
             serve_http(l, label, log.clone());
         }
+        // A UDP decoy on the host's own address: anything it gets is logged
+        // as a request line ("UDP <payload>"), so it shows in the paths seen.
+        {
+            let udp = std::net::UdpSocket::bind((P_V4, UDP_PORT)).expect("bind udp decoy");
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 2048];
+                while let Ok((n, peer)) = udp.recv_from(&mut buf) {
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    log.lock()
+                        .expect("log")
+                        .push(("DECOY-udp".into(), format!("UDP {text}")));
+                    let _ = udp.send_to(&buf[..n], peer);
+                }
+            });
+        }
         // Wait for the python servers (the log file appears when they listen).
         let t0 = std::time::Instant::now();
         while !https_log.exists() {
@@ -431,6 +475,10 @@ fn inner_egress_vm() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
 
+        if vm {
+            // Inherited by the helper, which passes it to the guest.
+            std::env::set_var("COWORK_GUEST_ROOT_SESSION", ROOT_SESSION);
+        }
         let mut helper = VmHelper::start_temp(
             &built_helper(),
             "egress-vm-",

@@ -51,6 +51,14 @@ pub const GUEST_PROXY_PORT: u16 = 3128;
 /// Unset in a VM, where the relay dials vsock [`EGRESS_PORT`].
 pub const EGRESS_SOCKET_ENV: &str = "COWORK_EGRESS_SOCKET";
 
+/// Kernel command-line variable (so the VM agent's environment) naming one
+/// session whose processes run as guest root with every capability instead
+/// of as the session's own user: a test hook, set by the helper only from
+/// its own environment (`COWORK_GUEST_ROOT_SESSION`), never from the client.
+/// Tests use it to show that what the host enforces (egress, vsock ports,
+/// virtio-fs grants) holds against guest root too.
+pub const ROOT_SESSION_ENV: &str = "COWORK_ROOT_SESSION";
+
 /// virtio-fs tag of the host's session share in a VM (ours, not the official
 /// helper's `claudeshared`). Its root holds `/<session>/<mount name>` for each
 /// mount the host granted; the host enforces each mount's mode.

@@ -186,6 +186,47 @@ pub fn guest_log_word(value: Option<&str>) -> Option<String> {
     safe.then(|| format!("COWORK_LOG={v}"))
 }
 
+/// The helper's environment variable for the guest-root test hook: its
+/// value, a session name, reaches the VM agent as
+/// [`guest_agent::proto::ROOT_SESSION_ENV`] on the kernel command line, and
+/// that session's processes then run as guest root. Tests only; the client
+/// cannot set it.
+pub const GUEST_ROOT_SESSION_ENV: &str = "COWORK_GUEST_ROOT_SESSION";
+
+/// The kernel command-line word of the guest-root test hook, when `value`
+/// is a valid session name of letters, digits, `_`, `-` and `.` (a warning names it: it weakens the guest's
+/// own separation of sessions, never what the host enforces).
+pub fn root_session_word(value: Option<&str>) -> Option<String> {
+    let v = value?.trim();
+    if v.is_empty() {
+        return None;
+    }
+    let one_word = v
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c));
+    if !one_word || guest_agent::names::session_name(v).is_err() {
+        tracing::warn!("{GUEST_ROOT_SESSION_ENV} is not a one-word session name; ignored");
+        return None;
+    }
+    tracing::warn!(
+        session = v,
+        "test hook {GUEST_ROOT_SESSION_ENV}: this session runs as guest root"
+    );
+    Some(format!("{}={v}", guest_agent::proto::ROOT_SESSION_ENV))
+}
+
+/// Extra kernel command-line words from the helper's environment: the
+/// guest's log filter ([`GUEST_LOG_ENV`]) and the guest-root test hook
+/// ([`GUEST_ROOT_SESSION_ENV`]).
+pub fn env_cmdline_words() -> Vec<String> {
+    guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
+        .into_iter()
+        .chain(root_session_word(
+            std::env::var(GUEST_ROOT_SESSION_ENV).ok().as_deref(),
+        ))
+        .collect()
+}
+
 /// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
 pub(crate) fn agent_stream(
     listener: Listener,
@@ -242,6 +283,23 @@ mod tests {
             assert_eq!(guest_log_word(bad), None, "{bad:?}");
         }
         assert!(guest_log_word(Some(&"a".repeat(MAX_GUEST_LOG + 1))).is_none());
+    }
+
+    #[test]
+    fn root_session_word_takes_only_session_names() {
+        assert_eq!(
+            root_session_word(Some("rootly")).as_deref(),
+            Some("COWORK_ROOT_SESSION=rootly")
+        );
+        for bad in [
+            None,
+            Some(""),
+            Some("a b"),
+            Some("x=y init=/bin/sh"),
+            Some("../etc"),
+        ] {
+            assert_eq!(root_session_word(bad), None, "{bad:?}");
+        }
         assert!(AGENT_DIAL_TIMEOUT < HELLO_TIMEOUT);
     }
 

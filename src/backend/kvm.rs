@@ -76,8 +76,8 @@ use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 pub use super::guest::kvm_for_linux;
 use super::guest::{
-    agent_stream, guest_log_word, EgressAcceptor, EgressServeError, GUEST_CID, GUEST_LOG_ENV,
-    POWEROFF_DEADLINE,
+    agent_stream, guest_log_word, root_session_word, EgressAcceptor, EgressServeError, GUEST_CID,
+    GUEST_LOG_ENV, POWEROFF_DEADLINE,
 };
 use super::image::{GuestImage, NoImage};
 use super::sizing;
@@ -307,6 +307,14 @@ async fn start(
     let mut config = vmm::Config::new(&kernel);
     config.initrd = Some(image.initramfs.clone());
     config.cmdline = cmdline(std::env::var(GUEST_LOG_ENV).ok().as_deref());
+    if let Some(w) = root_session_word(
+        std::env::var(super::guest::GUEST_ROOT_SESSION_ENV)
+            .ok()
+            .as_deref(),
+    ) {
+        config.cmdline.push(' ');
+        config.cmdline.push_str(&w);
+    }
     config.mem_mib = memory_mib(opts.memory_gb);
     config.vcpus = cpu_count(opts.cpu_count, host_cpus);
     // vCPUs, the event loop and device workers filter their system calls

@@ -227,6 +227,25 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
 /// Per-session users, for the VM's init only: the sandbox backend runs the
 /// agent in a user namespace that maps no other uid, and a plain agent
 /// (tests) keeps running processes as itself.
+/// The session of the [`proto::ROOT_SESSION_ENV`] test hook: a VM's init
+/// only, and only a valid session name.
+fn root_session(config: &Config) -> Option<String> {
+    if !config.init {
+        return None;
+    }
+    let name = std::env::var(proto::ROOT_SESSION_ENV).ok()?;
+    match crate::names::session_name(&name) {
+        Ok(_) => {
+            tracing::warn!(session = %name, "test hook: this session will run as root");
+            Some(name)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "{} ignored", proto::ROOT_SESSION_ENV);
+            None
+        }
+    }
+}
+
 fn session_users(config: &Config) -> Option<users::UserDb> {
     if !config.init {
         return None;
@@ -422,6 +441,7 @@ impl Agent {
                 users: session_users(&config),
                 shell: users::bash().map(String::from),
                 egress: spawns,
+                root_session: root_session(&config),
             },
             reaper,
             outbox.clone(),

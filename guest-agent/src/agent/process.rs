@@ -143,6 +143,9 @@ pub struct ProcessConfig {
     pub shell: Option<String>,
     /// The live spawns' egress credentials, for the captured-flow handler.
     pub egress: crate::egress::Spawns,
+    /// The session whose processes run as the agent's user (root in a VM)
+    /// with its capabilities: the test hook [`proto::ROOT_SESSION_ENV`].
+    pub root_session: Option<String>,
 }
 
 /// Defaults of a session's process environment (the client's env wins).
@@ -337,7 +340,13 @@ impl Processes {
 
     fn spawn_blocking(&self, spec: SpawnSpec) -> Result<Forked, ProcessError> {
         let root = &self.cfg.sessions_root;
-        let home = self.prepare_session(&spec.name)?;
+        let as_root = self.cfg.root_session.as_deref() == Some(spec.name.as_str());
+        let home = if as_root {
+            tracing::warn!(id = %spec.id, session = %spec.name, "test hook: this session runs as the agent's user with its capabilities");
+            users::prepare(root, &spec.name, self.cfg.skel_dir.as_deref(), None)?
+        } else {
+            self.prepare_session(&spec.name)?
+        };
         let session_dir = home.dir;
         let mut failed = Vec::new();
         for m in &spec.mounts {
@@ -380,7 +389,7 @@ impl Processes {
         let setup = ChildSetup {
             cgroup_procs,
             private_paths: self.cfg.private_paths.clone(),
-            drop_caps: self.cfg.drop_caps,
+            drop_caps: self.cfg.drop_caps && !as_root,
             user: home.user.as_ref().map(|u| Credentials {
                 uid: u.uid,
                 gid: u.gid,

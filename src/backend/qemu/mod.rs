@@ -84,9 +84,7 @@ use tokio::process::Command;
 
 use super::console::Console;
 use super::fsgrants::SharedFolders;
-use super::guest::{
-    agent_stream, guest_log_word, EgressAcceptor, EgressServeError, GUEST_CID, GUEST_LOG_ENV,
-};
+use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
 use super::image::{GuestImage, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
@@ -224,9 +222,7 @@ pub async fn boot(
         rng_socket: run_dir.0.join("rng.sock"),
         session_disk: session_disk.to_path_buf(),
         root_disks,
-        extra_cmdline: guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
-            .into_iter()
-            .collect(),
+        extra_cmdline: env_cmdline_words(),
     };
     start(plan, run_dir, &accel_why, opts, userland, egress)
         .await
