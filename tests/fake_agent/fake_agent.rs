@@ -35,7 +35,7 @@
 //! | `crash` | the agent faults on a protected page (a real SIGSEGV) |
 //!
 //! `kill` of a process answers and reports its exit (SIGKILL); `shutdown`
-//! answers and exits 0; every other request is answered with `{}`.
+//! answers and exits 0 (neither does anything after `never-answer`); every other request is answered with `{}`.
 
 use std::io::{Read, Write};
 use std::os::fd::FromRawFd;
@@ -193,8 +193,11 @@ impl Agent {
                 self.directive(&spec.id, &spec.command, &spec.args);
             }
             Op::Kill { id: pid, .. } => {
-                self.answer(id, json!({}));
-                self.exit(&pid, None, Some("SIGKILL"));
+                // A mute agent does nothing at all.
+                if self.answers != Answers::None {
+                    self.answer(id, json!({}));
+                    self.exit(&pid, None, Some("SIGKILL"));
+                }
             }
             Op::Shutdown => {
                 if self.answers == Answers::None {
