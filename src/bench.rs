@@ -4,6 +4,11 @@
 //! one-shot RPC latency, pipe throughput, spawn→exit latency, stdout
 //! throughput of a 64 MiB output and the processes' peak RSS, next to the
 //! targets.
+//!
+//! `cowork-helper bench boot` ([`boot`]) measures the boot of a real guest
+//! under the VM backends instead.
+
+pub mod boot;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -89,11 +94,11 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
 }
 
 /// The helper under test; killed (SIGTERM, then SIGKILL) on drop.
-struct Helper {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
+pub(crate) struct Helper {
+    pub(crate) child: Child,
+    pub(crate) dir: PathBuf,
+    pub(crate) socket: PathBuf,
+    pub(crate) log: PathBuf,
     keep: bool,
 }
 
@@ -120,32 +125,56 @@ impl Drop for Helper {
 }
 
 impl Helper {
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = s.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 }
 
-fn start_helper(opts: &Opts) -> Result<Helper, String> {
-    let exe = match &opts.helper {
-        Some(p) => p.clone(),
+/// How to start a helper under test: which executable, its backend
+/// arguments, its log filter, and where its files go.
+pub(crate) struct HelperSpec<'a> {
+    /// `None`: this executable.
+    pub(crate) exe: Option<&'a std::path::Path>,
+    /// Serving arguments after `-socket` and `--data-dir`.
+    pub(crate) args: &'a [&'a str],
+    /// `COWORK_LOG` of the helper.
+    pub(crate) log_filter: &'a str,
+    /// Keep the directory (and the log) after the helper ends.
+    pub(crate) keep: bool,
+    /// Suffix of the directory name (several helpers in one bench).
+    pub(crate) tag: &'a str,
+    /// How long the helper may take to bind its socket.
+    pub(crate) bind_limit: Duration,
+    /// `--data-dir` (default: a `data` directory beside the socket, removed
+    /// with it).
+    pub(crate) data_dir: Option<&'a std::path::Path>,
+}
+
+/// Starts a helper on a temporary socket (under `$TMPDIR`) and waits until
+/// it accepts connections.
+pub(crate) fn launch_helper(spec: &HelperSpec<'_>) -> Result<Helper, String> {
+    let exe = match spec.exe {
+        Some(p) => p.to_path_buf(),
         None => std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?,
     };
-    let base = std::env::temp_dir().join(format!("cowork-bench-{}", std::process::id()));
+    let base =
+        std::env::temp_dir().join(format!("cowork-bench-{}{}", std::process::id(), spec.tag));
     std::fs::create_dir_all(&base).map_err(|e| format!("mkdir {}: {e}", base.display()))?;
     let socket = base.join("run").join("helper.sock");
-    let data = base.join("data");
+    let data = spec
+        .data_dir
+        .map_or_else(|| base.join("data"), std::path::Path::to_path_buf);
     let log = base.join("helper.log");
     let logf = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
     let child = Command::new(&exe)
         .arg("-socket")
         .arg(&socket)
-        .arg("--backend")
-        .arg("sandbox")
         .arg("--data-dir")
         .arg(&data)
-        .env("COWORK_LOG", "warn")
+        .args(spec.args)
+        .env("COWORK_LOG", spec.log_filter)
         .env("XDG_DATA_HOME", base.join("xdg-data"))
         .env("XDG_RUNTIME_DIR", base.join("run"))
         .stdin(Stdio::null())
@@ -158,9 +187,9 @@ fn start_helper(opts: &Opts) -> Result<Helper, String> {
         dir: base,
         socket,
         log,
-        keep: opts.keep_logs,
+        keep: spec.keep,
     };
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + spec.bind_limit;
     loop {
         if std::os::unix::net::UnixStream::connect(&helper.socket).is_ok() {
             return Ok(helper);
@@ -173,12 +202,25 @@ fn start_helper(opts: &Opts) -> Result<Helper, String> {
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "helper did not bind {} within 10 s",
-                helper.socket.display()
+                "helper did not bind {} within {} s",
+                helper.socket.display(),
+                spec.bind_limit.as_secs()
             ));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+fn start_helper(opts: &Opts) -> Result<Helper, String> {
+    launch_helper(&HelperSpec {
+        exe: opts.helper.as_deref(),
+        args: &["--backend", "sandbox"],
+        log_filter: "warn",
+        keep: opts.keep_logs,
+        tag: "",
+        bind_limit: Duration::from_secs(10),
+        data_dir: None,
+    })
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -126,15 +126,110 @@ pub struct Cli {
 pub enum Command {
     /// Report which backends work on this machine and why.
     Doctor(DoctorArgs),
-    /// Measure RPC latency, spawn latency and output throughput.
-    Bench {
-        /// Fewer iterations.
-        #[arg(long)]
-        quick: bool,
-    },
+    /// Measure RPC latency, spawn latency and output throughput
+    /// (`bench boot`: the guest's boot under the VM backends).
+    Bench(BenchArgs),
     /// The in-process KVM machine.
     #[command(subcommand)]
     Vm(VmCommand),
+}
+
+/// `bench`'s options: without a subcommand, the sandbox benchmark.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Fewer iterations.
+    #[arg(long)]
+    pub quick: bool,
+    #[command(subcommand)]
+    pub what: Option<BenchCommand>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Boot the guest image N times through startVM and report each boot
+    /// phase's median and p90 (kvm, qemu, or both alternating).
+    Boot(BenchBootArgs),
+}
+
+/// `bench boot`'s backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchBackend {
+    /// kvm where this host's KVM runs Linux, else qemu.
+    Auto,
+    /// The in-process VMM.
+    Kvm,
+    /// QEMU.
+    Qemu,
+    /// Both, alternating run by run, with kvm/qemu ratios.
+    Both,
+}
+
+/// `bench boot`'s options (see [`crate::bench::boot`]).
+#[derive(Debug, Args)]
+pub struct BenchBootArgs {
+    /// Which backend(s) to boot.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BenchBackend,
+    /// Boots per backend.
+    #[arg(short = 'n', long = "runs", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub runs: u32,
+    /// Print the report as JSON on stdout (progress stays on stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Write a stacked timeline of the median phases to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub chart: Option<PathBuf>,
+    /// The userland the helper boots (`default`: the Debian userland disk).
+    #[arg(long, value_enum, default_value = "default")]
+    pub userland: UserlandArg,
+    /// startVM.memoryGB for every backend (their own defaults differ).
+    #[arg(long, default_value_t = 1.0)]
+    pub memory_gb: f64,
+    /// startVM.cpuCount (default: the backends' common default).
+    #[arg(long)]
+    pub cpus: Option<u32>,
+    /// Limit of each request (startVM, the first spawn, stopVM), seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Unmeasured boots per backend first (the first formats the session
+    /// disk, which later starts find ready).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: u32,
+    /// The helper to start (default: this executable).
+    #[arg(long)]
+    pub helper: Option<PathBuf>,
+    /// Keep each helper's directory and log.
+    #[arg(long)]
+    pub keep_logs: bool,
+}
+
+impl BenchBootArgs {
+    /// The benchmark's options.
+    pub fn options(&self) -> crate::bench::boot::Options {
+        use crate::bench::boot::Backends;
+        crate::bench::boot::Options {
+            backends: match self.backend {
+                BenchBackend::Auto => Backends::Auto,
+                BenchBackend::Kvm => Backends::Kvm,
+                BenchBackend::Qemu => Backends::Qemu,
+                BenchBackend::Both => Backends::Both,
+            },
+            runs: self.runs as usize,
+            json: self.json,
+            chart: self.chart.clone(),
+            helper: self.helper.clone(),
+            keep_logs: self.keep_logs,
+            memory_gb: self.memory_gb,
+            cpus: self.cpus,
+            userland: self
+                .userland
+                .to_possible_value()
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_else(|| "default".into()),
+            timeout: Duration::from_secs(self.timeout.max(1)),
+            warmup: self.warmup as usize,
+        }
+    }
 }
 
 /// `doctor`'s options: the serving choices it explains. Unset, they are
@@ -324,7 +419,11 @@ pub fn main(args: Vec<String>) -> i32 {
         }
     };
     match cli.command {
-        Some(Command::Bench { quick }) => {
+        Some(Command::Bench(BenchArgs {
+            what: Some(BenchCommand::Boot(ref b)),
+            ..
+        })) => crate::bench::boot::main(b.options()),
+        Some(Command::Bench(BenchArgs { quick, what: None })) => {
             let mut a = vec!["bench".to_string()];
             if quick {
                 a.push("--quick".into());

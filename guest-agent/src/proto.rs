@@ -229,6 +229,10 @@ pub struct BootTimes {
     pub init_done_us: u64,
     /// When the connection to the host was established.
     pub connected_us: u64,
+    /// When the root was switched to a userland disk (a VM's init only;
+    /// absent when it stayed on its initramfs, and from older agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub userland_switched_us: Option<u64>,
 }
 
 /// First message of every agent connection.
@@ -643,6 +647,21 @@ mod tests {
         let newer = r#"{"kind":"nix","fallbacks":["cowork-rootfs: no bash"]}"#;
         let u: UserlandInfo = serde_json::from_str(newer).unwrap();
         assert_eq!((u.kind.as_str(), u.fallbacks.len()), ("nix", 1));
+    }
+
+    #[test]
+    fn boot_times_carry_the_userland_switch_when_there_was_one() {
+        let old = r#"{"agentStartUs":1,"initDoneUs":2,"connectedUs":3}"#;
+        let t: BootTimes = serde_json::from_str(old).unwrap();
+        assert_eq!(t.userland_switched_us, None);
+        assert!(!serde_json::to_string(&t).unwrap().contains("userlandSwitched"));
+        let t = BootTimes {
+            userland_switched_us: Some(2_500),
+            ..t
+        };
+        let v = serde_json::to_value(&t).unwrap();
+        assert_eq!(v["userlandSwitchedUs"], 2_500);
+        assert_eq!(serde_json::from_value::<BootTimes>(v).unwrap(), t);
     }
 
     #[test]

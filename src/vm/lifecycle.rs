@@ -7,7 +7,7 @@
 //! Limits: the agent must say hello within [`HELLO_TIMEOUT`]; `stopVM`
 //! gives the agent [`super::SHUTDOWN_GRACE`] before the machine is killed.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +18,9 @@ use super::link::{read_hello, AgentLink};
 use super::{lock, Machine, Vm, VmError, SHUTDOWN_GRACE};
 use crate::backend::{HostPaths, Machine as BackendMachine, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
+
+/// Serial of the next machine booted (see `Machine::serial`).
+static NEXT_MACHINE: AtomicU64 = AtomicU64::new(1);
 
 impl Vm {
     pub async fn start(
@@ -72,7 +75,9 @@ impl Vm {
         let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<String>();
         let done = tokio::spawn(run_machine(backend_machine, kill_rx, machine_gone_tx));
         let (probe_stop, probe_rx) = watch::channel(false);
+        let serial = NEXT_MACHINE.fetch_add(1, Ordering::Relaxed);
         let machine = Machine {
+            serial,
             kill: Some(kill_tx),
             done,
             probe_stop,
@@ -112,6 +117,8 @@ impl Vm {
             kernel = %hello.kernel,
             boot_ms = began.elapsed().as_secs_f64() * 1e3,
             agent_start_us = hello.boot.agent_start_us,
+            init_done_us = hello.boot.init_done_us,
+            userland_switched_us = hello.boot.userland_switched_us,
             connected_us = hello.boot.connected_us,
             "guest agent connected"
         );
@@ -133,7 +140,7 @@ impl Vm {
         tokio::spawn(async move {
             if let Ok(reason) = machine_gone_rx.await {
                 if let Some(vm) = me.upgrade() {
-                    vm.machine_gone(&reason).await;
+                    vm.machine_gone(serial, &reason).await;
                 }
             }
         });
@@ -197,8 +204,14 @@ impl Vm {
         tracing::info!("guest agent disconnected");
     }
 
-    async fn machine_gone(self: &Arc<Self>, reason: &str) {
+    /// Machine `serial` ended on its own. A `startVM` that tore it down and
+    /// booted another before this ran keeps its new machine.
+    async fn machine_gone(self: &Arc<Self>, serial: u64, reason: &str) {
         let mut lifecycle = self.lifecycle.lock().await;
+        if lifecycle.as_ref().is_some_and(|m| m.serial != serial) {
+            tracing::debug!(reason, "an earlier machine's end, already handled");
+            return;
+        }
         if let Some(m) = lifecycle.take() {
             tracing::warn!(reason, "the VM ended unexpectedly");
             let _ = m.probe_stop.send(true);

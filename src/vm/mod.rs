@@ -96,6 +96,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// A running machine as the controller holds it.
 struct Machine {
+    /// Which boot this is (unique in the process): the watcher of a machine
+    /// that ended acts only while that machine is still the current one.
+    serial: u64,
     kill: Option<oneshot::Sender<()>>,
     done: tokio::task::JoinHandle<()>,
     probe_stop: watch::Sender<bool>,

@@ -227,7 +227,7 @@ pub fn host_free_bytes(dir: &Path) -> io::Result<u64> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(u64::from(st.f_bavail).saturating_mul(u64::from(st.f_frsize)))
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Free bytes `createVM` needs on the host: [`MIN_HOST_FREE_BYTES`], plus
@@ -337,7 +337,7 @@ impl Vm {
     /// kept when larger; without it (`startVM`) it is kept as it is, and a
     /// missing one is created with [`DEFAULT_SESSION_DISK_GIB`]. Whenever
     /// it runs with `disk_size_gb`, or creates a disk, the host filesystem
-    /// must have [`host_bytes_needed`] free ([`StorageError::HostFull`]
+    /// must have `host_bytes_needed` free (`StorageError::HostFull`
     /// otherwise, the image untouched); a new disk appears whole or not at
     /// all (see the module docs).
     pub fn create_storage(&self, disk_size_gb: Option<u64>) -> Result<(), VmError> {
@@ -402,7 +402,7 @@ impl Vm {
 
     /// What `startVM` does with the storage before booting:
     /// [`Vm::create_storage`] without a size, then, under the VM backends,
-    /// [`inspect_image`] (off the async threads: it may read the image)
+    /// `inspect_image` (off the async threads: it may read the image)
     /// refusing a disk that is neither ext nor blank.
     pub async fn prepare_storage_for_boot(&self) -> Result<(), VmError> {
         self.create_storage(None)?;
@@ -431,7 +431,7 @@ impl Vm {
         }
     }
 
-    /// [`check_guest_disk`] for this VM's disk (VM backends only).
+    /// `check_guest_disk` for this VM's disk (VM backends only).
     pub(super) fn check_guest_disk(&self, hello: &Hello) -> Result<(), VmError> {
         if !self.cfg.uses_session_disk() {
             return Ok(());

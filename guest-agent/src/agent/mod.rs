@@ -127,6 +127,8 @@ pub enum AgentError {
 pub struct BootClock {
     pub start_us: u64,
     pub init_done_us: u64,
+    /// When the root was switched to a userland disk, if it was.
+    pub userland_switched_us: Option<u64>,
 }
 
 impl BootClock {
@@ -136,6 +138,7 @@ impl BootClock {
         Self {
             start_us: t,
             init_done_us: t,
+            userland_switched_us: None,
         }
     }
 
@@ -146,6 +149,7 @@ impl BootClock {
             agent_start_us: self.start_us - base,
             init_done_us: self.init_done_us.saturating_sub(base),
             connected_us: connected_us.saturating_sub(base),
+            userland_switched_us: self.userland_switched_us.map(|t| t.saturating_sub(base)),
         }
     }
 }
@@ -211,10 +215,11 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
     config.private_paths.extend(machine.private_paths);
     let marks = BootMarks::detect();
     marks.mark(Milestone::AgentStart, clock_start);
-    if let Some(at) = machine.userland_switched_us {
+    let switched = machine.userland_switched_us;
+    if let Some(at) = switched {
         marks.mark(Milestone::UserlandSwitched, at);
     }
-    let code = std::panic::catch_unwind(move || run_agent(config, clock_start, marks));
+    let code = std::panic::catch_unwind(move || run_agent(config, clock_start, switched, marks));
     let reason = match code {
         Ok(EXIT_OK) => power::Reason::HostDone,
         Ok(_) => power::Reason::LinkFailed,
@@ -264,10 +269,16 @@ fn session_users(config: &Config) -> Option<users::UserDb> {
 }
 
 /// Connects to the host and serves it; returns the process exit code.
-fn run_agent(config: Config, clock_start: u64, marks: BootMarks) -> i32 {
+fn run_agent(
+    config: Config,
+    clock_start: u64,
+    userland_switched_us: Option<u64>,
+    marks: BootMarks,
+) -> i32 {
     let clock = BootClock {
         start_us: clock_start,
         init_done_us: sys::boottime_us(),
+        userland_switched_us,
     };
     marks.mark(Milestone::InitDone, clock.init_done_us);
     let runtime = match tokio::runtime::Builder::new_current_thread()

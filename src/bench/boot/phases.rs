@@ -1,0 +1,451 @@
+//! The boot phases of one `bench boot` run, derived from what the client
+//! measured and what the helper logged ([`super::log::BootEvents`]), and
+//! their medians and 90th percentiles over the runs.
+//!
+//! Two clocks meet here: the host's wall clock (the client's `startVM` and
+//! the helper's log lines) and the guest's `CLOCK_BOOTTIME`, which starts
+//! with the guest kernel's early clock (TSC) set-up, moments after kernel
+//! entry, and which the agent reports in its hello (agent start, userland
+//! switch, connection; see `guest_agent::proto::BootTimes`). The host time
+//! at which that guest clock read zero ("kernel clock start") ties them:
+//! - kvm: each boot-port mark is logged with the host time it was written
+//!   and carries the guest clock in ms; marks written at the moment they
+//!   stamp (init done, connected) give the offset to within a millisecond
+//!   (the smallest host − guest difference is taken, plus half a
+//!   millisecond for the guest's truncation);
+//! - qemu (no boot port): the hello's arrival at the helper minus the
+//!   guest clock at the agent's connection; the few milliseconds the agent
+//!   takes to send the hello make that start look later, so QEMU's
+//!   "VMM ready → kernel" phase is slightly longer and its "hello →
+//!   connected" slightly shorter than they are.
+//!
+//! "VMM ready" is the first `KVM_RUN` of our VMM (from its timeline) and,
+//! for QEMU, the last of its vhost-user frontends connecting (QEMU has
+//! parsed its configuration and realised our devices; what is left before
+//! the first guest instruction is QEMU's machine reset). A phase whose
+//! source is missing is `None` (absent, `null` in JSON), never guessed.
+
+use guest_agent::milestone::{self, Milestone};
+
+use super::log::{BootEvents, LogLine};
+
+/// Half a millisecond in µs: the midpoint of a guest stamp truncated to ms.
+const HALF_MS_US: f64 = 500.0;
+
+/// Which backend a run used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Backend {
+    Kvm,
+    Qemu,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Kvm => "kvm",
+            Backend::Qemu => "qemu",
+        }
+    }
+}
+
+/// One phase of a boot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// `startVM` sent → the VMM runs the guest (kvm: first `KVM_RUN`) or
+    /// QEMU is up (its last vhost-user frontend connected).
+    HelperToVmmReady,
+    /// VMM ready → the guest kernel's clock starts (firmware, kernel
+    /// loading and decompression, the kernel's earliest set-up).
+    VmmReadyToKernel,
+    /// Kernel clock start → the agent's `main` (the kernel's boot, the
+    /// initramfs unpacked, `/init` executed).
+    KernelToAgent,
+    /// Agent start → root switched to the userland disk (mounts, modules,
+    /// clock, loopback, the userland disk and its overlay).
+    AgentToUserland,
+    /// Userland switch → the agent connected to the host (session disk,
+    /// share, egress, connection).
+    UserlandToHello,
+    /// Agent start → connected to the host (the two phases above, or all
+    /// of init when the VM stays on its initramfs).
+    AgentToHello,
+    /// Kernel clock start → agent connected: the guest-side part.
+    KernelToHello,
+    /// Agent connected (guest) → `startVM` answered (host): reading the
+    /// hello, checking it, wiring the link, the reply.
+    HelloToConnected,
+    /// `startVM` sent → its reply (the guest connected), at the client.
+    StartVmToConnected,
+    /// First `spawn` of `/bin/true` sent → its exit event, at the client.
+    FirstSpawnToExit,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 10] = [
+        Phase::HelperToVmmReady,
+        Phase::VmmReadyToKernel,
+        Phase::KernelToAgent,
+        Phase::AgentToUserland,
+        Phase::UserlandToHello,
+        Phase::AgentToHello,
+        Phase::KernelToHello,
+        Phase::HelloToConnected,
+        Phase::StartVmToConnected,
+        Phase::FirstSpawnToExit,
+    ];
+
+    /// The phases that follow each other from `startVM` to connected (the
+    /// chart's stacked segments), when the VM switched to a userland disk.
+    pub const TIMELINE: [Phase; 6] = [
+        Phase::HelperToVmmReady,
+        Phase::VmmReadyToKernel,
+        Phase::KernelToAgent,
+        Phase::AgentToUserland,
+        Phase::UserlandToHello,
+        Phase::HelloToConnected,
+    ];
+
+    /// The JSON key.
+    pub fn key(self) -> &'static str {
+        match self {
+            Phase::HelperToVmmReady => "helper_to_vmm_ready",
+            Phase::VmmReadyToKernel => "vmm_ready_to_kernel",
+            Phase::KernelToAgent => "kernel_to_agent",
+            Phase::AgentToUserland => "agent_to_userland",
+            Phase::UserlandToHello => "userland_to_hello",
+            Phase::AgentToHello => "agent_to_hello",
+            Phase::KernelToHello => "kernel_to_hello",
+            Phase::HelloToConnected => "hello_to_connected",
+            Phase::StartVmToConnected => "startvm_to_connected",
+            Phase::FirstSpawnToExit => "first_spawn_to_exit",
+        }
+    }
+
+    /// Words for the table and the chart's legend.
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::HelperToVmmReady => "helper → VMM/QEMU ready",
+            Phase::VmmReadyToKernel => "VMM ready → kernel clock",
+            Phase::KernelToAgent => "kernel → agent start",
+            Phase::AgentToUserland => "agent → userland switch",
+            Phase::UserlandToHello => "userland → hello",
+            Phase::AgentToHello => "agent → hello",
+            Phase::KernelToHello => "kernel → hello (guest side)",
+            Phase::HelloToConnected => "hello → startVM answered",
+            Phase::StartVmToConnected => "startVM → connected",
+            Phase::FirstSpawnToExit => "first spawn → exit",
+        }
+    }
+
+    fn index(self) -> usize {
+        Phase::ALL
+            .iter()
+            .position(|p| *p == self)
+            .unwrap_or_default()
+    }
+}
+
+/// Milliseconds per phase of one run ([`Phase::ALL`] order).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Phases([Option<f64>; Phase::ALL.len()]);
+
+impl Phases {
+    pub fn get(&self, p: Phase) -> Option<f64> {
+        self.0[p.index()]
+    }
+
+    pub fn set(&mut self, p: Phase, ms: Option<f64>) {
+        self.0[p.index()] = ms.filter(|v| v.is_finite());
+    }
+}
+
+/// What the client measured in one run, with the helper's boot events.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    pub backend: Backend,
+    /// Wall time (µs since the epoch) the client sent `startVM`.
+    pub start_vm_sent_at: i64,
+    /// `startVM` sent → answered, at the client (ms).
+    pub start_vm_ms: f64,
+    /// First spawn → its exit event, at the client (ms).
+    pub spawn_exit_ms: Option<f64>,
+    pub events: BootEvents,
+}
+
+/// The guest's boot clock as the hello reported it (µs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct GuestClock {
+    agent_start: Option<f64>,
+    userland_switched: Option<f64>,
+    connected: Option<f64>,
+}
+
+fn guest_clock(hello: Option<&LogLine>, ev: &BootEvents) -> GuestClock {
+    let mut g = GuestClock {
+        agent_start: hello.and_then(|h| h.num("agent_start_us")),
+        userland_switched: hello.and_then(|h| h.num("userland_switched_us")),
+        connected: hello.and_then(|h| h.num("connected_us")),
+    };
+    // An agent whose hello predates the field: the kvm boot port has it.
+    if g.userland_switched.is_none() {
+        g.userland_switched = ev.marks.iter().find_map(|m| {
+            let (code, guest_ms) = milestone::decode(m.value);
+            (code == Milestone::UserlandSwitched as u8)
+                .then_some(f64::from(guest_ms) * 1000.0 + HALF_MS_US)
+        });
+    }
+    g
+}
+
+/// Wall time (µs) at which our VMM began building the VM: each mark's log
+/// line minus the VMM's own time of the write (the smallest difference is
+/// the least delayed line); else the "started" line minus the build time.
+fn vmm_origin(ev: &BootEvents) -> Option<f64> {
+    let from_marks = ev
+        .marks
+        .iter()
+        .map(|m| m.logged_at as f64 - m.at_us as f64)
+        .min_by(f64::total_cmp);
+    from_marks.or_else(|| {
+        ev.kvm_started
+            .map(|(at, build_ms)| at as f64 - build_ms * 1000.0)
+    })
+}
+
+/// Wall time (µs) at which the guest's boot clock read zero (see the module
+/// documentation).
+fn kernel_clock_start(rec: &RunRecord, g: &GuestClock) -> Option<f64> {
+    match rec.backend {
+        Backend::Kvm => {
+            let origin = vmm_origin(&rec.events)?;
+            rec.events
+                .marks
+                .iter()
+                .filter_map(|m| {
+                    let (code, guest_ms) = milestone::decode(m.value);
+                    // Marks written at the moment they stamp.
+                    let prompt =
+                        code == Milestone::InitDone as u8 || code == Milestone::Connected as u8;
+                    prompt.then(|| {
+                        origin + m.at_us as f64 - f64::from(guest_ms) * 1000.0 - HALF_MS_US
+                    })
+                })
+                .min_by(f64::total_cmp)
+        }
+        Backend::Qemu => {
+            let hello = rec.events.agent_connected.as_ref()?;
+            Some(hello.at_us as f64 - g.connected?)
+        }
+    }
+}
+
+/// Wall time (µs) the VMM was ready (see the module documentation).
+fn vmm_ready(rec: &RunRecord) -> Option<f64> {
+    match rec.backend {
+        Backend::Kvm => Some(vmm_origin(&rec.events)? + rec.events.kvm_first_run_ms? * 1000.0),
+        Backend::Qemu => {
+            let hello_at = rec.events.agent_connected.as_ref().map(|h| h.at_us);
+            rec.events
+                .frontend_connected
+                .iter()
+                .copied()
+                .filter(|&at| hello_at.is_none_or(|h| at <= h))
+                .max()
+                .map(|at| at as f64)
+        }
+    }
+}
+
+fn diff_ms(later: Option<f64>, earlier: Option<f64>) -> Option<f64> {
+    Some((later? - earlier?) / 1000.0)
+}
+
+/// The phases of one run.
+pub fn phases(rec: &RunRecord) -> Phases {
+    let g = guest_clock(rec.events.agent_connected.as_ref(), &rec.events);
+    let t0 = Some(rec.start_vm_sent_at as f64);
+    let ready = vmm_ready(rec);
+    let clock0 = kernel_clock_start(rec, &g);
+    let answered = Some(rec.start_vm_sent_at as f64 + rec.start_vm_ms * 1000.0);
+    let mut p = Phases::default();
+    p.set(Phase::HelperToVmmReady, diff_ms(ready, t0));
+    p.set(Phase::VmmReadyToKernel, diff_ms(clock0, ready));
+    p.set(Phase::KernelToAgent, diff_ms(g.agent_start, Some(0.0)));
+    p.set(
+        Phase::AgentToUserland,
+        diff_ms(g.userland_switched, g.agent_start),
+    );
+    p.set(
+        Phase::UserlandToHello,
+        diff_ms(g.connected, g.userland_switched),
+    );
+    p.set(Phase::AgentToHello, diff_ms(g.connected, g.agent_start));
+    p.set(Phase::KernelToHello, diff_ms(g.connected, Some(0.0)));
+    let hello_at = clock0.zip(g.connected).map(|(c, k)| c + k);
+    p.set(Phase::HelloToConnected, diff_ms(answered, hello_at));
+    p.set(Phase::StartVmToConnected, Some(rec.start_vm_ms));
+    p.set(Phase::FirstSpawnToExit, rec.spawn_exit_ms);
+    p
+}
+
+/// Median, 90th percentile and count of one phase over the runs that
+/// measured it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stat {
+    pub median_ms: f64,
+    pub p90_ms: f64,
+    pub n: usize,
+}
+
+/// The value at quantile `q` (0..=1) of sorted samples, by linear
+/// interpolation between the closest ranks.
+pub fn quantile(sorted: &[f64], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    let pos = q.clamp(0.0, 1.0) * last as f64;
+    let lo = pos.floor() as usize;
+    let hi = pos.ceil() as usize;
+    let frac = pos - lo as f64;
+    Some(sorted[lo] + (sorted[hi.min(last)] - sorted[lo]) * frac)
+}
+
+/// [`Stat`] of `phase` over `runs`; `None` when no run measured it.
+pub fn stat(runs: &[Phases], phase: Phase) -> Option<Stat> {
+    let mut v: Vec<f64> = runs.iter().filter_map(|r| r.get(phase)).collect();
+    v.sort_by(f64::total_cmp);
+    Some(Stat {
+        median_ms: quantile(&v, 0.5)?,
+        p90_ms: quantile(&v, 0.9)?,
+        n: v.len(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::log::{parse_line, Mark, MSG_AGENT_CONNECTED};
+    use super::*;
+    use guest_agent::milestone::encode;
+
+    const T0: i64 = 1_000_000_000;
+
+    fn hello(at: i64, fields: &str) -> LogLine {
+        let mut l = parse_line(
+            &format!("1970-01-01T00:00:00Z  INFO {MSG_AGENT_CONNECTED} {fields}"),
+            MSG_AGENT_CONNECTED,
+        )
+        .unwrap();
+        l.at_us = at;
+        l
+    }
+
+    #[test]
+    fn kvm_phases_come_from_the_vmm_timeline_marks_and_hello() {
+        // VMM origin at T0+2 ms, first KVM_RUN 3 ms later; guest clock zero
+        // at T0+100 ms; agent at 400 ms, switch at 600 ms, connected 700 ms.
+        let origin = T0 + 2_000;
+        let clock0 = T0 + 100_000;
+        let mark = |m, guest_us: i64, delay: i64| {
+            let host = clock0 + guest_us + delay;
+            Mark {
+                value: encode(m, guest_us as u64),
+                at_us: (host - origin) as u64,
+                logged_at: host + 30,
+            }
+        };
+        let ev = BootEvents {
+            kvm_started: Some((T0 + 2_500, 0.4)),
+            kvm_first_run_ms: Some(3.0),
+            marks: vec![
+                mark(Milestone::AgentStart, 400_000, 150_000),
+                mark(Milestone::UserlandSwitched, 600_000, 40_000),
+                mark(Milestone::InitDone, 650_500, 0),
+                mark(Milestone::Connected, 700_500, 0),
+            ],
+            agent_connected: Some(hello(
+                T0 + 802_000,
+                "agent_start_us=400000 init_done_us=650500 connected_us=700500",
+            )),
+            ..BootEvents::default()
+        };
+        let rec = RunRecord {
+            backend: Backend::Kvm,
+            start_vm_sent_at: T0,
+            start_vm_ms: 810.0,
+            spawn_exit_ms: Some(4.5),
+            events: ev,
+        };
+        let p = phases(&rec);
+        let close = |ph: Phase, want: f64| {
+            let got = p.get(ph).unwrap_or_else(|| panic!("{ph:?} absent"));
+            assert!((got - want).abs() < 0.6, "{ph:?}: {got} != {want}");
+        };
+        close(Phase::HelperToVmmReady, 5.0);
+        close(Phase::VmmReadyToKernel, 95.0);
+        close(Phase::KernelToAgent, 400.0);
+        close(Phase::AgentToUserland, 200.5);
+        close(Phase::UserlandToHello, 100.0);
+        close(Phase::AgentToHello, 300.5);
+        close(Phase::KernelToHello, 700.5);
+        close(Phase::HelloToConnected, 9.5);
+        close(Phase::StartVmToConnected, 810.0);
+        close(Phase::FirstSpawnToExit, 4.5);
+    }
+
+    #[test]
+    fn qemu_phases_use_the_hello_and_absent_sources_stay_absent() {
+        let ev = BootEvents {
+            qemu_started: Some((T0 + 5_000, "tcg".into())),
+            frontend_connected: vec![T0 + 90_000, T0 + 120_000, T0 + 9_000_000],
+            agent_connected: Some(hello(
+                T0 + 3_120_000,
+                "agent_start_us=1000000 userland_switched_us=1800000 connected_us=2500000",
+            )),
+            ..BootEvents::default()
+        };
+        let rec = RunRecord {
+            backend: Backend::Qemu,
+            start_vm_sent_at: T0,
+            start_vm_ms: 3_125.0,
+            spawn_exit_ms: None,
+            events: ev,
+        };
+        let p = phases(&rec);
+        // The frontend connecting after the hello (a reconnect) is ignored.
+        assert_eq!(p.get(Phase::HelperToVmmReady), Some(120.0));
+        assert_eq!(p.get(Phase::VmmReadyToKernel), Some(500.0));
+        assert_eq!(p.get(Phase::KernelToAgent), Some(1000.0));
+        assert_eq!(p.get(Phase::AgentToUserland), Some(800.0));
+        assert_eq!(p.get(Phase::UserlandToHello), Some(700.0));
+        assert_eq!(p.get(Phase::HelloToConnected), Some(5.0));
+        assert_eq!(p.get(Phase::FirstSpawnToExit), None);
+
+        // No hello line at all: every guest and derived phase is absent.
+        let bare = RunRecord {
+            events: BootEvents::default(),
+            ..rec
+        };
+        let p = phases(&bare);
+        for ph in Phase::ALL {
+            let want = ph == Phase::StartVmToConnected;
+            assert_eq!(p.get(ph).is_some(), want, "{ph:?}");
+        }
+    }
+
+    #[test]
+    fn medians_and_p90_skip_absent_runs() {
+        assert_eq!(quantile(&[], 0.5), None);
+        assert_eq!(quantile(&[3.0], 0.9), Some(3.0));
+        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0], 0.5), Some(2.5));
+        let v: Vec<f64> = (1..=11).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.9), Some(10.0));
+        let mut a = Phases::default();
+        a.set(Phase::KernelToAgent, Some(10.0));
+        let mut b = Phases::default();
+        b.set(Phase::KernelToAgent, Some(30.0));
+        b.set(Phase::FirstSpawnToExit, Some(f64::NAN));
+        let runs = [a, b, Phases::default()];
+        let s = stat(&runs, Phase::KernelToAgent).unwrap();
+        assert_eq!((s.median_ms, s.n), (20.0, 2));
+        assert!((s.p90_ms - 28.0).abs() < 1e-9);
+        assert_eq!(stat(&runs, Phase::FirstSpawnToExit), None);
+    }
+}
