@@ -202,7 +202,7 @@ pub fn main_with_args(args: Vec<String>) -> i32 {
         if config.init_mounts {
             init::run_early_init();
         }
-        return run_agent(config, clock_start, BootMarks::none());
+        return run_agent(config, clock_start, None, BootMarks::none());
     }
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
