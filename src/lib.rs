@@ -21,6 +21,8 @@ pub mod client;
 pub mod daemon;
 pub mod egress;
 pub mod events;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod logging;
 pub mod probe;
 pub mod protocol;

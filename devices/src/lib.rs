@@ -25,6 +25,8 @@
 pub mod balloon;
 pub mod blk;
 pub mod fs;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod rng;
 pub mod vhost_user;
 pub mod vsock;

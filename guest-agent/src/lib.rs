@@ -24,6 +24,8 @@ pub mod agent;
 pub mod egress;
 pub mod extfs;
 pub mod framing;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod janitor;
 pub mod milestone;
 pub mod mounttable;

@@ -21,6 +21,8 @@ pub mod bus;
 pub mod cli;
 pub mod cpuid;
 pub mod devices;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod kvm_check;
 pub mod layout;
 pub mod machine;
