@@ -172,7 +172,7 @@ async fn stdin_beyond_the_queue_limit_is_refused_and_accepted_writes_arrive_in_o
     // written into it hold at most two more.
     let got = accepted.len() * STDIN_CHUNK;
     assert!(
-        got >= MAX_QUEUED_STDIN && got <= MAX_QUEUED_STDIN + 2 * STDIN_CHUNK,
+        (MAX_QUEUED_STDIN..=MAX_QUEUED_STDIN + 2 * STDIN_CHUNK).contains(&got),
         "accepted {got} bytes before the refusal (limit {MAX_QUEUED_STDIN})"
     );
 

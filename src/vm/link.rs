@@ -45,11 +45,12 @@ use super::{lock, Vm, VmError};
 /// Frames queued towards the agent before senders wait.
 const AGENT_QUEUE: usize = 256;
 
-/// Bytes of frames queued towards the agent before senders wait: six of
-/// the largest frames, enough to keep a reading agent busy while the next
-/// ones are encoded, and what an agent that stops reading can make the
-/// helper hold per VM.
-pub const MAX_QUEUED_BYTES: usize = 6 * proto::MAX_MESSAGE;
+/// Bytes of frames queued towards the agent before senders wait: 16 MiB,
+/// more than one largest frame ([`proto::MAX_MESSAGE`], which always fits
+/// an empty queue) plus the small ones behind it, and sixteen of the
+/// writer's batches, so a reading agent never waits for the queue; it is
+/// also what an agent that stops reading can make the helper hold per VM.
+pub const MAX_QUEUED_BYTES: usize = 16 * 1024 * 1024;
 
 /// Largest batch the link writer coalesces into one write.
 const WRITE_BATCH: usize = 1024 * 1024;
@@ -404,10 +405,19 @@ async fn link_writer(
     // queued until they are written.
     let mut permits = Vec::new();
     while let Some((first, permit)) = rx.recv().await {
+        permits.push(permit);
+        if first.len() >= WRITE_BATCH {
+            // A large frame goes out as it is, without a copy.
+            if let Err(e) = wr.write_all(&first).await {
+                tracing::debug!(error = %e, "agent link write failed");
+                break;
+            }
+            permits.clear();
+            continue;
+        }
         batch.clear();
         batch.extend_from_slice(&first);
         drop(first);
-        permits.push(permit);
         while batch.len() < WRITE_BATCH {
             match rx.try_recv() {
                 Ok((more, permit)) => {
