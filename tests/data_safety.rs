@@ -229,6 +229,8 @@ async fn a_disk_that_is_not_blank_is_never_formatted() {
     assert!(
         e.contains(disk.to_str().unwrap())
             && e.contains("cannot mount session disk")
+            && e.contains("(kernel: EXT4-fs (")
+            && e.contains("Invalid log block size")
             && e.contains("not reformatted"),
         "{e}"
     );

@@ -120,11 +120,13 @@ pub enum SessionDiskError {
     },
     #[error("{mkfs} did not finish formatting {dev} within {}s; killed", MKFS_TIMEOUT.as_secs())]
     MkfsTimeout { mkfs: PathBuf, dev: PathBuf },
-    #[error("cannot mount session disk {dev} on {target}: {source}")]
+    #[error("cannot mount session disk {dev} on {target}: {source}{}", kernel.as_deref().map(|k| format!(" (kernel: {k})")).unwrap_or_default())]
     Mount {
         dev: PathBuf,
         target: PathBuf,
         source: io::Error,
+        /// The kernel's last log line about the device ([`kernel_says`]).
+        kernel: Option<String>,
     },
     #[error("cannot read the size of session disk {dev}: {source}")]
     Size { dev: PathBuf, source: io::Error },
@@ -321,13 +323,65 @@ pub fn format(mkfs: &Path, dev: &Path) -> Result<(), SessionDiskError> {
     })
 }
 
+/// The kernel log (`/dev/kmsg`), where a failed mount says why.
+pub const KMSG: &str = "/dev/kmsg";
+
+/// Most kernel log records read when looking for a mount's reason (the
+/// ring buffer of our guest kernel holds fewer).
+const KMSG_MAX_RECORDS: usize = 10_000;
+
+/// Bytes of the buffer one kernel log record is read into (a record is at
+/// most 8 KiB, the kernel's `PRINTK_MESSAGE_MAX`).
+const KMSG_RECORD_MAX: usize = 8192;
+
+/// The text of the last record in the kernel log at `kmsg` that names the
+/// device `dev_name` in parentheses, as filesystems do (`EXT4-fs (vdb):
+/// Invalid log block size: 20`), or `None`. Reads without blocking.
+pub fn kernel_says(kmsg: &Path, dev_name: &str) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(kmsg)
+        .ok()?;
+    let needle = format!("({dev_name})");
+    let mut last = None;
+    let mut buf = vec![0u8; KMSG_RECORD_MAX];
+    for _ in 0..KMSG_MAX_RECORDS {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            // EPIPE: a record was overwritten while reading; go on.
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(_) => break,
+        };
+        let rec = String::from_utf8_lossy(&buf[..n]);
+        // `prio,seq,usec,flags;text`, then optional ` KEY=value` lines.
+        let text = rec
+            .split_once(';')
+            .map_or(&*rec, |(_, t)| t)
+            .lines()
+            .next()
+            .unwrap_or_default();
+        if text.contains(&needle) {
+            last = Some(text.trim().to_string());
+        }
+    }
+    last
+}
+
 /// Mounts `dev` (ext4) on `target`, creating `target` if needed. Already a
-/// mount point: nothing to do.
+/// mount point: nothing to do. A failure carries the kernel's reason when
+/// its log has one ([`kernel_says`]).
 pub fn mount(dev: &Path, target: &Path) -> Result<(), SessionDiskError> {
     let fail = |source| SessionDiskError::Mount {
         dev: dev.to_path_buf(),
         target: target.to_path_buf(),
         source,
+        kernel: dev
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| kernel_says(Path::new(KMSG), n)),
     };
     mounttable::mount_unless_mounted(
         dev,
@@ -626,6 +680,25 @@ mod tests {
     }
 
     #[test]
+    fn the_kernels_reason_is_its_last_record_about_the_device() {
+        let t = tempfile::tempdir().unwrap();
+        // A regular file reads in one go, which is one record as
+        // /dev/kmsg gives it.
+        let kmsg = t.path().join("kmsg");
+        std::fs::write(
+            &kmsg,
+            "3,812,2419553,-;EXT4-fs (vdb): Invalid log block size: 20\n SUBSYSTEM=block\n",
+        )
+        .unwrap();
+        assert_eq!(
+            kernel_says(&kmsg, "vdb").as_deref(),
+            Some("EXT4-fs (vdb): Invalid log block size: 20")
+        );
+        assert_eq!(kernel_says(&kmsg, "vda"), None);
+        assert_eq!(kernel_says(&t.path().join("none"), "vdb"), None);
+    }
+
+    #[test]
     fn the_hello_reports_each_outcome() {
         use proto::SessionDiskInfo as Info;
         let r = report(&Ok(Prepared::NoDisk));
@@ -643,13 +716,16 @@ mod tests {
         let r = report(&Err(SessionDiskError::Mount {
             dev: "/dev/vdb".into(),
             target: "/sessions".into(),
-            source: io::Error::from_raw_os_error(libc::EUCLEAN),
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+            kernel: Some("EXT4-fs (vdb): Invalid log block size: 20".into()),
         }));
         assert_eq!(r.state, Info::FAILED);
-        assert!(r
-            .error
-            .unwrap()
-            .contains("cannot mount session disk /dev/vdb"));
+        let error = r.error.unwrap();
+        assert!(
+            error.contains("cannot mount session disk /dev/vdb on /sessions")
+                && error.ends_with("(kernel: EXT4-fs (vdb): Invalid log block size: 20)"),
+            "{error}"
+        );
         // Not a VM's init in a unit test: nothing to report.
         assert_eq!(outcome(), None);
     }
