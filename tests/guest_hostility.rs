@@ -23,6 +23,7 @@
 //! makes missing prerequisites a failure).
 
 mod common;
+mod support;
 
 use std::time::{Duration, Instant};
 
@@ -650,4 +651,134 @@ async fn the_agent_dying_ends_its_processes_and_start_works_again() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+/// Session whose processes run as guest root in the QEMU case (the
+/// helper's `COWORK_GUEST_ROOT_SESSION` test hook).
+const ROOT_SESSION: &str = "guestroot";
+
+/// Limit of a QEMU (TCG) startVM; the machine is shared with other tests.
+const QEMU_START_LIMIT: Duration = Duration::from_secs(180);
+
+/// How the QEMU case kills the agent, PID 1 of the guest. PID 1 ignores
+/// every signal it has no handler for when it comes from inside its own
+/// namespace (SIGKILL included), so `kill -9 1` as root does nothing. A
+/// fault is different: the kernel forces the signal of a trap on the
+/// faulting task, clearing init's protection. So guest root overwrites
+/// the agent's code, every executable mapping of `/proc/1/maps`, with
+/// `int3` (0xCC) through `/proc/1/mem`; the next instruction PID 1 runs
+/// traps, SIGTRAP kills it, the kernel panics ("Attempted to kill init"),
+/// and `panic=-1` with QEMU's `-no-reboot` ends the machine: exactly a
+/// crashing agent. The script's own exit is never reported.
+const KILL_PID1: &str = r#"set -e
+head -c 1048576 /dev/zero | tr '\000' '\314' > /tmp/int3
+grep ' r-xp ' /proc/1/maps | while read -r range rest; do
+  start=$((0x${range%-*})); end=$((0x${range#*-}))
+  pages=$(( (end - start) / 4096 ))
+  while [ "$pages" -gt 0 ]; do
+    n=$pages; [ "$n" -gt 256 ] && n=256
+    dd if=/tmp/int3 of=/proc/1/mem bs=4096 seek=$((start / 4096)) count=$n conv=notrunc 2>/dev/null
+    start=$((start + n * 4096)); pages=$((pages - n))
+  done
+done
+sleep 600
+"#;
+
+/// Guest-root `sh -c` of [`KILL_PID1`] (the busybox userland has `sh`).
+fn kill_pid1_spawn() -> Value {
+    support::session::sh("killer", ROOT_SESSION, KILL_PID1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
+    use support::gate::{qemu_gate, qemu_missing};
+    use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
+    if !qemu_gate(
+        "qemu_agent_pid1_death",
+        "the QEMU guest-hostility test",
+        [
+            qemu_missing(),
+            vm_helper::image_for(&built_helper())
+                .err()
+                .map(|e| format!("no guest image ({e}); build it with scripts/mkguestimage.sh")),
+        ],
+    ) {
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    // The helper inherits it; no other test of this file boots a VM.
+    std::env::set_var(
+        cowork_helper::backend::guest::GUEST_ROOT_SESSION_ENV,
+        ROOT_SESSION,
+    );
+    let mut helper = VmHelper::start_qemu("cowork-hostile-", &["--userland", "initramfs"]);
+    let (pipe, mut sub) = support::session::client(
+        &helper,
+        "hostile-qemu",
+        "/tmp/hostile-qemu-profile",
+        QEMU_START_LIMIT,
+    )
+    .await;
+    let params = json!({"memoryGB": 1, "cpuCount": 1});
+    support::session::start_vm(&pipe, &helper, params.clone(), QEMU_START_LIMIT, "boot").await;
+
+    // A process of an ordinary session, then guest root kills PID 1.
+    pipe.call("spawn", support::session::sh("victim", "s1", "sleep 600"))
+        .await
+        .expect("spawn victim");
+    pipe.call("spawn", kill_pid1_spawn())
+        .await
+        .expect("spawn the killer");
+    let out = sub
+        .collect_process("victim", QEMU_START_LIMIT)
+        .await
+        .unwrap_or_else(|e| panic!("no end of the victim: {e}\n{}", helper.log_text()));
+    let fatal = out
+        .errors
+        .iter()
+        .find(|e| e["fatal"] == true)
+        .unwrap_or_else(|| panic!("no fatal error: {:?}\n{}", out.events, helper.log_text()));
+    assert!(
+        fatal["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("the VM stopped unexpectedly")),
+        "{fatal}"
+    );
+    assert_eq!(out.exit["type"], "exit");
+    let deadline = Instant::now() + QEMU_START_LIMIT;
+    loop {
+        let running = pipe.call("isRunning", json!({})).await.unwrap()["running"] == true;
+        let connected =
+            pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"] == true;
+        if !running && !connected {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dead machine still counts as running ({running}) or connected ({connected})\n{}",
+            helper.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = helper.log_text();
+    assert!(
+        log.contains("Attempted to kill init"),
+        "the guest console shows PID 1 dying: {log}"
+    );
+
+    // stopVM of the dead machine, then a new boot works.
+    pipe.call("stopVM", json!({}))
+        .await
+        .expect("stopVM after the death");
+    support::session::start_vm(&pipe, &helper, params, QEMU_START_LIMIT, "reboot").await;
+    let out = support::session::run(
+        &pipe,
+        &mut sub,
+        support::session::sh("after", "s1", "echo alive"),
+        QEMU_START_LIMIT,
+    )
+    .await;
+    assert_eq!(out.stdout_str(), "alive\n", "{}", out.exit);
+    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    helper.stop_clean(QEMU_VERBOSE_ENV);
 }

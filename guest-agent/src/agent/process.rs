@@ -59,8 +59,8 @@ const PIPE_SIZE: usize = 1024 * 1024;
 
 /// Stdin bytes a process may have queued in the agent (accepted by
 /// `WriteStdin`, not yet written into its pipe) before further writes are
-/// refused with [`ProcessError::StdinFull`]: sixteen of the pipe's
-/// [`PIPE_SIZE`], so a client streaming into a process that reads keeps
+/// refused with [`ProcessError::StdinFull`]: sixteen times the process's
+/// 1 MiB pipe, so a client streaming into a process that reads keeps
 /// far ahead of it, while one that never reads cannot grow the agent (in
 /// the sandbox, a host process) without bound. A refused write is not
 /// queued at all; the accepted ones stay whole and in order.
@@ -172,9 +172,7 @@ struct StdinTx {
 }
 
 enum State {
-    Running {
-        stdin: Option<StdinTx>,
-    },
+    Running { stdin: Option<StdinTx> },
     Exited(ExitStatus),
 }
 
