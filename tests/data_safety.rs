@@ -691,8 +691,14 @@ async fn inner_host_full() {
             .expect_err("createVM on a full host filesystem");
         let e = e.to_string();
         eprintln!("data_safety: createVM {gb} GiB on a full host: {e}");
+        let why = if gb == 1 {
+            "room for the guest's writes"
+        } else {
+            "to grow it and the filesystem in it"
+        };
         assert!(
             e.contains(" MiB free")
+                && e.contains(why)
                 && e.contains(data.to_str().unwrap())
                 && e.contains("free some space")
                 && e.contains("was not changed"),

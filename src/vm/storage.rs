@@ -9,8 +9,9 @@
 //! - **Room on the host first.** `createVM` (and `startVM` when it must
 //!   create the disk) refuses with [`StorageError::HostFull`] when the
 //!   host filesystem holding the profile has less than
-//!   [`MIN_HOST_FREE_BYTES`] free (plus, for a new disk, what its first
-//!   format writes, [`FORMAT_COST_DIVISOR`]): a sparse image is only a
+//!   [`MIN_HOST_FREE_BYTES`] free (plus what formatting a new disk, or
+//!   growing the filesystem into an image's new space, writes:
+//!   [`FORMAT_COST_DIVISOR`]): a sparse image is only a
 //!   promise, and a guest writing into a full host filesystem gets I/O
 //!   errors instead of a clear message. The existing image is not touched.
 //! - **No half-made disk.** A new image is made as
@@ -231,9 +232,10 @@ pub fn host_free_bytes(dir: &Path) -> io::Result<u64> {
 }
 
 /// Free bytes `createVM` needs on the host: [`MIN_HOST_FREE_BYTES`], plus
-/// the first format's writes when the disk (`new_bytes` long) is new.
-pub fn host_bytes_needed(new_bytes: Option<u64>) -> u64 {
-    MIN_HOST_FREE_BYTES + new_bytes.map_or(0, |b| b / FORMAT_COST_DIVISOR)
+/// what the guest writes formatting (or growing its filesystem into)
+/// `added_bytes` of new disk space.
+pub fn host_bytes_needed(added_bytes: u64) -> u64 {
+    MIN_HOST_FREE_BYTES + added_bytes / FORMAT_COST_DIVISOR
 }
 
 /// Makes a new sparse image of `bytes` at `disk` (which must not exist):
@@ -351,7 +353,8 @@ impl Vm {
         }
         let requested = disk_size_gb.map(session_disk_bytes).transpose()?;
         let disk = self.cfg.session_disk();
-        let exists = std::fs::symlink_metadata(&disk).is_ok();
+        let old_len = std::fs::symlink_metadata(&disk).ok().map(|m| m.len());
+        let exists = old_len.is_some();
         if requested.is_none() && exists {
             tracing::debug!(disk = %disk.display(), "session disk kept");
             return Ok(());
@@ -362,7 +365,8 @@ impl Vm {
             source,
         })?;
         let bytes = requested.unwrap_or(DEFAULT_SESSION_DISK_GIB * GIB);
-        let needed = host_bytes_needed((!exists).then_some(bytes));
+        let added = bytes.saturating_sub(old_len.unwrap_or(0));
+        let needed = host_bytes_needed(added);
         let free = host_free_bytes(dir).map_err(|source| StorageError::Statvfs {
             path: dir.clone(),
             source,
@@ -373,10 +377,10 @@ impl Vm {
                 disk: disk.clone(),
                 free_mib: free / MIB,
                 needed_mib: needed.div_ceil(MIB),
-                why: if exists {
-                    "room for the guest's writes"
-                } else {
-                    "to create and format it"
+                why: match (exists, added) {
+                    (false, _) => "to create and format it",
+                    (true, 0) => "room for the guest's writes",
+                    (true, _) => "to grow it and the filesystem in it",
                 },
             };
             tracing::error!(error = %e, "session disk refused");
@@ -694,11 +698,8 @@ mod tests {
 
     #[test]
     fn the_host_needs_room_for_the_disk() {
-        assert_eq!(host_bytes_needed(None), MIN_HOST_FREE_BYTES);
-        assert_eq!(
-            host_bytes_needed(Some(10 * GIB)),
-            MIN_HOST_FREE_BYTES + 80 * MIB
-        );
+        assert_eq!(host_bytes_needed(0), MIN_HOST_FREE_BYTES);
+        assert_eq!(host_bytes_needed(10 * GIB), MIN_HOST_FREE_BYTES + 80 * MIB);
         let tmp = tempfile::tempdir().unwrap();
         assert!(host_free_bytes(tmp.path()).unwrap() > 0);
         assert!(host_free_bytes(&tmp.path().join("missing")).is_err());
