@@ -15,7 +15,12 @@
 //!   leaves the old image as it was, and a new disk is never left half made
 //!   ([`a_full_host_disk_fails_create_vm_and_keeps_the_image`], which
 //!   needs no VM: it re-runs itself in a private mount namespace with the
-//!   data directory on a small tmpfs).
+//!   data directory on a small tmpfs);
+//! - a host filesystem that fills up under a running VM makes the guest's
+//!   `fsync` fail (`EIO`) rather than report data the host could not
+//!   store, the agent goes on, and what was fsynced before is intact at
+//!   the next boot ([`a_host_disk_filling_under_a_running_vm_fails_fsync`],
+//!   same namespace and tmpfs, with a VM).
 //!
 //! Small disks keep it fast under TCG: `startVM` keeps an existing image as
 //! it is, so the tests put a 64 MiB one in place before booting.
@@ -568,27 +573,28 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
 
 /// The inner test of [`a_full_host_disk_fails_create_vm_and_keeps_the_image`].
 const INNER_HOST_FULL: &str = "inner_host_full";
-/// What the inner test prints when it finished.
-const INNER_OK: &str = "data_safety: host-full inner test done";
+/// The inner test of [`a_host_disk_filling_under_a_running_vm_fails_fsync`].
+const INNER_HOST_FILLS: &str = "inner_host_fills_while_running";
+/// What an inner test prints when it finished.
+const INNER_OK: &str = "data_safety: inner test done";
 
-#[test]
-fn a_full_host_disk_fails_create_vm_and_keeps_the_image() {
-    let root = (unsafe { libc::geteuid() } != 0).then(|| "needs root to mount a tmpfs".to_string());
-    if !qemu_gate(
-        "a_full_host_disk_fails_create_vm_and_keeps_the_image",
-        "the full-host-disk test",
-        [root, missing_tool("unshare"), missing_tool("sha256sum")],
-    ) {
-        return;
-    }
-    let t0 = Instant::now();
+/// `Some(why)` when this process is not root (a tmpfs mount needs it).
+fn not_root() -> Option<String> {
+    // SAFETY: geteuid cannot fail.
+    (unsafe { libc::geteuid() } != 0).then(|| "needs root to mount a tmpfs".to_string())
+}
+
+/// Re-runs this binary's `inner` test under `unshare --mount` (a private
+/// mount namespace, where it mounts its tmpfs); panics with its output
+/// unless it passed.
+fn rerun_in_mount_namespace(inner: &str) -> String {
     let exe = std::env::current_exe().expect("test binary");
     let out = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "--"])
         .arg(exe)
         .args([
             "--exact",
-            INNER_HOST_FULL,
+            inner,
             "--ignored",
             "--nocapture",
             "--test-threads=1",
@@ -605,10 +611,181 @@ fn a_full_host_disk_fails_create_vm_and_keeps_the_image() {
         "inner run failed ({}):\n{text}",
         out.status
     );
+    text
+}
+
+/// A temporary directory for a helper whose data directory (only) is a
+/// tmpfs of [`TMPFS_SIZE`] (in this process's mount namespace).
+fn helper_dir_on_tmpfs() -> tempfile::TempDir {
+    let tmp = tempfile::Builder::new()
+        .prefix("cowork-data-safety-host-")
+        .tempdir()
+        .expect("tempdir");
+    let data = vm_helper::data_dir(tmp.path());
+    std::fs::create_dir_all(&data).unwrap();
+    support::netns::run(&[
+        "mount",
+        "-t",
+        "tmpfs",
+        "-o",
+        &format!("size={TMPFS_SIZE},mode=0700"),
+        "tmpfs",
+        data.to_str().unwrap(),
+    ]);
+    tmp
+}
+
+#[test]
+fn a_full_host_disk_fails_create_vm_and_keeps_the_image() {
+    if !qemu_gate(
+        "a_full_host_disk_fails_create_vm_and_keeps_the_image",
+        "the full-host-disk test",
+        [
+            not_root(),
+            missing_tool("unshare"),
+            missing_tool("sha256sum"),
+        ],
+    ) {
+        return;
+    }
+    let t0 = Instant::now();
+    let text = rerun_in_mount_namespace(INNER_HOST_FULL);
     eprintln!(
         "{text}\ndata_safety: host-full case took {:?}",
         t0.elapsed()
     );
+}
+
+#[test]
+fn a_host_disk_filling_under_a_running_vm_fails_fsync() {
+    const TEST: &str = "a_host_disk_filling_under_a_running_vm_fails_fsync";
+    if !vm_prerequisites(TEST)
+        || !qemu_gate(
+            TEST,
+            "the host-fills-up test",
+            [not_root(), missing_tool("unshare")],
+        )
+    {
+        return;
+    }
+    let t0 = Instant::now();
+    let text = rerun_in_mount_namespace(INNER_HOST_FILLS);
+    eprintln!(
+        "{text}\ndata_safety: host-fills case took {:?}",
+        t0.elapsed()
+    );
+}
+
+/// Writes `argv[2]` MiB to the file `argv[1]` and fsyncs it; prints `ok`,
+/// or `error <errno> <text>` and exits 3.
+const BULK_FSYNC: &str = r#"
+import os, sys
+data = bytes(range(256)) * 4096
+try:
+    fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for _ in range(int(sys.argv[2])):
+        os.write(fd, data)
+    os.fsync(fd)
+except OSError as e:
+    print("error", e.errno, e.strerror)
+    sys.exit(3)
+print("ok")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by a_host_disk_filling_under_a_running_vm_fails_fsync in a private mount namespace"]
+async fn inner_host_fills_while_running() {
+    const PROFILE: &str = "fills";
+    const SESSION: &str = "writer";
+    let tmp = helper_dir_on_tmpfs();
+    let data = vm_helper::data_dir(tmp.path());
+    let mut helper = VmHelper::start_in(
+        &built_helper(),
+        tmp.path(),
+        "helper",
+        "qemu",
+        Duration::from_secs(15),
+    );
+    let (pipe, mut sub) = connect(&helper, PROFILE).await;
+    pipe.call("createVM", json!({"bundlePath": "", "diskSizeGB": 1}))
+        .await
+        .expect("createVM");
+    start(&pipe, &helper, "on a tmpfs").await;
+    let write = |id: &str, file: &str, mib: u32| {
+        spawn(
+            id,
+            SESSION,
+            "python3",
+            &["-c", BULK_FSYNC, file, &mib.to_string()],
+        )
+    };
+    let before = run(&pipe, &mut sub, write("before", "before.bin", 4), T).await;
+    assert_exit_0("writing with room on the host", &before);
+
+    // The host filesystem fills up under the running VM: the guest's
+    // fsync fails instead of reporting data the host could not store.
+    let filler = fill(&data);
+    let after = run(&pipe, &mut sub, write("after", "after.bin", 32), T).await;
+    eprintln!(
+        "data_safety: fsync on a full host: {} {:?}",
+        after.exit,
+        after.stdout_str()
+    );
+    assert_eq!(after.exit_code(), Some(3), "{:?}", after.stdout_str());
+    assert!(
+        after.stdout_str().starts_with("error "),
+        "{:?}",
+        after.stdout_str()
+    );
+    assert_eq!(
+        pipe.call("isGuestConnected", json!({})).await.unwrap()["connected"],
+        json!(true)
+    );
+    let alive = run(&pipe, &mut sub, sh("alive", SESSION, "echo alive"), T).await;
+    assert_exit_0("a spawn after the host filled up", &alive);
+
+    // Room again: stopVM, boot, the file fsynced before is intact.
+    std::fs::remove_file(&filler).unwrap();
+    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    start(&pipe, &helper, "after the host had room again").await;
+    let check = run(
+        &pipe,
+        &mut sub,
+        sh(
+            "check",
+            SESSION,
+            "python3 -c 'import sys; d=open(\"before.bin\",\"rb\").read(); print(len(d), d == bytes(range(256)) * 4096 * 4)'",
+        ),
+        T,
+    )
+    .await;
+    assert_exit_0("reading the file fsynced before", &check);
+    assert_eq!(check.stdout_str().trim(), "4194304 True");
+    // The device reported the host's refusals to the guest as I/O errors
+    // (counted when the first machine's disk was closed), and the guest
+    // kernel said what it made of them.
+    let log = helper.log_text();
+    let closed = log
+        .lines()
+        .find(|l| l.contains(session_disk::CLOSED))
+        .unwrap_or_else(|| panic!("no {:?} line: {log}", session_disk::CLOSED));
+    let errors: u64 = closed
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("errors="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(errors > 0, "the device reported no I/O error: {closed}");
+    let kernel: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("EXT4-fs") || l.contains("I/O error"))
+        .take(6)
+        .collect();
+    eprintln!("data_safety: {closed}\ndata_safety: guest kernel: {kernel:#?}");
+    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    drop(sub);
+    drop(pipe);
+    helper.stop_clean(QEMU_VERBOSE_ENV);
+    println!("{INNER_OK}");
 }
 
 /// Fills the filesystem holding `dir` with a file there; returns it.
@@ -646,21 +823,8 @@ fn listing(dir: &Path) -> Vec<String> {
 async fn inner_host_full() {
     const OLD: &str = "old";
     const NEW: &str = "new";
-    let tmp = tempfile::Builder::new()
-        .prefix("cowork-data-safety-host-")
-        .tempdir()
-        .expect("tempdir");
+    let tmp = helper_dir_on_tmpfs();
     let data = vm_helper::data_dir(tmp.path());
-    std::fs::create_dir_all(&data).unwrap();
-    support::netns::run(&[
-        "mount",
-        "-t",
-        "tmpfs",
-        "-o",
-        &format!("size={TMPFS_SIZE},mode=0700"),
-        "tmpfs",
-        data.to_str().unwrap(),
-    ]);
     // Only the data directory is on the tmpfs: the socket and the log are not.
     let mut helper = VmHelper::start_in(
         &built_helper(),
