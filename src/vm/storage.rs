@@ -271,8 +271,21 @@ fn create_new_image(disk: &Path, bytes: u64) -> io::Result<()> {
 }
 
 /// `renameat2(from, to, RENAME_NOREPLACE)`: fails with `EEXIST` rather
-/// than replacing an image that appeared meanwhile.
+/// than replacing an image that appeared meanwhile. Where the filesystem
+/// does not offer the flag (`EINVAL`: some network and FUSE filesystems),
+/// a hard link then an unlink, which never replace either.
 fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    match renameat2_noreplace(from, to) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            std::fs::hard_link(from, to)?;
+            std::fs::remove_file(from)
+        }
+        other => other,
+    }
+}
+
+/// The `renameat2` call of [`rename_noreplace`].
+fn renameat2_noreplace(from: &Path, to: &Path) -> io::Result<()> {
     let c = |p: &Path| {
         std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))
