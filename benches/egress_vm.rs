@@ -6,7 +6,9 @@
 //!
 //! Run with `cargo bench --bench egress_vm` (root; QEMU and the guest image
 //! with its userland, `scripts/setup.sh`). `EGRESS_VM_BACKEND=kvm` measures
-//! the in-process VMM instead where `/dev/kvm` boots Linux. Nothing leaves
+//! the in-process VMM instead where `/dev/kvm` boots Linux, and
+//! `EGRESS_VM_BACKEND=sandbox` the namespace sandbox (relay in its network
+//! namespace, unix socket to the host proxy). Nothing leaves
 //! the machine: the bench re-runs itself in network namespaces of its own
 //! (`tests/support/netns.rs`), the servers live behind a veth pair and
 //! `bench.test` is a name in a bind-mounted `/etc/hosts`.
@@ -37,10 +39,12 @@ use support::session::{self, bash, run};
 use support::vm_helper::{self, built_helper, VmHelper};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Echo server port (in the server namespace).
-const ECHO_PORT: u16 = 9000;
+/// Echo server port (in the server namespace). 8080 and 8443 are among the
+/// ports the sandbox's fixed-port capture listens on, so the capture path
+/// works under `EGRESS_VM_BACKEND=sandbox` too.
+const ECHO_PORT: u16 = 8080;
 /// Sink server port: counts bytes to EOF and answers the count.
-const SINK_PORT: u16 = 9001;
+const SINK_PORT: u16 = 8443;
 /// Connection setups measured per guest path.
 const GUEST_SETUPS: usize = 200;
 /// Bulk transfer size per guest path, MiB.
@@ -118,7 +122,7 @@ def bulk(open_, port):
     secs = time.perf_counter() - t0
     if int.from_bytes(got, "big") != total: raise SystemExit("short count")
     return total / secs / 1e6
-for name, open_, e, k in [("guest-loopback", via_loop, le, ls), ("guest-relay", via_relay, 9000, 9001), ("guest-capture", via_capture, 9000, 9001)]:
+for name, open_, e, k in [("guest-loopback", via_loop, le, ls), ("guest-relay", via_relay, 8080, 8443), ("guest-capture", via_capture, 8080, 8443)]:
     med, p90 = setup(open_, e)
     print("ROW %s %.3f %.3f %.1f" % (name, med, p90, bulk(open_, k)), flush=True)
 "#;

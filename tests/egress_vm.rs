@@ -59,6 +59,10 @@ const HTTP_PORT: u16 = 8080;
 const HTTPS_PORT: u16 = 8443;
 /// UDP echo server port (in S): a reply would mean UDP got out.
 const UDP_PORT: u16 = 5353;
+/// Limit for the python test servers to listen: seconds here, but inside
+/// the nested harness (L1 itself under TCG) importing `ssl` and loading the
+/// certificate takes much longer.
+const SERVERS_LIMIT: Duration = Duration::from_secs(240);
 /// Limit for startVM (a TCG boot takes seconds; the machine is shared).
 const START_LIMIT: Duration = Duration::from_secs(180);
 /// Limit for one session's whole script (python and node start slowly
@@ -469,8 +473,8 @@ fn inner_egress_vm() {
         let t0 = std::time::Instant::now();
         while !https_log.exists() {
             assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "python servers did not start"
+                t0.elapsed() < SERVERS_LIMIT,
+                "python servers did not start within {SERVERS_LIMIT:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
