@@ -20,7 +20,7 @@
 //! | `echo TEXT` | stdout `TEXT`, then exit 0 |
 //! | `oversized-frame` | a frame announcing more than `MAX_MESSAGE` bytes |
 //! | `truncated-frame` | half a frame, then closes its side of the link |
-//! | `stalled-frame` | half a frame, then nothing more (link stays open) |
+//! | `stalled-frame` | half a frame, then nothing more at all (link stays open) |
 //! | `bad-json` | a message whose header is not JSON |
 //! | `wrong-types` | a `stdout` message whose `id` is a number |
 //! | `bad-header-length` | a header length past the end of the frame |
@@ -230,7 +230,11 @@ impl Agent {
                 self.half_frame();
                 let _ = self.link.shutdown(std::net::Shutdown::Write);
             }
-            "stalled-frame" => self.half_frame(),
+            "stalled-frame" => {
+                // Nothing more goes out: the link stays inside this frame.
+                self.half_frame();
+                self.answers = Answers::None;
+            }
             "bad-json" => self.body_with_header(b"{this is not json"),
             "wrong-types" => {
                 let header = json!({"type": "stdout", "id": 5});
