@@ -214,8 +214,10 @@ impl Vm {
         }
         if let Some(m) = lifecycle.take() {
             tracing::warn!(reason, "the VM ended unexpectedly");
-            let _ = m.probe_stop.send(true);
-            self.running.store(false, Ordering::Release);
+            // The agent died with its machine even if no backend closed
+            // the link yet: its processes end now (fatal error and exit),
+            // not when (or if) the stream reports it.
+            self.teardown(m).await;
         }
     }
 
@@ -309,5 +311,44 @@ async fn run_machine(
         _ = kill => {
             machine.kill().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{BackendKind, VmConfig};
+
+    #[tokio::test]
+    async fn a_stale_machine_end_leaves_the_current_machine_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = Vm::new(VmConfig {
+            backend: BackendKind::Sandbox,
+            profile_dir: tmp.path().join("profile"),
+            helper_exe: "/nonexistent/cowork-helper".into(),
+            egress: crate::egress::EgressProxy::from_env(),
+        });
+        // A startVM tore machine 6 down and booted machine 7; machine 6's
+        // watcher only then reports its end.
+        let (kill, _kill_rx) = oneshot::channel();
+        let (probe_stop, _probe_rx) = watch::channel(false);
+        *vm.lifecycle.lock().await = Some(Machine {
+            serial: 7,
+            kill: Some(kill),
+            done: tokio::spawn(async {}),
+            probe_stop,
+            host_paths: HostPaths::Prefix("/".into()),
+        });
+        vm.machine_gone(6, "machine 6 ended").await;
+        assert!(
+            vm.lifecycle
+                .lock()
+                .await
+                .as_ref()
+                .is_some_and(|m| m.serial == 7),
+            "machine 7 was taken for machine 6's end"
+        );
+        vm.machine_gone(7, "machine 7 ended").await;
+        assert!(vm.lifecycle.lock().await.is_none());
     }
 }
