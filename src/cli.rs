@@ -201,6 +201,10 @@ pub struct BenchBootArgs {
     /// Keep each helper's directory and log.
     #[arg(long)]
     pub keep_logs: bool,
+    /// COWORK_LOG of the helpers; must include info (`debug` adds the guest
+    /// console to the kept logs).
+    #[arg(long, default_value = crate::bench::boot::HELPER_LOG_FILTER)]
+    pub helper_log: String,
 }
 
 impl BenchBootArgs {
@@ -228,6 +232,7 @@ impl BenchBootArgs {
                 .unwrap_or_else(|| "default".into()),
             timeout: Duration::from_secs(self.timeout.max(1)),
             warmup: self.warmup as usize,
+            helper_log: self.helper_log.clone(),
         }
     }
 }

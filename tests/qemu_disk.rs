@@ -51,7 +51,7 @@ fn image_for_helper() -> Result<GuestImage, String> {
     let img = vm_helper::image_for(&built_helper())?;
     let listing = Command::new("sh")
         .arg("-c")
-        .arg("gzip -dc \"$1\" | cpio -t --quiet")
+        .arg("gzip -dcf \"$1\" | cpio -t --quiet")
         .arg("sh")
         .arg(&img.initramfs)
         .output()

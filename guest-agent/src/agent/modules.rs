@@ -6,7 +6,14 @@
 //! by `scripts/mkinitramfs.sh` from each module's own `depends=` field since
 //! Debian's kernel package ships no `modules.dep`. Every module listed there
 //! is loaded with `finit_module(2)`, dependencies first
-//! ([`load_order`], a pure function). A module that is already loaded or
+//! ([`load_order`], a pure function), in waves ([`load_waves`]): the
+//! modules of one wave depend only on earlier waves and are loaded at once,
+//! one thread each (at most [`MAX_PARALLEL_LOADS`]), so their signature
+//! checks and init functions (device probes) overlap on the guest's vCPUs
+//! instead of running one after another. Devices are still found whichever
+//! of a transport (`virtio_mmio`, `virtio_pci`) and a driver
+//! (`virtio_blk`, ...) registers first: the kernel binds them either way
+//! before both loads return. A module that is already loaded or
 //! built in (`EEXIST`) counts as loaded; any other failure is reported and
 //! the remaining modules are still tried (a missing device is not fatal to
 //! the agent, the host sees what is missing in the console log).
@@ -32,6 +39,11 @@ pub const MODULES_DEP: &str = "modules.dep";
 
 /// Longest `modules.dep` accepted (a whole distro kernel's is about 1 MiB).
 const MAX_DEP_FILE: u64 = 16 * 1024 * 1024;
+
+/// Most modules loaded at once within a wave: the guest image's widest wave
+/// has about ten, and each load is CPU work (signature check, relocation,
+/// init) that more threads than vCPUs would only interleave.
+pub const MAX_PARALLEL_LOADS: usize = 8;
 
 /// Errors of reading the dependency file and loading modules.
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +152,39 @@ pub fn load_order(entries: &[ModuleDeps]) -> Result<Vec<String>, ModulesError> {
     Ok(order)
 }
 
+/// Splits [`load_order`]'s result into waves: a module's wave is one past
+/// the latest wave of its dependencies (modules without any are in wave 0),
+/// so every module of a wave can load at once once the earlier waves are
+/// in. Within a wave, modules keep their load order.
+pub fn load_waves(entries: &[ModuleDeps]) -> Result<Vec<Vec<String>>, ModulesError> {
+    let order = load_order(entries)?;
+    let mut deps_of: HashMap<&str, Vec<&str>> = HashMap::new();
+    for e in entries {
+        deps_of
+            .entry(e.path.as_str())
+            .or_default()
+            .extend(e.deps.iter().map(String::as_str));
+    }
+    let mut wave_of: HashMap<&str, usize> = HashMap::new();
+    let mut waves: Vec<Vec<String>> = Vec::new();
+    for m in &order {
+        // Dependencies come earlier in `order`, so their waves are known.
+        let w = deps_of
+            .get(m.as_str())
+            .into_iter()
+            .flatten()
+            .filter_map(|d| wave_of.get(d).map(|w| w + 1))
+            .max()
+            .unwrap_or(0);
+        wave_of.insert(m.as_str(), w);
+        if waves.len() <= w {
+            waves.resize_with(w + 1, Vec::new);
+        }
+        waves[w].push(m.clone());
+    }
+    Ok(waves)
+}
+
 /// The module name of a tree path (`kernel/net/vmw_vsock/vsock.ko` -> `vsock`).
 pub fn module_name(path: &str) -> &str {
     let file = path.rsplit('/').next().unwrap_or(path);
@@ -156,6 +201,12 @@ pub enum LoadOutcome {
 
 /// Reads `<tree>/modules.dep` and returns the modules' full paths in load order.
 pub fn planned_loads(tree: &Path) -> Result<Vec<PathBuf>, ModulesError> {
+    Ok(planned_waves(tree)?.into_iter().flatten().collect())
+}
+
+/// Reads `<tree>/modules.dep` and returns the modules' full paths in waves
+/// ([`load_waves`]).
+pub fn planned_waves(tree: &Path) -> Result<Vec<Vec<PathBuf>>, ModulesError> {
     let dep = tree.join(MODULES_DEP);
     let read = |source| ModulesError::Read {
         path: dep.clone(),
@@ -166,23 +217,59 @@ pub fn planned_loads(tree: &Path) -> Result<Vec<PathBuf>, ModulesError> {
         return Err(ModulesError::TooLarge { path: dep });
     }
     let text = std::fs::read_to_string(&dep).map_err(read)?;
-    let order = load_order(&parse_modules_dep(&text)?)?;
-    Ok(order.iter().map(|rel| tree.join(rel)).collect())
+    let waves = load_waves(&parse_modules_dep(&text)?)?;
+    Ok(waves
+        .iter()
+        .map(|w| w.iter().map(|rel| tree.join(rel)).collect())
+        .collect())
 }
 
-/// Loads every module of `tree` in dependency order; one outcome per module.
+fn outcome(path: &Path) -> LoadOutcome {
+    let name = module_name(&path.to_string_lossy()).to_string();
+    match load_module(path) {
+        Ok(true) => LoadOutcome::Loaded(name),
+        Ok(false) => LoadOutcome::AlreadyPresent(name),
+        Err(e) => LoadOutcome::Failed(e),
+    }
+}
+
+/// Loads every module of `tree`, wave after wave, the modules of a wave at
+/// once (at most [`MAX_PARALLEL_LOADS`] threads); one outcome per module,
+/// wave by wave. A thread that cannot be started loads its modules on
+/// this one.
 pub fn load_tree(tree: &Path) -> Result<Vec<LoadOutcome>, ModulesError> {
-    Ok(planned_loads(tree)?
-        .into_iter()
-        .map(|path| {
-            let name = module_name(&path.to_string_lossy()).to_string();
-            match load_module(&path) {
-                Ok(true) => LoadOutcome::Loaded(name),
-                Ok(false) => LoadOutcome::AlreadyPresent(name),
-                Err(e) => LoadOutcome::Failed(e),
-            }
-        })
-        .collect())
+    let mut outcomes = Vec::new();
+    for wave in planned_waves(tree)? {
+        if wave.len() == 1 {
+            outcomes.push(outcome(&wave[0]));
+            continue;
+        }
+        for chunk in wave.chunks(MAX_PARALLEL_LOADS) {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = chunk
+                    .iter()
+                    .map(|path| {
+                        std::thread::Builder::new()
+                            .name("modprobe".into())
+                            .spawn_scoped(scope, move || outcome(path))
+                            .map_err(|_| path)
+                    })
+                    .collect();
+                for h in handles {
+                    outcomes.push(match h {
+                        Ok(h) => h.join().unwrap_or_else(|_| {
+                            LoadOutcome::Failed(ModulesError::Load {
+                                path: PathBuf::from("?"),
+                                source: io::Error::other("the loading thread panicked"),
+                            })
+                        }),
+                        Err(path) => outcome(path),
+                    });
+                }
+            });
+        }
+    }
+    Ok(outcomes)
 }
 
 /// Loads one plain `.ko` with `finit_module(2)`. Returns false when the
@@ -368,6 +455,64 @@ mod tests {
         assert_eq!(order.len(), n + 1);
         assert_eq!(order[0], format!("m{n}.ko"));
         assert_eq!(order[n], "m0.ko");
+    }
+
+    #[test]
+    fn waves_load_each_module_after_all_of_its_dependencies() {
+        let d = deps(
+            "vmw_vsock_virtio_transport.ko: vmw_vsock_virtio_transport_common.ko vsock.ko virtio.ko virtio_ring.ko\n\
+             virtio_blk.ko: virtio.ko virtio_ring.ko\n\
+             vmw_vsock_virtio_transport_common.ko: vsock.ko\n\
+             virtio.ko: virtio_ring.ko\nvirtio_ring.ko:\nvsock.ko:\noverlay.ko:\n",
+        );
+        let waves = load_waves(&d).unwrap();
+        assert_eq!(
+            waves,
+            vec![
+                vec!["vsock.ko", "virtio_ring.ko", "overlay.ko"],
+                vec!["vmw_vsock_virtio_transport_common.ko", "virtio.ko"],
+                vec!["vmw_vsock_virtio_transport.ko", "virtio_blk.ko"],
+            ]
+        );
+        let flat: Vec<String> = waves.concat();
+        assert_eq!(flat.len(), load_order(&d).unwrap().len());
+        let wave = |m: &str| waves.iter().position(|w| w.iter().any(|x| x == m)).unwrap();
+        for e in &d {
+            for dep in &e.deps {
+                assert!(wave(dep) < wave(&e.path), "{dep} before {}", e.path);
+            }
+        }
+        assert!(matches!(
+            load_waves(&deps("a.ko: b.ko\nb.ko: a.ko\n")),
+            Err(ModulesError::Cycle(_))
+        ));
+    }
+
+    #[test]
+    fn a_tree_loads_wave_by_wave_and_reports_every_module() {
+        // Files that are not modules: finit_module fails on each (EPERM when
+        // not root, ENOEXEC as root), and every one is still reported, wave
+        // by wave (a and b, then c and d), from the threads of its wave.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(MODULES_DEP),
+            "c.ko: a.ko\nb.ko:\na.ko:\nd.ko: a.ko\n",
+        )
+        .unwrap();
+        for m in ["a", "b", "c", "d"] {
+            std::fs::write(dir.path().join(format!("{m}.ko")), b"not a module").unwrap();
+        }
+        let outcomes = load_tree(dir.path()).unwrap();
+        let paths: Vec<String> = outcomes
+            .iter()
+            .map(|o| match o {
+                LoadOutcome::Failed(ModulesError::Load { path, .. }) => {
+                    module_name(&path.to_string_lossy()).to_string()
+                }
+                other => panic!("a non-module loaded: {other:?}"),
+            })
+            .collect();
+        assert_eq!(paths, ["a", "b", "c", "d"]);
     }
 
     #[test]

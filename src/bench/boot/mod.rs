@@ -38,8 +38,9 @@ use crate::client::{Pipe, Subscription};
 use phases::{Backend, Phase, RunRecord};
 use report::{BackendRuns, Report};
 
-/// `COWORK_LOG` of the helper under test: info has every line [`log`] reads
-/// (the guest console, at debug, is left out).
+/// Default `COWORK_LOG` of the helper under test: info has every line
+/// [`log`] reads (the guest console, at debug, is left out; `--helper-log
+/// debug --keep-logs` keeps it for a closer look).
 pub const HELPER_LOG_FILTER: &str = "info";
 /// Profile the benchmark configures.
 const PROFILE: &str = "bench-boot";
@@ -104,6 +105,8 @@ pub struct Options {
     pub timeout: Duration,
     /// Unmeasured boots per backend before the measured ones.
     pub warmup: usize,
+    /// `COWORK_LOG` of the helpers (at least info, see [`HELPER_LOG_FILTER`]).
+    pub helper_log: String,
 }
 
 /// Errors of one boot.
@@ -335,7 +338,7 @@ async fn one_boot(
     let helper = launch_helper(&HelperSpec {
         exe: opts.helper.as_deref(),
         args: &args,
-        log_filter: HELPER_LOG_FILTER,
+        log_filter: &opts.helper_log,
         keep: opts.keep_logs,
         tag: &tag,
         bind_limit: BIND_LIMIT,
