@@ -26,8 +26,9 @@
 //! it is, so the tests put a 64 MiB one in place before booting.
 //!
 //! Gate: QEMU, the guest image with its default userland (python3 writes
-//! the records), the host's `mkfs.ext4` and `sha256sum`; root and `unshare`
-//! for the host-disk case. With `COWORK_QEMU_TESTS=1` a missing
+//! the records), the host's `mkfs.ext4` and `sha256sum`; for the host-disk
+//! cases `unshare` and a private mount namespace (root, or unprivileged
+//! user namespaces). With `COWORK_QEMU_TESTS=1` a missing
 //! prerequisite fails instead of skipping.
 
 mod support;
@@ -578,19 +579,51 @@ const INNER_HOST_FILLS: &str = "inner_host_fills_while_running";
 /// What an inner test prints when it finished.
 const INNER_OK: &str = "data_safety: inner test done";
 
-/// `Some(why)` when this process is not root (a tmpfs mount needs it).
-fn not_root() -> Option<String> {
+/// `unshare` options for a private mount namespace where this process may
+/// mount a tmpfs: as root, just the namespace; otherwise also a user
+/// namespace mapping the caller to root in it.
+fn unshare_args() -> &'static [&'static str] {
     // SAFETY: geteuid cannot fail.
-    (unsafe { libc::geteuid() } != 0).then(|| "needs root to mount a tmpfs".to_string())
+    if unsafe { libc::geteuid() } == 0 {
+        &["--mount", "--propagation", "private"]
+    } else {
+        &[
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "--propagation",
+            "private",
+        ]
+    }
 }
 
-/// Re-runs this binary's `inner` test under `unshare --mount` (a private
-/// mount namespace, where it mounts its tmpfs); panics with its output
+/// `Some(why)` when [`unshare_args`] cannot make the namespace here (no
+/// `unshare`, or user namespaces disabled for an unprivileged caller).
+fn no_mount_namespace() -> Option<String> {
+    if let Some(why) = missing_tool("unshare") {
+        return Some(why);
+    }
+    let ok = Command::new("unshare")
+        .args(unshare_args())
+        .args(["--", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    (!ok).then(|| {
+        format!(
+            "`unshare {} -- true` fails: a private mount namespace (root, or unprivileged user namespaces) is needed to mount a tmpfs",
+            unshare_args().join(" ")
+        )
+    })
+}
+
+/// Re-runs this binary's `inner` test under `unshare` ([`unshare_args`]: a
+/// private mount namespace, where it mounts its tmpfs); panics with its output
 /// unless it passed.
 fn rerun_in_mount_namespace(inner: &str) -> String {
     let exe = std::env::current_exe().expect("test binary");
     let out = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "--"])
+        .args(unshare_args())
+        .arg("--")
         .arg(exe)
         .args([
             "--exact",
@@ -640,11 +673,7 @@ fn a_full_host_disk_fails_create_vm_and_keeps_the_image() {
     if !qemu_gate(
         "a_full_host_disk_fails_create_vm_and_keeps_the_image",
         "the full-host-disk test",
-        [
-            not_root(),
-            missing_tool("unshare"),
-            missing_tool("sha256sum"),
-        ],
+        [no_mount_namespace(), missing_tool("sha256sum")],
     ) {
         return;
     }
@@ -659,12 +688,7 @@ fn a_full_host_disk_fails_create_vm_and_keeps_the_image() {
 #[test]
 fn a_host_disk_filling_under_a_running_vm_fails_fsync() {
     const TEST: &str = "a_host_disk_filling_under_a_running_vm_fails_fsync";
-    if !vm_prerequisites(TEST)
-        || !qemu_gate(
-            TEST,
-            "the host-fills-up test",
-            [not_root(), missing_tool("unshare")],
-        )
+    if !vm_prerequisites(TEST) || !qemu_gate(TEST, "the host-fills-up test", [no_mount_namespace()])
     {
         return;
     }
