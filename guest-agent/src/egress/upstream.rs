@@ -198,16 +198,18 @@ impl VsockStream {
         // edge-triggered epoll no new edge would come until the host sends
         // something — and in both proxy protocols the client speaks first.
         // Only a wake-up that finds the socket still unconnected is cleared.
-        while pending {
-            let mut guard = fd.writable().await?;
-            let err = socket_error(fd.get_ref())?;
-            if err != 0 {
-                return Err(io::Error::from_raw_os_error(err));
+        if pending {
+            loop {
+                let mut guard = fd.writable().await?;
+                let err = socket_error(fd.get_ref())?;
+                if err != 0 {
+                    return Err(io::Error::from_raw_os_error(err));
+                }
+                if is_connected(fd.get_ref())? {
+                    break;
+                }
+                guard.clear_ready();
             }
-            if is_connected(fd.get_ref())? {
-                break;
-            }
-            guard.clear_ready();
         }
         Ok(Self { fd })
     }
