@@ -85,13 +85,16 @@ const HARNESS_TIMEOUT: Duration = Duration::from_secs(960);
 /// see tests/nested_boot.rs).
 const NESTED_ATTEMPTS: u32 = 5;
 /// Thread names of a running in-process VM in the helper.
-const VM_THREADS: [&str; 6] = [
+const VM_THREADS: [&str; 9] = [
     "cowork-kvm-vm",
+    "vmm-event-loop",
     "vcpu",
     "virtio-vsock",
     "virtio-fs",
     "virtio-blk",
     "virtio-rng",
+    "virtio-balloon",
+    "egress-accept",
 ];
 /// `createVM.diskSizeGB` of the test.
 const DISK_GB: u64 = 1;
