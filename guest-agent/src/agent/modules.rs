@@ -224,9 +224,17 @@ pub fn planned_waves(tree: &Path) -> Result<Vec<Vec<PathBuf>>, ModulesError> {
         .collect())
 }
 
+/// Loads one module and logs (debug) how long the kernel took.
 fn outcome(path: &Path) -> LoadOutcome {
+    let started = std::time::Instant::now();
     let name = module_name(&path.to_string_lossy()).to_string();
-    match load_module(path) {
+    let result = load_module(path);
+    tracing::debug!(
+        module = %name,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "finit_module returned"
+    );
+    match result {
         Ok(true) => LoadOutcome::Loaded(name),
         Ok(false) => LoadOutcome::AlreadyPresent(name),
         Err(e) => LoadOutcome::Failed(e),

@@ -345,7 +345,11 @@ async fn one_boot(
         data_dir,
     })
     .map_err(|e| BootBenchError::Helper(e).to_string())?;
-    let measured = drive(opts, &helper.socket, &helper.dir).await;
+    // The profile (and with it the session disk) must be the same across
+    // the backend's boots: its root lives with the kept data directory.
+    let profile_root =
+        data_dir.map_or_else(|| helper.dir.join("profile"), |d| d.join("profile-root"));
+    let measured = drive(opts, &helper.socket, &helper.dir, &profile_root).await;
     let log = std::fs::read_to_string(&helper.log).map_err(|source| BootBenchError::Log {
         path: helper.log.clone(),
         source,
@@ -369,9 +373,9 @@ async fn drive(
     opts: &Options,
     socket: &std::path::Path,
     dir: &std::path::Path,
+    profile_root: &std::path::Path,
 ) -> Result<(i64, f64, f64), BootBenchError> {
-    let root = dir.join("profile");
-    let root_s = root.to_string_lossy().into_owned();
+    let root_s = profile_root.to_string_lossy().into_owned();
     let pipe = Pipe::connect_with_timeout(socket, opts.timeout)
         .await
         .map_err(client_err("connect"))?;
