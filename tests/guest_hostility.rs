@@ -692,7 +692,7 @@ fn kill_pid1_spawn() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
     use support::gate::{qemu_gate, qemu_missing};
-    use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
+    use support::vm_helper::{self, built_helper};
     if !qemu_gate(
         "qemu_agent_pid1_death",
         "the QEMU guest-hostility test",
@@ -706,21 +706,119 @@ async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
         return;
     }
     let _one = ONE_AT_A_TIME.lock().await;
-    // The helper inherits it; no other test of this file boots a VM.
+    pid1_death(
+        "qemu",
+        &std::env::temp_dir(),
+        &["--userland", "initramfs"],
+        QEMU_START_LIMIT,
+    )
+    .await;
+}
+
+/// Name of the kvm variant (what its nested re-run selects).
+const KVM_TEST: &str = "kvm_agent_pid1_death_is_a_fatal_end_and_start_works_again";
+
+/// Set (to 1) on the kvm variant's re-run inside the nested harness.
+const KVM_INSIDE_ENV: &str = "COWORK_HOSTILE_KVM_INSIDE";
+
+/// Line the kvm variant's body prints when all its checks passed.
+const KVM_OK_MARKER: &str = "guest_hostility kvm: ok";
+
+/// Limit of a startVM in the kvm variant (nested harness: TCG speed).
+const KVM_START_LIMIT: Duration = Duration::from_secs(300);
+
+/// The same under `--backend kvm`: directly where this host's KVM boots
+/// Linux, else re-run inside the nested-KVM harness (gated by
+/// `COWORK_NESTED_TESTS` like the other nested suites). The kvm kernel
+/// command line has `panic=-1 reboot=k`: the panic resets the machine,
+/// which ends the in-process VM.
+#[test]
+fn kvm_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
+    use support::nested::{self, Mode};
+    use support::vm_helper::{self, built_helper};
+    let inside = std::env::var(KVM_INSIDE_ENV).is_ok_and(|v| v == "1");
+    let mode = if inside { Mode::Direct } else { nested::mode() };
+    if !inside {
+        if let Err(why) = vm_helper::image_for(&built_helper()) {
+            let reason = format!("no guest image ({why}); build it with scripts/mkguestimage.sh");
+            assert!(
+                !nested::nested_tests_required(),
+                "COWORK_NESTED_TESTS=1: {reason}"
+            );
+            nested::unavailable(KVM_TEST, &reason);
+            return;
+        }
+        if mode == Mode::Nested {
+            if let Err(missing) = nested::harness_check() {
+                nested::unavailable(
+                    KVM_TEST,
+                    &format!("the nested-KVM harness is not usable: {missing}"),
+                );
+                return;
+            }
+        }
+    }
+    match mode {
+        Mode::Direct => {
+            // Inside the harness `/` is the host's over virtiofs: the
+            // helper's files go to the L1 guest's own tmpfs.
+            let base = if inside {
+                std::path::PathBuf::from("/dev/shm")
+            } else {
+                std::env::temp_dir()
+            };
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(async {
+                    let _one = ONE_AT_A_TIME.lock().await;
+                    pid1_death("kvm", &base, &["--userland", "initramfs"], KVM_START_LIMIT).await;
+                });
+            // On its own line: libtest has printed "test … " without one.
+            println!("\n{KVM_OK_MARKER}");
+        }
+        Mode::Nested => nested::rerun_test(&nested::Rerun {
+            test: KVM_TEST,
+            inside_env: KVM_INSIDE_ENV,
+            ok_marker: KVM_OK_MARKER,
+            report_prefix: "guest_hostility: ",
+            verbose_env: "COWORK_KVM_E2E_VERBOSE",
+            inner_timeout: Duration::from_secs(900),
+            harness_timeout: Duration::from_secs(960),
+            attempts: 3,
+        }),
+    }
+}
+
+/// Boots `backend` (helper files under `base`, extra helper `args`),
+/// kills the agent as PID 1 ([`KILL_PID1`]) and checks what the client
+/// sees, then that a new boot works.
+async fn pid1_death(backend: &str, base: &std::path::Path, args: &[&str], start_limit: Duration) {
+    use support::vm_helper::{built_helper, VmHelper, QEMU_VERBOSE_ENV};
+    // The helper inherits it; the sandbox cases of this file ignore it.
     std::env::set_var(
         cowork_helper::backend::guest::GUEST_ROOT_SESSION_ENV,
         ROOT_SESSION,
     );
-    let mut helper = VmHelper::start_qemu("cowork-hostile-", &["--userland", "initramfs"]);
+    let mut helper = VmHelper::start_temp_with(
+        &built_helper(),
+        "cowork-hostile-",
+        base,
+        backend,
+        args,
+        Duration::from_secs(30),
+    );
     let (pipe, mut sub) = support::session::client(
         &helper,
-        "hostile-qemu",
-        "/tmp/hostile-qemu-profile",
-        QEMU_START_LIMIT,
+        &format!("hostile-{backend}"),
+        &format!("/tmp/hostile-{backend}-profile"),
+        start_limit,
     )
     .await;
     let params = json!({"memoryGB": 1, "cpuCount": 1});
-    support::session::start_vm(&pipe, &helper, params.clone(), QEMU_START_LIMIT, "boot").await;
+    support::session::start_vm(&pipe, &helper, params.clone(), start_limit, "boot").await;
 
     // A process of an ordinary session, then guest root kills PID 1.
     pipe.call("spawn", support::session::sh("victim", "s1", "sleep 600"))
@@ -730,7 +828,7 @@ async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
         .await
         .expect("spawn the killer");
     let out = sub
-        .collect_process("victim", QEMU_START_LIMIT)
+        .collect_process("victim", start_limit)
         .await
         .unwrap_or_else(|e| panic!("no end of the victim: {e}\n{}", helper.log_text()));
     let fatal = out
@@ -745,7 +843,7 @@ async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
         "{fatal}"
     );
     assert_eq!(out.exit["type"], "exit");
-    let deadline = Instant::now() + QEMU_START_LIMIT;
+    let deadline = Instant::now() + start_limit;
     loop {
         let running = pipe.call("isRunning", json!({})).await.unwrap()["running"] == true;
         let connected =
@@ -770,12 +868,12 @@ async fn qemu_agent_pid1_death_is_a_fatal_end_and_start_works_again() {
     pipe.call("stopVM", json!({}))
         .await
         .expect("stopVM after the death");
-    support::session::start_vm(&pipe, &helper, params, QEMU_START_LIMIT, "reboot").await;
+    support::session::start_vm(&pipe, &helper, params, start_limit, "reboot").await;
     let out = support::session::run(
         &pipe,
         &mut sub,
         support::session::sh("after", "s1", "echo alive"),
-        QEMU_START_LIMIT,
+        start_limit,
     )
     .await;
     assert_eq!(out.stdout_str(), "alive\n", "{}", out.exit);
