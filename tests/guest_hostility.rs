@@ -9,7 +9,8 @@
 //! agent in the same helper. The host's link parser (`src/vm/link.rs`) and
 //! process table are the same for every backend, so the sandbox exercises
 //! what a hostile VM guest could send just as well; the VM-only part, the
-//! agent dying as PID 1 of a real kernel, is `qemu_agent_pid1_death_*`.
+//! real agent dying as PID 1 of a real kernel, is `qemu_agent_pid1_death_*`
+//! and `kvm_agent_pid1_death_*` (see [`KILL_PID1`] for how).
 //!
 //! Each case checks, as applicable: the helper stays up and another
 //! profile (real agent) keeps working; the helper's peak memory during the
@@ -20,7 +21,8 @@
 //! and startVM works again.
 //!
 //! The QEMU case is gated like the other QEMU suites (`COWORK_QEMU_TESTS=1`
-//! makes missing prerequisites a failure).
+//! makes missing prerequisites a failure), the kvm case like the other
+//! nested suites (`COWORK_NESTED_TESTS=1`).
 
 mod common;
 mod support;
