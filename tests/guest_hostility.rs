@@ -297,6 +297,16 @@ async fn frames_the_link_cannot_parse_close_it_with_a_clear_error() {
         rig.assert_good_works(directive).await;
         rig.assert_bad_restarts(0, directive).await;
     }
+    // The fake agent's hello carries a newline and a would-be log line.
+    let log = rig.d.log();
+    assert!(
+        log.contains("agent=\"fake\\n1999-"),
+        "the hello is logged escaped: {log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("1999-")),
+        "a guest forged a helper log line: {log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

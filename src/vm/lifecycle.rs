@@ -113,8 +113,10 @@ impl Vm {
         };
         tracing::info!(
             backend = self.cfg.backend.as_str(),
-            agent = %hello.version,
-            kernel = %hello.kernel,
+            // The guest's words, quoted and escaped: a newline in them
+            // cannot forge a log line.
+            agent = ?hello.version,
+            kernel = ?hello.kernel,
             boot_ms = began.elapsed().as_secs_f64() * 1e3,
             agent_start_us = hello.boot.agent_start_us,
             init_done_us = hello.boot.init_done_us,

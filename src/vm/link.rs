@@ -505,7 +505,9 @@ async fn link_reader(
         let (header, payload) = match proto::decode_ref::<AgentMessage>(&buf) {
             Ok(decoded) => decoded,
             Err(e) => {
-                tracing::error!(error = %e, "malformed agent message; closing the link");
+                // serde quotes the guest's bytes: escaped, they cannot forge a
+                // log line.
+                tracing::error!(error = %e.to_string().escape_debug(), "malformed agent message; closing the link");
                 link.set_violation(violation_text(&e.to_string()));
                 break;
             }

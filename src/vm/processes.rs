@@ -284,7 +284,8 @@ impl Vm {
                 self.hub.publish(&event::error(&id, &message, fatal)).await;
             }
             AgentMessage::Request { id, method, params } => {
-                tracing::debug!(id = %id, method = %method, "guest request");
+                // Guest words, quoted and escaped (no forged log lines).
+                tracing::debug!(id = ?id, method = ?method, "guest request");
                 self.hub
                     .publish(&event::guest_request(&id, &method, &params))
                     .await;

@@ -50,6 +50,10 @@ use serde_json::{json, Value};
 /// (without it, the real agent runs).
 const MARKER: &str = "/sessions/.cowork-fake-agent";
 
+/// A log line the fake agent's hello tries to smuggle into the helper's
+/// log (`tests/guest_hostility.rs` checks it never starts a line).
+const FORGED_LOG_LINE: &str = "1999-01-01T00:00:00.000000Z  INFO forged by the guest";
+
 /// Descriptor of the agent link in the sandbox.
 const AGENT_FD: i32 = 3;
 
@@ -92,9 +96,11 @@ fn main() {
         link,
         answers: Answers::Right,
     };
+    // Its version tries to forge a helper log line (the helper must log
+    // guest words escaped).
     let hello = AgentMessage::Hello(Hello {
         protocol: proto::PROTOCOL_VERSION,
-        version: "fake".into(),
+        version: format!("fake\n{FORGED_LOG_LINE}"),
         kernel: "fake".into(),
         ..Hello::default()
     });
