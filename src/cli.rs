@@ -205,6 +205,10 @@ pub struct BenchBootArgs {
     /// console to the kept logs).
     #[arg(long, default_value = crate::bench::boot::HELPER_LOG_FILTER)]
     pub helper_log: String,
+    /// Boot nothing: report (table, --json, --chart) the document an
+    /// earlier `bench boot --json` wrote to FILE.
+    #[arg(long, value_name = "FILE.json")]
+    pub replay: Option<PathBuf>,
 }
 
 impl BenchBootArgs {
@@ -233,6 +237,7 @@ impl BenchBootArgs {
             timeout: Duration::from_secs(self.timeout.max(1)),
             warmup: self.warmup as usize,
             helper_log: self.helper_log.clone(),
+            replay: self.replay.clone(),
         }
     }
 }

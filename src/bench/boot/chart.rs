@@ -17,7 +17,11 @@ use super::report::Report;
 /// Width and height of the picture in pixels (height grows per backend).
 const WIDTH: u32 = 1000;
 /// Height of the picture's fixed parts (title, axis, legend) in pixels.
-const BASE_HEIGHT: u32 = 260;
+const BASE_HEIGHT: u32 = 410;
+/// Room above the bars for the legend, in bar heights.
+const LEGEND_ROOM: f64 = 1.6;
+/// Room right of the longest bar for its total, as a share of its length.
+const TOTAL_ROOM: f64 = 0.3;
 /// Height added per backend bar in pixels.
 const BAR_HEIGHT: u32 = 70;
 /// One colour per stacked segment, in [`segments`] order.
@@ -122,26 +126,31 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
         .caption(title, ("sans-serif", 18))
         .margin(15)
         .x_label_area_size(35)
-        .y_label_area_size(110)
-        .build_cartesian_2d(0.0..longest * 1.12, 0.0..n as f64)
+        .y_label_area_size(10)
+        .build_cartesian_2d(
+            0.0..longest * (1.0 + TOTAL_ROOM),
+            0.0..n as f64 + LEGEND_ROOM,
+        )
         .map_err(|e| fail(&e))?;
-    let names: Vec<String> = bars.iter().map(|b| b.name.clone()).collect();
     chart
         .configure_mesh()
         .disable_y_mesh()
-        .y_labels(n * 2 + 1)
-        .y_label_formatter(&|y| {
-            // Label only bar centres (k + 0.5), top bar first.
-            let k = (n as f64 - y - 0.5).round();
-            if (n as f64 - y - 0.5 - k).abs() < 1e-6 && k >= 0.0 && (k as usize) < n {
-                names[k as usize].clone()
-            } else {
-                String::new()
-            }
-        })
+        .disable_y_axis()
+        .light_line_style(WHITE)
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("milliseconds since startVM")
         .draw()
         .map_err(|e| fail(&e))?;
+    // Each bar's name above its left end.
+    let names: Vec<_> = bars
+        .iter()
+        .enumerate()
+        .map(|(k, bar)| {
+            let y = (n - 1 - k) as f64 + 0.95;
+            Text::new(bar.name.clone(), (0.0, y), ("sans-serif", 14))
+        })
+        .collect();
+    chart.draw_series(names).map_err(|e| fail(&e))?;
     let segs = segments();
     for (si, seg) in segs.iter().enumerate() {
         let colour = COLOURS[si % COLOURS.len()];
@@ -186,7 +195,7 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
     chart.draw_series(totals).map_err(|e| fail(&e))?;
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()

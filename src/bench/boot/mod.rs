@@ -107,6 +107,9 @@ pub struct Options {
     pub warmup: usize,
     /// `COWORK_LOG` of the helpers (at least info, see [`HELPER_LOG_FILTER`]).
     pub helper_log: String,
+    /// Boot nothing: report (table, JSON, chart) a document an earlier
+    /// `--json` run wrote.
+    pub replay: Option<PathBuf>,
 }
 
 /// Errors of one boot.
@@ -168,7 +171,22 @@ pub fn main(opts: Options) -> i32 {
             return 1;
         }
     };
-    let report = rt.block_on(run_all(&opts));
+    let report = match &opts.replay {
+        Some(path) => {
+            let read = std::fs::read_to_string(path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
+                .and_then(|v| Report::from_json(&v));
+            match read {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("bench boot: cannot replay {}: {e}", path.display());
+                    return 2;
+                }
+            }
+        }
+        None => rt.block_on(run_all(&opts)),
+    };
     if opts.json {
         match serde_json::to_string_pretty(&report.to_json()) {
             Ok(text) => println!("{text}"),

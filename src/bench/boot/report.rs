@@ -131,6 +131,58 @@ impl Report {
         })
     }
 
+    /// A report read back from [`Report::to_json`]'s document (for
+    /// `bench boot --replay`): the runs' phases, the settings and the
+    /// failures; summaries and ratios are recomputed.
+    pub fn from_json(v: &Value) -> Result<Report, String> {
+        if v["schema"] != SCHEMA {
+            return Err(format!(
+                "not a {SCHEMA:?} document (schema {})",
+                v["schema"]
+            ));
+        }
+        let num = |x: &Value| x.as_u64().unwrap_or_default() as usize;
+        let mut backends = Vec::new();
+        for b in v["backends"].as_array().ok_or("no backends array")? {
+            let backend = match b["backend"].as_str() {
+                Some("kvm") => Backend::Kvm,
+                Some("qemu") => Backend::Qemu,
+                other => return Err(format!("unknown backend {other:?}")),
+            };
+            let mut runs = Vec::new();
+            for r in b["runs"].as_array().ok_or("no runs array")? {
+                let mut p = Phases::default();
+                for ph in Phase::ALL {
+                    p.set(ph, r[ph.key()].as_f64());
+                }
+                runs.push(p);
+            }
+            let failures = b["failures"]
+                .as_array()
+                .map(|f| {
+                    f.iter()
+                        .filter_map(|x| x.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default();
+            backends.push(BackendRuns {
+                backend,
+                accel: b["accel"].as_str().map(String::from),
+                runs,
+                failures,
+            });
+        }
+        Ok(Report {
+            runs_requested: num(&v["runs"]),
+            warmup: num(&v["warmup"]),
+            userland: v["userland"].as_str().unwrap_or_default().to_string(),
+            memory_gb: v["memory_gb"].as_f64().unwrap_or_default(),
+            cpus: v["cpus"].as_u64().unwrap_or_default() as u32,
+            host_kernel: v["host"]["kernel"].as_str().unwrap_or_default().to_string(),
+            backends,
+        })
+    }
+
     /// The table for people: one row per phase, median and p90 per backend,
     /// and the kvm/qemu ratio when both ran.
     pub fn table(&self) -> String {
@@ -271,9 +323,13 @@ mod tests {
         );
         assert!((s["p90_ms"].as_f64().unwrap() - 4001.8).abs() < 1e-9);
         assert!(b["summary"]["first_spawn_to_exit"].is_null());
-        // Round trip through text: what --json prints parses back.
+        // Round trip through text: what --json prints parses back, and
+        // --replay gets the same report from it.
         let text = serde_json::to_string_pretty(&v).unwrap();
         assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), v);
+        let back = Report::from_json(&v).unwrap();
+        assert_eq!(back, report(false));
+        assert!(Report::from_json(&json!({"schema": "other"})).is_err());
     }
 
     #[test]
