@@ -654,7 +654,9 @@ mod tests {
         let old = r#"{"agentStartUs":1,"initDoneUs":2,"connectedUs":3}"#;
         let t: BootTimes = serde_json::from_str(old).unwrap();
         assert_eq!(t.userland_switched_us, None);
-        assert!(!serde_json::to_string(&t).unwrap().contains("userlandSwitched"));
+        assert!(!serde_json::to_string(&t)
+            .unwrap()
+            .contains("userlandSwitched"));
         let t = BootTimes {
             userland_switched_us: Some(2_500),
             ..t
