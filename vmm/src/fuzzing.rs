@@ -40,6 +40,10 @@ const MMIO_RAM: [(u64, u64); 2] = [(0, 0x10_0000), (0x20_0000, 0x10_0000)];
 /// Candidate ring addresses of the driver steps (in RAM, in the hole,
 /// straddling the end of the first region, misaligned).
 const RING_ADDRS: [u64; 6] = [0x1000, 0x2000, 0x3000, 0x0f_fff0, 0x15_0000, 0x2001];
+/// Where the `Activate` step puts queue 0's rings (queue `i` at
+/// `+ i * 0x1000`: descriptor table, then available ring at `+0x400`, used
+/// ring at `+0x800`).
+const ACTIVATE_RINGS: u64 = 0x4000;
 /// Where chain buffers of the mmio target are allocated.
 const MMIO_BUF_BASE: u64 = 0x1_0000;
 /// Most register accesses one input makes.
@@ -67,6 +71,10 @@ pub enum MmioStep {
     },
     /// Accept these feature bits (both pages).
     Features(u64),
+    /// The whole bring-up of a well-behaved driver: ACKNOWLEDGE, DRIVER,
+    /// `features` plus VERSION_1, FEATURES_OK, every queue at its maximum
+    /// size on rings of its own in RAM, DRIVER_OK (activation).
+    Activate { features: u64 },
     /// Post a device-writable chain of these lengths on queue `index` (at
     /// the rings the driver steps programmed last), then notify.
     Chain { index: u8, lens: Vec<u16> },
@@ -180,6 +188,42 @@ pub fn mmio(data: &[u8]) {
                     w32(&t, mmio::DRIVER_FEATURES_SEL, page);
                     w32(&t, mmio::DRIVER_FEATURES, (f >> (32 * page)) as u32);
                 }
+            }
+            MmioStep::Activate { features } => {
+                let f = features | crate::virtio::features::VERSION_1;
+                let mut s = status::ACKNOWLEDGE;
+                w32(&t, mmio::STATUS, s);
+                s |= status::DRIVER;
+                w32(&t, mmio::STATUS, s);
+                for page in 0..2u32 {
+                    w32(&t, mmio::DRIVER_FEATURES_SEL, page);
+                    w32(&t, mmio::DRIVER_FEATURES, (f >> (32 * page)) as u32);
+                }
+                s |= status::FEATURES_OK;
+                w32(&t, mmio::STATUS, s);
+                for (i, &size) in MMIO_QUEUE_MAX.iter().enumerate() {
+                    let desc = ACTIVATE_RINGS + i as u64 * 0x1000;
+                    w32(&t, mmio::QUEUE_SEL, i as u32);
+                    w32(&t, mmio::QUEUE_NUM, u32::from(size));
+                    for (low, addr) in [
+                        (mmio::QUEUE_DESC_LOW, desc),
+                        (mmio::QUEUE_DRIVER_LOW, desc + 0x400),
+                        (mmio::QUEUE_DEVICE_LOW, desc + 0x800),
+                    ] {
+                        w32(&t, low, addr as u32);
+                        w32(&t, low + 4, (addr >> 32) as u32);
+                    }
+                    w32(&t, mmio::QUEUE_READY, 1);
+                    views[i] = QueueView {
+                        size,
+                        desc,
+                        avail: desc + 0x400,
+                        next_desc: 0,
+                        avail_idx: 0,
+                    };
+                }
+                s |= status::DRIVER_OK;
+                w32(&t, mmio::STATUS, s);
             }
             MmioStep::Chain { index, lens } => {
                 let i = usize::from(*index) % MMIO_QUEUE_MAX.len();
@@ -303,12 +347,10 @@ fn primitives(input: &AcpiInput) {
     let _ = aml::EisaId::new(&input.eisa);
     let len = input.pkg_len as usize;
     if let Ok(enc) = aml::pkg_length(len) {
-        let mut framed = enc.clone();
-        framed.resize(len + enc.len(), 0);
         let mut p = 0;
-        let end = read_pkg_end(&framed, &mut p).expect("an encoded package length decodes");
+        let value = read_pkg_len(&enc, &mut p).expect("an encoded package length decodes");
         assert_eq!(p, enc.len(), "package length size");
-        assert_eq!(end, framed.len(), "package length value");
+        assert_eq!(value, len + enc.len(), "package length value");
     }
     let mut out = Vec::new();
     if aml::Aml::encode(&aml::Int(u64::from(input.pkg_len)), &mut out).is_ok() {
@@ -406,9 +448,9 @@ enum Node {
     Name(String, Val),
 }
 
-/// Reads a PkgLength at `*p`; returns the absolute end of the package.
-fn read_pkg_end(b: &[u8], p: &mut usize) -> Option<usize> {
-    let start = *p;
+/// Reads the value of a PkgLength at `*p` (the package's length, the
+/// PkgLength bytes included).
+fn read_pkg_len(b: &[u8], p: &mut usize) -> Option<usize> {
     let lead = *b.get(*p)?;
     *p += 1;
     let extra = usize::from(lead >> 6);
@@ -421,7 +463,13 @@ fn read_pkg_end(b: &[u8], p: &mut usize) -> Option<usize> {
         len |= usize::from(*b.get(*p)?) << (4 + 8 * i);
         *p += 1;
     }
-    let end = start.checked_add(len)?;
+    Some(len)
+}
+
+/// Reads a PkgLength at `*p`; returns the absolute end of the package.
+fn read_pkg_end(b: &[u8], p: &mut usize) -> Option<usize> {
+    let start = *p;
+    let end = start.checked_add(read_pkg_len(b, p)?)?;
     (end <= b.len() && end >= *p).then_some(end)
 }
 
