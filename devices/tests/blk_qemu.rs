@@ -388,7 +388,7 @@ fn guest_image() -> Result<(PathBuf, PathBuf), String> {
     }
     let listing = Command::new("sh")
         .arg("-c")
-        .arg("gzip -dc \"$1\" | cpio -t --quiet")
+        .arg("gzip -dcf \"$1\" | cpio -t --quiet")
         .arg("sh")
         .arg(&initramfs)
         .output()
