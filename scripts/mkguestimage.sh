@@ -153,7 +153,9 @@ cp -f "$VMLINUZ" "$output/vmlinuz.tmp"
 mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"
 # The uncompressed ELF kernel: the kvm backend boots it through its PVH entry (no
 # decompression in the guest); QEMU keeps booting vmlinuz.
-if [[ -f "$VMLINUX" ]]; then
+if [[ "$output/vmlinux" -ef "$VMLINUX" ]]; then
+	: # already a hard link of the cached kernel (a re-run); mv would refuse the same file
+elif [[ -f "$VMLINUX" ]]; then
 	ln -f "$VMLINUX" "$output/vmlinux.tmp" 2>/dev/null || cp -f "$VMLINUX" "$output/vmlinux.tmp"
 	mv -f "$output/vmlinux.tmp" "$output/vmlinux"
 else
