@@ -43,17 +43,10 @@ use super::{
 /// The sandbox's host name.
 pub const HOSTNAME: &str = "cowork-sandbox";
 
-/// A second loopback address, added to `lo` under [`LOOPBACK_ALIAS`]. glibc's
-/// `getaddrinfo` with `AI_ADDRCONFIG` and `AF_INET` (`getent ahostsv4`,
-/// IPv4-only clients) answers nothing on a system whose only IPv4 address is
-/// 127.0.0.1, and it ignores exactly that one; 127.0.0.2 lies in the
-/// 127.0.0.0/8 that `lo` already serves, so it makes nothing new reachable.
-/// With no IPv6 address but `::1`, the same check also keeps unspecified
-/// lookups to IPv4, which is all the agent's DNS stub answers.
-const SECOND_LOOPBACK_ADDR: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
-
-/// The label of [`SECOND_LOOPBACK_ADDR`] on `lo`.
-const LOOPBACK_ALIAS: &str = "lo:1";
+// The second loopback address on `lo` (glibc's `AI_ADDRCONFIG` ignores
+// 127.0.0.1, so IPv4-only lookups would answer nothing): the VM's init adds
+// the same one, with the same function.
+use guest_agent::agent::init::{add_ipv4_address, LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR};
 
 /// Signals the init passes on to PID 1.
 const FORWARDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
@@ -186,7 +179,7 @@ fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
     // Its own call, so a kernel refusing network namespaces is named as such.
     sys::unshare(libc::CLONE_NEWNET).context(Stage::Network, || UNSHARE_NET.to_string())?;
     sys::set_link_up(LOOPBACK).context(Stage::Network, || format!("bring up {LOOPBACK}"))?;
-    if let Err(e) = sys::add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR) {
+    if let Err(e) = add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR) {
         tracing::warn!(
             error = %e,
             "cannot add {SECOND_LOOPBACK_ADDR} to {LOOPBACK}; IPv4-only name lookups with \

@@ -387,42 +387,6 @@ pub fn set_link_up(name: &str) -> io::Result<()> {
     set_link_up_raw(&mut req).map_err(io::Error::from_raw_os_error)
 }
 
-/// Adds the IPv4 address `addr` under the interface label `label` (an
-/// alias such as `lo:1`; the prefix length is the address's class default),
-/// in the calling thread's network namespace (needs CAP_NET_ADMIN over it).
-pub fn add_ipv4_address(label: &str, addr: std::net::Ipv4Addr) -> io::Result<()> {
-    let mut req = ifreq_for(label)?;
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: 0,
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(addr).to_be(),
-        },
-        sin_zero: [0; 8],
-    };
-    // SAFETY: a sockaddr_in fits the ifreq's sockaddr (both 16 bytes); the
-    // socket, ioctl and close calls get valid arguments.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            (&sin as *const libc::sockaddr_in).cast::<u8>(),
-            std::ptr::addr_of_mut!(req.ifr_ifru.ifru_addr).cast::<u8>(),
-            std::mem::size_of::<libc::sockaddr_in>(),
-        );
-        let fd = cvt(libc::socket(
-            libc::AF_INET,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            0,
-        ))?;
-        let fd = OwnedFd::from_raw_fd(fd);
-        cvt(libc::ioctl(
-            fd.as_raw_fd(),
-            libc::SIOCSIFADDR,
-            &mut req as *mut libc::ifreq,
-        ))
-        .map(drop)
-    }
-}
-
 /// `waitpid(pid, 0)` retrying on `EINTR`; returns the raw wait status.
 pub fn waitpid(pid: libc::pid_t) -> io::Result<libc::c_int> {
     loop {

@@ -242,22 +242,34 @@ pub const LOOPBACK_ALIAS: &CStr = c"lo:1";
 /// Adds [`SECOND_LOOPBACK_ADDR`] to `lo` (as [`LOOPBACK_ALIAS`]); adding it
 /// again is harmless.
 pub fn loopback_alias() -> Result<(), InitError> {
+    add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR).map_err(InitError::Loopback)
+}
+
+/// Gives the interface (or alias) `label` the IPv4 address `addr`
+/// (`SIOCSIFADDR`). Used by the VM's init and by the sandbox's.
+pub fn add_ipv4_address(label: &CStr, addr: std::net::Ipv4Addr) -> io::Result<()> {
+    let name = label.to_bytes();
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a valid interface name",
+        ));
+    }
     // SAFETY: plain socket(2).
     let fd =
-        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
-            .map_err(InitError::Loopback)?;
+        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: a new descriptor owned by nobody else.
     let sock = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: ifreq is plain data; zero is valid.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(LOOPBACK_ALIAS.to_bytes()) {
+    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
         *dst = *src as libc::c_char;
     }
     let sin = libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: 0,
         sin_addr: libc::in_addr {
-            s_addr: u32::from(SECOND_LOOPBACK_ADDR).to_be(),
+            s_addr: u32::from(addr).to_be(),
         },
         sin_zero: [0; 8],
     };
@@ -270,8 +282,7 @@ pub fn loopback_alias() -> Result<(), InitError> {
         );
     }
     // SAFETY: SIOCSIFADDR reads a valid ifreq.
-    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) })
-        .map_err(InitError::Loopback)?;
+    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) })?;
     Ok(())
 }
 
