@@ -27,6 +27,7 @@ use std::io::{self, Read, Write};
 use std::net::Shutdown;
 use std::num::Wrapping;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU32;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
@@ -413,6 +414,7 @@ impl Conn {
         hdr: &Header,
         reader: &mut ChainReader<'_, M>,
         scratch: &mut [u8],
+        log_budget: &AtomicU32,
     ) -> Verdict {
         self.update_peer_credit(hdr);
         match hdr.op {
@@ -445,7 +447,9 @@ impl Conn {
                 if self.state != State::Connecting && self.peer_shutdown & SHUTDOWN_F_SEND == 0 =>
             {
                 if let Err(e) = self.receive(hdr.len, reader, scratch) {
-                    warn!(
+                    vmm::guest_log!(
+                        log_budget,
+                        warn,
                         local_port = self.local_port,
                         peer_port = self.peer_port,
                         "vsock: bad RW packet, resetting: {e}"
@@ -469,7 +473,15 @@ impl Conn {
             OP_CREDIT_UPDATE => {}
             OP_CREDIT_REQUEST => self.send_credit_update = true,
             _ => {
-                warn!(local_port = self.local_port, peer_port = self.peer_port, op = hdr.op_name(), state = ?self.state, "vsock: unexpected packet, resetting the connection");
+                vmm::guest_log!(
+                    log_budget,
+                    warn,
+                    local_port = self.local_port,
+                    peer_port = self.peer_port,
+                    op = hdr.op_name(),
+                    state = ?self.state,
+                    "vsock: unexpected packet, resetting the connection"
+                );
                 self.send_rst = true;
             }
         }

@@ -95,6 +95,14 @@ impl VsockModel {
         })
     }
 
+    /// Guest-triggered warnings the model will still log at warning level
+    /// before going quiet ([`super::muxer::WARN_LOG_BUDGET`] at start).
+    pub fn log_budget_left(&self) -> u32 {
+        self.muxer
+            .log_budget()
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The guest CID.
     pub fn guest_cid(&self) -> u64 {
         self.guest_cid
@@ -165,6 +173,8 @@ impl VsockModel {
             index: TX_QUEUE,
             source,
         };
+        let budget = std::sync::Arc::clone(self.muxer.log_budget());
+        let budget = budget.as_ref();
         drain(
             q,
             mem,
@@ -183,15 +193,17 @@ impl VsockModel {
                             );
                             self.muxer.handle_guest_packet(&hdr, &mut reader);
                         }
-                        Err(e) => warn!("vsock: TX chain {head} dropped: {e}"),
+                        Err(e) => {
+                            vmm::guest_log!(budget, warn, "vsock: TX chain {head} dropped: {e}")
+                        }
                     },
-                    Err(e) => warn!("vsock: TX chain {head} dropped: {e}"),
+                    Err(e) => vmm::guest_log!(budget, warn, "vsock: TX chain {head} dropped: {e}"),
                 }
                 // The device writes nothing into TX buffers.
                 Ok(0)
             },
             |head, e| {
-                warn!("vsock: cannot return TX chain {head}: {e}");
+                vmm::guest_log!(budget, warn, "vsock: cannot return TX chain {head}: {e}");
                 Ok(())
             },
         )
@@ -226,12 +238,20 @@ impl VsockModel {
                 Ok(w) if w.capacity() >= HDR_SIZE => w,
                 Ok(w) => {
                     let e = PacketError::RxTooSmall { got: w.capacity() };
-                    warn!("vsock: RX chain {head} dropped: {e}");
+                    vmm::guest_log!(
+                        self.muxer.log_budget(),
+                        warn,
+                        "vsock: RX chain {head} dropped: {e}"
+                    );
                     used |= q.add_used(mem, head, 0).is_ok();
                     continue;
                 }
                 Err(e) => {
-                    warn!("vsock: RX chain {head} dropped: {e}");
+                    vmm::guest_log!(
+                        self.muxer.log_budget(),
+                        warn,
+                        "vsock: RX chain {head} dropped: {e}"
+                    );
                     used |= q.add_used(mem, head, 0).is_ok();
                     continue;
                 }
@@ -253,11 +273,19 @@ impl VsockModel {
                 .write(&hdr.to_bytes())
                 .and_then(|_| writer.write(payload));
             if let Err(e) = res {
-                warn!("vsock: RX chain {head} could not be written, packet lost: {e}");
+                vmm::guest_log!(
+                    self.muxer.log_budget(),
+                    warn,
+                    "vsock: RX chain {head} could not be written, packet lost: {e}"
+                );
             }
             let len = u32::try_from(writer.written()).unwrap_or(u32::MAX);
             if let Err(e) = q.add_used(mem, head, len) {
-                warn!("vsock: cannot return RX chain {head}: {e}");
+                vmm::guest_log!(
+                    self.muxer.log_budget(),
+                    warn,
+                    "vsock: cannot return RX chain {head}: {e}"
+                );
                 continue;
             }
             used = true;
@@ -295,12 +323,20 @@ impl VsockModel {
                 }
                 Ok(_) => 0,
                 Err(e) => {
-                    warn!("vsock: event chain {head} dropped: {e}");
+                    vmm::guest_log!(
+                        self.muxer.log_budget(),
+                        warn,
+                        "vsock: event chain {head} dropped: {e}"
+                    );
                     0
                 }
             };
             if q.add_used(mem, head, written as u32).is_err() {
-                warn!("vsock: cannot return event chain {head}");
+                vmm::guest_log!(
+                    self.muxer.log_budget(),
+                    warn,
+                    "vsock: cannot return event chain {head}"
+                );
             }
             if written == EVENT_SIZE {
                 self.muxer.take_transport_reset();

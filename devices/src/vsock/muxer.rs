@@ -19,6 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU32;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
@@ -86,6 +87,11 @@ pub struct MuxerStats {
     pub backlog_dropped: u64,
 }
 
+/// How many warnings about guest packets (malformed chains, spoofed CIDs,
+/// protocol violations) the device logs at warning level before going quiet
+/// (debug level), so a hostile guest cannot flood the host log.
+pub const WARN_LOG_BUDGET: u32 = 32;
+
 /// The connection table.
 pub struct Muxer {
     guest_cid: u64,
@@ -103,6 +109,9 @@ pub struct Muxer {
     scratch: Vec<u8>,
     stats: MuxerStats,
     transport_reset_pending: bool,
+    /// Warnings about guest packets still logged at warning level (starts
+    /// at [`WARN_LOG_BUDGET`]; shared by device, muxer and connections).
+    log_budget: std::sync::Arc<AtomicU32>,
 }
 
 impl Muxer {
@@ -144,6 +153,7 @@ impl Muxer {
             scratch: vec![0u8; MAX_RX_PAYLOAD],
             stats: MuxerStats::default(),
             transport_reset_pending: false,
+            log_budget: std::sync::Arc::new(AtomicU32::new(WARN_LOG_BUDGET)),
         })
     }
 
@@ -265,6 +275,11 @@ impl Muxer {
         t
     }
 
+    /// The budget of guest-triggered warnings (see [`vmm::guest_log!`]).
+    pub fn log_budget(&self) -> &std::sync::Arc<AtomicU32> {
+        &self.log_budget
+    }
+
     /// Handles one packet the guest sent on the TX queue; `reader` is
     /// positioned after the header.
     pub fn handle_guest_packet<M: GuestMemory>(
@@ -273,7 +288,9 @@ impl Muxer {
         reader: &mut ChainReader<'_, M>,
     ) {
         if hdr.src_cid != self.guest_cid {
-            warn!(
+            vmm::guest_log!(
+                &self.log_budget,
+                warn,
                 src_cid = hdr.src_cid,
                 guest_cid = self.guest_cid,
                 "vsock: packet with a spoofed source CID dropped"
@@ -291,7 +308,9 @@ impl Muxer {
         let key = (hdr.dst_port, hdr.src_port);
         if hdr.op == OP_REQUEST {
             if self.conns.contains_key(&key) {
-                warn!(
+                vmm::guest_log!(
+                    &self.log_budget,
+                    warn,
                     local_port = key.0,
                     peer_port = key.1,
                     "vsock: REQUEST for an existing connection, resetting it"
@@ -307,7 +326,7 @@ impl Muxer {
             self.refuse(hdr, "unknown connection");
             return;
         };
-        match conn.on_guest_packet(hdr, reader, &mut self.scratch) {
+        match conn.on_guest_packet(hdr, reader, &mut self.scratch, &self.log_budget) {
             Verdict::Remove => self.remove(key, ConnectError::Refused),
             Verdict::Keep => self.mark_ready(key),
         }
@@ -315,7 +334,9 @@ impl Muxer {
 
     fn accept(&mut self, hdr: &Header) {
         if self.conns.len() >= self.config.max_connections {
-            warn!(
+            vmm::guest_log!(
+                &self.log_budget,
+                warn,
                 port = hdr.dst_port,
                 limit = self.config.max_connections,
                 "vsock: connection limit reached, refusing"

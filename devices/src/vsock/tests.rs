@@ -15,7 +15,7 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::conn::CLOSE_TIMEOUT;
 use super::device::{VsockModel, EVENT_QUEUE, RX_QUEUE, TX_QUEUE};
-use super::muxer::EPHEMERAL_PORT_FIRST;
+use super::muxer::{EPHEMERAL_PORT_FIRST, WARN_LOG_BUDGET};
 use super::packet::*;
 use super::{ConnectError, HostError, VsockConfig, VsockHost, DEFAULT_BUF_ALLOC};
 
@@ -658,6 +658,33 @@ fn malformed_chains_are_dropped_without_panic() {
     assert_eq!(ops(&rig.settle()), vec![OP_RST]);
     let mut b = [0u8; 8];
     assert_eq!(s.read(&mut b).unwrap(), 0);
+}
+
+#[test]
+fn a_flood_of_malformed_chains_spends_the_log_budget_only() {
+    let m = mem();
+    let mut rig = Rig::new(&m, VsockConfig::default());
+    let l = rig.host.listen(1234).unwrap();
+    let mut s = establish(&mut rig, &l);
+    rig.tx.used();
+    assert_eq!(rig.model.log_budget_left(), WARN_LOG_BUDGET);
+    // Chains too short for a header, in batches the queue can hold: every
+    // one is dropped, and only the first WARN_LOG_BUDGET are logged at
+    // warning level.
+    for _ in 0..(3 * WARN_LOG_BUDGET).div_ceil(16) {
+        for _ in 0..16 {
+            let a = rig.tx.alloc(10);
+            rig.tx.add_chain(&[(a, 10, 0)]);
+        }
+        assert!(rig.settle().is_empty());
+        assert_eq!(rig.tx.used().len(), 16);
+    }
+    assert_eq!(rig.model.log_budget_left(), 0);
+    // The connection still carries data.
+    rig.tx.tx(&rw(5000, 1234, 2), b"ok");
+    rig.settle();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(read_exact(&mut s, 2), b"ok");
 }
 
 #[test]
