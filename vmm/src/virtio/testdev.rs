@@ -46,6 +46,10 @@ const CHUNK: usize = 4096;
 /// the worker's stop eventfd).
 const TOKEN_FIRST_QUEUE: u64 = 1;
 
+/// The pattern repeats every this many bytes ([`pattern_byte`] wraps a `u8`).
+const PATTERN_PERIOD: usize = 256;
+const _: () = assert!(CHUNK % PATTERN_PERIOD == 0, "a chunk is whole periods");
+
 /// Byte `i` of the pattern for `seed`.
 pub fn pattern_byte(seed: u32, i: usize) -> u8 {
     (seed as u8).wrapping_add(i as u8)
@@ -245,14 +249,21 @@ fn fill_pattern(
     seed: u32,
     written: &mut usize,
 ) -> Result<(), vm_memory::GuestMemoryError> {
+    // One period of the pattern from byte `*written` on, copied across the
+    // chunk: as CHUNK is a whole number of periods, `buf[k]` is pattern byte
+    // `*written + done + k` for every chunk (no per-byte loop per buffer).
+    let mut period = [0u8; PATTERN_PERIOD];
+    for (i, b) in period.iter_mut().enumerate() {
+        *b = pattern_byte(seed, *written + i);
+    }
     let mut buf = [0u8; CHUNK];
+    for piece in buf.chunks_mut(PATTERN_PERIOD) {
+        piece.copy_from_slice(&period[..piece.len()]);
+    }
     let mut done: usize = 0;
     let len = len as usize;
     while done < len {
         let n = (len - done).min(CHUNK);
-        for (i, b) in buf[..n].iter_mut().enumerate() {
-            *b = pattern_byte(seed, *written + i);
-        }
         let at = addr
             .checked_add(done as u64)
             .ok_or(vm_memory::GuestMemoryError::InvalidGuestAddress(addr))?;
