@@ -76,8 +76,7 @@ use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 pub use super::guest::kvm_for_linux;
 use super::guest::{
-    agent_stream, guest_log_word, root_session_word, EgressAcceptor, EgressServeError, GUEST_CID,
-    GUEST_LOG_ENV, POWEROFF_DEADLINE,
+    agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID, POWEROFF_DEADLINE,
 };
 use super::image::{GuestImage, NoImage};
 use super::sizing;
@@ -167,12 +166,14 @@ pub fn cpu_count(requested: Option<u32>, host_cpus: u32) -> u8 {
     u8::try_from(n).unwrap_or(u8::MAX)
 }
 
-/// The guest's kernel command line (before the VMM's virtio entries).
-pub fn cmdline(guest_log: Option<&str>) -> String {
+/// The guest's kernel command line (before the VMM's virtio entries):
+/// [`KERNEL_CMDLINE`], then `extra` (the words both backends take from the
+/// helper's environment, [`env_cmdline_words`]).
+pub fn cmdline(extra: &[String]) -> String {
     let mut c = KERNEL_CMDLINE.to_string();
-    if let Some(w) = guest_log_word(guest_log) {
+    for w in extra {
         c.push(' ');
-        c.push_str(&w);
+        c.push_str(w);
     }
     c
 }
@@ -312,15 +313,7 @@ async fn start(
 
     let mut config = vmm::Config::new(&kernel);
     config.initrd = Some(image.initramfs.clone());
-    config.cmdline = cmdline(std::env::var(GUEST_LOG_ENV).ok().as_deref());
-    if let Some(w) = root_session_word(
-        std::env::var(super::guest::GUEST_ROOT_SESSION_ENV)
-            .ok()
-            .as_deref(),
-    ) {
-        config.cmdline.push(' ');
-        config.cmdline.push_str(&w);
-    }
+    config.cmdline = cmdline(&env_cmdline_words());
     config.mem_mib = memory_mib(opts.memory_gb);
     config.vcpus = cpu_count(opts.cpu_count, host_cpus);
     // vCPUs, the event loop and device workers filter their system calls
@@ -546,12 +539,15 @@ mod tests {
         assert_eq!(cpu_count(Some(0), 8), sizing::DEFAULT_CPUS as u8);
         assert_eq!(cpu_count(Some(3), 0), 1);
         assert_eq!(cpu_count(Some(u32::MAX), u32::MAX), MAX_CPUS as u8);
-        assert_eq!(cmdline(None), KERNEL_CMDLINE);
+        assert_eq!(cmdline(&[]), KERNEL_CMDLINE);
+        let words = [
+            super::super::guest::guest_log_word(Some("debug")).unwrap(),
+            "X=1".to_string(),
+        ];
         assert_eq!(
-            cmdline(Some("debug")),
-            format!("{KERNEL_CMDLINE} COWORK_LOG=debug")
+            cmdline(&words),
+            format!("{KERNEL_CMDLINE} COWORK_LOG=debug X=1")
         );
-        assert_eq!(cmdline(Some("a b")), KERNEL_CMDLINE);
     }
 
     #[test]
