@@ -17,8 +17,9 @@
 //!
 //! Checks beyond "no panic": every used-ring entry names a chain the driver
 //! posted and claims no more bytes than the chain's device-writable buffers
-//! hold; the overlay reads back what was written; nothing outside the grants
-//! changes. A panic inside the FUSE server (which the device catches and
+//! hold (not checkable once a raw chain used an indirect table, whose
+//! entries may aim the device at the driver's own rings); the overlay reads
+//! back what was written; nothing outside the grants changes. A panic inside the FUSE server (which the device catches and
 //! turns into DEVICE_NEEDS_RESET) is raised here as a failure.
 //!
 //! Limits: host-initiated vsock connects are not driven (they block the
@@ -84,6 +85,21 @@ const F_WRITE: u16 = 2;
 /// `VRING_DESC_F_INDIRECT`.
 const F_INDIRECT: u16 = 4;
 
+/// Where a raw descriptor's buffer goes: as given, unless the buffer
+/// overlaps the rings (`[RING_BASE, DATA_BASE)`), where it is moved up by
+/// `DATA_BASE`. A driver that points buffers at its own rings gets them
+/// overwritten by the device, which is its own doing and not a device bug
+/// the used-ring checks should report. Indirect tables stay where they are
+/// (the device only reads them; see [`DriverQueue::raw_indirect`]).
+fn raw_buffer_addr(addr: u32, len: u16, flags: u16) -> u64 {
+    let (addr, end) = (u64::from(addr), u64::from(addr) + u64::from(len));
+    if flags & F_INDIRECT == 0 && addr < DATA_BASE && end > RING_BASE {
+        addr + DATA_BASE
+    } else {
+        addr
+    }
+}
+
 /// A descriptor with every field chosen by the input.
 #[derive(Arbitrary, Debug, Clone, Copy)]
 pub struct RawDesc {
@@ -125,6 +141,12 @@ struct DriverQueue {
     /// one after another and every device here completes them in order, so
     /// a count is enough to never overwrite an in-flight chain.
     free: u16,
+    /// A raw chain of this queue had an indirect descriptor: its table is
+    /// whatever guest memory holds there (fuzzer bytes, or what the device
+    /// wrote into an RX buffer), so its entries may name buffers inside any
+    /// queue's rings, and the device then rightly overwrites the driver's
+    /// own rings. The used-ring checks of every queue stop for that input.
+    raw_indirect: bool,
 }
 
 /// Bump allocator over the data area.
@@ -170,6 +192,7 @@ impl DriverQueue {
             used_seen: 0,
             posted: HashMap::new(),
             free: QSIZE,
+            raw_indirect: false,
         }
     }
 
@@ -202,13 +225,15 @@ impl DriverQueue {
                 let head = self.next_desc;
                 for d in descs {
                     let idx = self.next_desc;
+                    let flags = u16::from(d.flags);
+                    self.raw_indirect |= flags & F_INDIRECT != 0;
                     write_desc(
                         mem,
                         self.desc + u64::from(idx) * 16,
                         SplitDescriptor::new(
-                            u64::from(d.addr),
+                            raw_buffer_addr(d.addr, d.len, flags),
                             u32::from(d.len),
-                            u16::from(d.flags),
+                            flags,
                             u16::from(d.next) % QSIZE,
                         ),
                     );
@@ -303,10 +328,26 @@ impl DriverQueue {
 
     /// Reads the used ring's new entries and checks each against what was
     /// posted: a known head, and no more bytes than its writable buffers.
-    fn check_used(&mut self, mem: &GuestMemoryMmap, what: &str) {
+    /// With `trusted` false (a raw indirect chain on some queue, see
+    /// [`Self::raw_indirect`]) the rings may hold anything: the entries are
+    /// only consumed.
+    fn check_used(&mut self, mem: &GuestMemoryMmap, what: &str, trusted: bool) {
         let Ok(idx) = mem.read_obj::<u16>(GuestAddress(self.used + 2)) else {
             return;
         };
+        if !trusted {
+            while self.used_seen != idx {
+                let slot = self.used + 4 + u64::from(self.used_seen % QSIZE) * 8;
+                let id: u32 = mem.read_obj(GuestAddress(slot)).unwrap_or(u32::MAX);
+                self.used_seen = self.used_seen.wrapping_add(1);
+                if let Some((_, entries)) =
+                    u16::try_from(id).ok().and_then(|h| self.posted.remove(&h))
+                {
+                    self.free += entries;
+                }
+            }
+            return;
+        }
         let new = idx.wrapping_sub(self.used_seen);
         assert!(
             new <= self.avail_idx.wrapping_sub(self.used_seen),
@@ -461,9 +502,10 @@ pub fn vsock(data: &[u8]) {
                         .process(&mem, &mut rxq, &mut txq, Some(&mut evq))
                         .is_err();
                 }
-                rx.check_used(&mem, "vsock rx");
-                tx.check_used(&mem, "vsock tx");
-                ev.check_used(&mem, "vsock event");
+                let trusted = !(rx.raw_indirect || tx.raw_indirect || ev.raw_indirect);
+                rx.check_used(&mem, "vsock rx", trusted);
+                tx.check_used(&mem, "vsock tx", trusted);
+                ev.check_used(&mem, "vsock event", trusted);
             }
             VsockStep::Accept => {
                 if let Ok(Some(s)) = listener.try_accept() {
@@ -599,7 +641,8 @@ pub fn blk(data: &[u8]) {
             if model.process_queue(&mem, &mut q).is_err() {
                 break;
             }
-            drv.check_used(&mem, "blk");
+            let trusted = !drv.raw_indirect;
+            drv.check_used(&mem, "blk", trusted);
         }
     }
     let _ = std::fs::remove_file(&overlay);
@@ -816,7 +859,10 @@ pub fn fs(data: &[u8]) {
             |_, source| Err(WorkerError::Queue { index, source }),
         );
         match served {
-            Ok(_) => queues[i].check_used(&mem, "virtio-fs"),
+            Ok(_) => {
+                let trusted = !queues.iter().any(|q| q.raw_indirect);
+                queues[i].check_used(&mem, "virtio-fs", trusted);
+            }
             Err(e @ WorkerError::ServerPanic { .. }) => panic!("virtio-fs: {e}"),
             Err(_) => break,
         }
