@@ -27,10 +27,17 @@
 //! a spawn into a session that is being deleted at that moment races with
 //! the deletion (the host is expected not to do both at once).
 //!
-//! Egress ([`crate::egress`]) starts before the host link: in a VM (after
-//! the userland switch and `lo`) and in the sandbox (which names its proxy
-//! socket in [`proto::EGRESS_SOCKET_ENV`]); a plain agent has none. Its
-//! spawn registry goes to the process supervisor.
+//! Egress ([`crate::egress`]) starts before the host link is dialled, in a
+//! VM (after the userland switch and `lo`) and in the sandbox (which names
+//! its proxy socket in [`proto::EGRESS_SOCKET_ENV`]); a plain agent has
+//! none. Only its cheap part is on the way to the hello: the relay and the
+//! DNS stub are bound first; the capture's install (the BPF program's load
+//! and verification) and, in a VM, the ssh tool's copy run on threads of
+//! their own while the agent dials and says hello. Its spawn registry and
+//! its readiness gate ([`egress::EgressGate`]) go to the process
+//! supervisor, which starts no session process before that work has
+//! finished (or failed, or run past [`egress::gate::START_LIMIT`]); other
+//! requests do not wait for it.
 //!
 //! Limits: one connection per boot (the VM powers off when it ends); the
 //! in-guest CLI's access to [`GuestRequests`] is a later change.
@@ -294,7 +301,7 @@ fn run_agent(
     };
     let code = runtime.block_on(async move {
         tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
-        let spawns = start_egress(&config);
+        let (spawns, egress_ready) = start_egress(&config);
         let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
             Ok(c) => c,
             Err(e) => {
@@ -304,7 +311,7 @@ fn run_agent(
         };
         marks.mark(Milestone::Connected, sys::boottime_us());
         tracing::info!(connect = %config.connect, "connected to the host");
-        match Agent::with_egress(config, conn, clock, spawns) {
+        match Agent::with_egress(config, conn, clock, spawns, egress_ready) {
             Ok(agent) => agent.run().await,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the agent");
@@ -319,31 +326,44 @@ fn run_agent(
 
 /// Starts egress when this agent has a host proxy (see
 /// [`egress::choose_upstream`]); returns the spawn registry its
-/// captured-flow handler reads (unused without egress). Must run inside the
-/// runtime. A relay that cannot start is logged: sessions then have no
-/// network, everything else works.
-fn start_egress(config: &Config) -> egress::Spawns {
+/// captured-flow handler reads and the gate that opens when its start-up
+/// has finished (both unused, the gate open, without egress). Returns once
+/// the relay and the DNS stub are bound; the rest runs on its own threads
+/// (see the module doc). Must run inside the runtime, on its thread. A
+/// relay that cannot start is logged: sessions then have no network,
+/// everything else works.
+fn start_egress(config: &Config) -> (egress::Spawns, egress::EgressGate) {
     let spawns = egress::Spawns::new();
     let Some(upstream) = egress::choose_upstream(config.init, |k| std::env::var(k).ok()) else {
         tracing::debug!(
             "no egress: not a VM's init and {} is not set",
             proto::EGRESS_SOCKET_ENV
         );
-        return spawns;
+        return (spawns, egress::EgressGate::open());
     };
+    let began = sys::boottime_us();
+    let (hold, ready) = egress::gate::gate();
     if config.init {
-        // A copy of this binary into the userland: off the boot's critical path.
-        tokio::task::spawn_blocking(egress::connect_tool::install_in_machine);
+        // A copy of this binary into the userland, for ssh's ProxyCommand.
+        let tool = hold.clone();
+        tokio::task::spawn_blocking(move || {
+            egress::connect_tool::install_in_machine();
+            tool.release();
+        });
     }
-    match egress::start(egress::Options::production(upstream, spawns.clone())) {
-        Ok(s) => {
-            tracing::debug!(relay = %s.relay_addr, dns = ?s.dns, capture = ?s.capture, "egress started")
-        }
+    match egress::start(egress::Options::production(upstream, spawns.clone(), hold)) {
+        Ok(s) => tracing::debug!(
+            relay = %s.relay_addr,
+            dns = ?s.dns,
+            capture_pending = s.capture.is_some(),
+            elapsed_us = sys::boottime_us().saturating_sub(began),
+            "egress started; the capture installs in the background"
+        ),
         Err(e) => {
             tracing::error!(error = %e, "egress relay not started; session processes have no network")
         }
     }
-    spawns
+    (spawns, ready)
 }
 
 /// Logging to stderr, one line per event, filtered by `COWORK_LOG`.
@@ -395,16 +415,24 @@ impl Agent {
     /// Sets the agent up on an established host connection. Must run inside
     /// a tokio runtime (with time and I/O enabled). Without egress.
     pub fn new(config: Config, conn: OwnedFd, clock: BootClock) -> Result<Agent, AgentError> {
-        Self::with_egress(config, conn, clock, egress::Spawns::new())
+        Self::with_egress(
+            config,
+            conn,
+            clock,
+            egress::Spawns::new(),
+            egress::EgressGate::open(),
+        )
     }
 
     /// [`Agent::new`], registering each spawn's egress credential in
-    /// `spawns` (the registry [`egress::start`] was given).
+    /// `spawns` (the registry [`egress::start`] was given) and starting
+    /// spawns only once `ready` is open.
     pub fn with_egress(
         config: Config,
         conn: OwnedFd,
         clock: BootClock,
         spawns: egress::Spawns,
+        ready: egress::EgressGate,
     ) -> Result<Agent, AgentError> {
         // SAFETY: getpid has no preconditions.
         let is_init = unsafe { libc::getpid() } == 1;
@@ -452,6 +480,7 @@ impl Agent {
                 users: session_users(&config),
                 shell: users::bash().map(String::from),
                 egress: spawns,
+                egress_ready: ready,
                 root_session: root_session(&config),
             },
             reaper,

@@ -22,7 +22,13 @@
 //!
 //! Each spawn's egress proxy URL ([`SpawnSpec::egress_proxy`]) is
 //! registered with its pid in [`ProcessConfig::egress`] right after the
-//! fork and removed when the process is reaped.
+//! fork and removed when the process is reaped. No spawn is forked before
+//! egress start-up has finished ([`ProcessConfig::egress_ready`], bounded
+//! by [`crate::egress::gate::START_LIMIT`]), so its first connection is
+//! captured like any later one; a spawn that arrives earlier (right after
+//! the hello) waits there, after its request was checked. The serve loop
+//! handles spawns in order, so requests behind such a spawn wait with it;
+//! requests that do not follow a spawn never do.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::CString;
@@ -143,6 +149,9 @@ pub struct ProcessConfig {
     pub shell: Option<String>,
     /// The live spawns' egress credentials, for the captured-flow handler.
     pub egress: crate::egress::Spawns,
+    /// Opens when egress start-up has finished; every spawn waits for it
+    /// before the fork (open from the start without egress).
+    pub egress_ready: crate::egress::EgressGate,
     /// The session whose processes run as the agent's user (root in a VM)
     /// with its capabilities: the test hook [`proto::ROOT_SESSION_ENV`].
     pub root_session: Option<String>,
@@ -317,12 +326,30 @@ impl Processes {
             allowed_domains = spec.allowed_domains.as_ref().map(|d| d.len()),
             "spawn options"
         );
+        self.wait_for_egress(&spec.id).await;
         let procs = self.clone();
         let blocking = tokio::task::spawn_blocking(move || procs.spawn_blocking(spec));
         let forked = blocking
             .await
             .map_err(|e| ProcessError::Internal(e.to_string()))??;
         self.register(forked)
+    }
+
+    /// Waits (bounded, see [`crate::egress::gate`]) until egress start-up
+    /// has finished; logs how long when it had to.
+    async fn wait_for_egress(&self, id: &str) {
+        let gate = &self.cfg.egress_ready;
+        if gate.is_open() {
+            return;
+        }
+        let began = std::time::Instant::now();
+        let passage = gate.wait().await;
+        tracing::debug!(
+            id,
+            ?passage,
+            waited_ms = began.elapsed().as_millis() as u64,
+            "spawn waited for egress start-up"
+        );
     }
 
     /// Creates (if needed) the session's home, and its user when sessions
@@ -1047,6 +1074,89 @@ mod tests {
         }
         assert!(spawns.get(pid).is_none(), "removed at exit");
         assert!(spawns.is_empty());
+    }
+
+    /// Processes on a socket pair, spawns gated by `ready`; the host end.
+    fn gated_processes(
+        sessions_root: PathBuf,
+        ready: crate::egress::EgressGate,
+    ) -> (Processes, tokio::io::BufReader<tokio::net::UnixStream>) {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (outbox, _writer) = Outbox::start(FdIo::new(a.into()).unwrap());
+        b.set_nonblocking(true).unwrap();
+        let link = tokio::io::BufReader::new(tokio::net::UnixStream::from_std(b).unwrap());
+        let procs = Processes::new(
+            ProcessConfig {
+                sessions_root,
+                egress_ready: ready,
+                ..ProcessConfig::default()
+            },
+            Reaper::start(super::super::reaper::ReapMode::Own).unwrap(),
+            outbox,
+        );
+        (procs, link)
+    }
+
+    /// A bound for what must happen promptly (not a timing target).
+    const PROMPT: Duration = Duration::from_secs(20);
+
+    /// A spawn that arrives while egress start-up is still running is
+    /// neither forked nor even prepared until the gate opens, and then
+    /// runs normally; a request that fails its checks is answered at once;
+    /// the other process operations never wait.
+    #[tokio::test]
+    async fn a_spawn_waits_for_egress_start_up() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("sessions");
+        let (hold, ready) = crate::egress::gate::gate();
+        let (procs, mut link) = gated_processes(root.clone(), ready);
+        let mut bad = spec(&[], None);
+        bad.id = String::new();
+        let refused = tokio::time::timeout(PROMPT, procs.spawn(bad)).await;
+        assert!(matches!(refused, Ok(Err(ProcessError::EmptyId))));
+        assert!(matches!(procs.status("g"), Err(ProcessError::Unknown(_))));
+        let marker = t.path().join("started");
+        let script = format!("touch {}", marker.display());
+        let waiting = {
+            let procs = procs.clone();
+            tokio::spawn(async move {
+                let mut link = link;
+                let out = run_sh(&procs, &mut link, "g", "s", &script).await;
+                (out, link)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "the spawn passed a closed gate");
+        assert!(!marker.exists(), "the process ran before egress was up");
+        assert!(!root.join("s").exists(), "the session was prepared early");
+        hold.release();
+        let ((_, err, code), returned) = tokio::time::timeout(PROMPT, waiting)
+            .await
+            .expect("the spawn goes ahead once the gate opens")
+            .unwrap();
+        link = returned;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(marker.exists());
+        // Later spawns do not wait at all.
+        let (_, _, code) = run_sh(&procs, &mut link, "h", "s", "true").await;
+        assert_eq!(code, Some(0));
+    }
+
+    /// A start-up that never finishes holds spawns only until the gate's
+    /// limit; they then run (as after a failed install).
+    #[tokio::test]
+    async fn a_stuck_egress_start_up_delays_spawns_only_until_the_limit() {
+        let t = tempfile::tempdir().unwrap();
+        let limit = Duration::from_millis(300);
+        let (_stuck, ready) = crate::egress::gate::gate_with_limit(limit);
+        let (procs, mut link) = gated_processes(t.path().join("sessions"), ready);
+        let began = std::time::Instant::now();
+        let (out, _, code) =
+            tokio::time::timeout(PROMPT, run_sh(&procs, &mut link, "g", "s", "echo ran"))
+                .await
+                .expect("the spawn goes ahead after the limit");
+        assert_eq!((out.as_str(), code), ("ran\n", Some(0)));
+        assert!(began.elapsed() >= limit, "{:?}", began.elapsed());
     }
 
     #[tokio::test]

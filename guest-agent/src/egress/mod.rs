@@ -19,9 +19,16 @@
 //!   of the spawn that made it ([`attrib`] finds it in the [`Spawns`]
 //!   registry, which the agent's process supervisor fills).
 //!
-//! [`start`] is the one call the agent makes. Enforcement is entirely the
-//! host's: nothing here can widen what a spawn may reach, a broken or
-//! disabled stage only makes more connections fail.
+//! [`start`] is the one call the agent makes, before it dials the host. It
+//! binds the relay and the DNS stub at once (a few syscalls) and installs
+//! the capture on a thread of its own (loading and verifying the BPF
+//! program is the slow part: about 0.4 s of a nested-KVM boot under TCG),
+//! so the install overlaps the agent's dial and hello. The [`gate`] keeps
+//! session processes from starting before that install has finished (or
+//! failed), so a spawn's first connection is captured like any later one.
+//!
+//! Enforcement is entirely the host's: nothing here can widen what a spawn
+//! may reach, a broken or disabled stage only makes more connections fail.
 //!
 //! Limits: IPv4 only in stage 2; UDP is not carried at all.
 
@@ -31,6 +38,7 @@ pub mod connect_tool;
 pub mod dns;
 pub mod fake;
 pub mod flows;
+pub mod gate;
 pub mod relay;
 pub mod sockdiag;
 pub mod socks_client;
@@ -42,6 +50,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub use gate::{EgressGate, GateHold, Passage};
 pub use spawns::{ProxyCredential, Spawns, Ticket};
 pub use upstream::Upstream;
 
@@ -83,17 +92,22 @@ pub struct Options {
     pub dns_addr: Option<SocketAddrV4>,
     /// procfs for attribution ([`attrib::PROC_ROOT`]).
     pub proc_root: PathBuf,
+    /// Held until the capture's install has finished (either way), so the
+    /// [`gate`] this hold belongs to opens only then.
+    pub hold: GateHold,
 }
 
 impl Options {
-    /// Production settings: both stages, the well-known addresses.
-    pub fn production(upstream: Upstream, spawns: Spawns) -> Self {
+    /// Production settings: both stages, the well-known addresses; `hold`
+    /// keeps its gate closed until the capture is installed or failed.
+    pub fn production(upstream: Upstream, spawns: Spawns, hold: GateHold) -> Self {
         Self {
             upstream,
             spawns,
             relay_addr: SocketAddr::V4(RELAY_ADDR),
             dns_addr: Some(dns::STUB_ADDR),
             proc_root: PathBuf::from(attrib::PROC_ROOT),
+            hold,
         }
     }
 }
@@ -105,8 +119,23 @@ pub struct Started {
     pub relay_addr: SocketAddr,
     /// Where the DNS stub serves, if it does.
     pub dns: Option<SocketAddrV4>,
-    /// How connections are captured, if they are.
-    pub capture: Option<capture::CaptureMode>,
+    /// The capture's install, still running on its own thread; `None`
+    /// without stage 2.
+    pub capture: Option<PendingCapture>,
+}
+
+/// The capture's install running on its own thread (see [`start`]).
+#[derive(Debug)]
+pub struct PendingCapture {
+    rx: tokio::sync::oneshot::Receiver<Option<capture::CaptureMode>>,
+}
+
+impl PendingCapture {
+    /// How connections are captured once the install has finished, `None`
+    /// if it failed (logged with its reason).
+    pub async fn outcome(self) -> Option<capture::CaptureMode> {
+        self.rx.await.ok().flatten()
+    }
 }
 
 /// The host's proxy for this agent: the sandbox names a unix socket in
@@ -120,9 +149,13 @@ pub fn choose_upstream(vm_init: bool, env: impl Fn(&str) -> Option<String>) -> O
 }
 
 /// Brings up egress: the relay (stage 1; its failure is the error), then
-/// the DNS stub, the capture and the captured-flow loop (stage 2; each
-/// failure is logged with its reason and leaves that part off). Must be
-/// called inside a tokio runtime; everything serves on spawned tasks.
+/// the DNS stub, and on a thread of its own the capture and the
+/// captured-flow loop (stage 2; each failure is logged with its reason and
+/// leaves that part off). Returns once the relay and the stub are bound;
+/// `opts.hold` is released when the capture's install has finished (at
+/// once with stage 1 only or on error). Must be called inside a tokio
+/// runtime, from a thread in the network namespace to capture;
+/// everything serves on spawned tasks.
 pub fn start(opts: Options) -> Result<Started, EgressError> {
     if tokio::runtime::Handle::try_current().is_err() {
         return Err(EgressError::NoRuntime);
@@ -154,19 +187,65 @@ pub fn start(opts: Options) -> Result<Started, EgressError> {
     };
     let pool = Arc::new(fake::FakePool::new());
     match dns::serve(Arc::clone(&pool), dns_addr) {
-        Ok(addr) => {
-            started.dns = Some(addr);
-            tracing::info!(%addr, "egress DNS stub serving");
-        }
+        // dns::serve logs where it listens.
+        Ok(addr) => started.dns = Some(addr),
         Err(e) => tracing::warn!(error = %e, "egress stage 2: no DNS stub; names do not resolve"),
     }
-    started.capture = start_capture(flows::FlowContext::new(
-        opts.upstream,
-        opts.spawns,
-        pool,
-        opts.proc_root,
-    ));
+    let ctx = flows::FlowContext::new(opts.upstream, opts.spawns, pool, opts.proc_root);
+    started.capture = Some(spawn_capture(ctx, opts.hold));
     Ok(started)
+}
+
+/// Name of the thread that installs the capture (seen in `ps -T`).
+const CAPTURE_THREAD: &str = "egress-capture";
+
+/// What the capture's thread needs: the flows' context, where to send the
+/// outcome, the hold to release when done.
+type CaptureWork = (
+    flows::FlowContext,
+    tokio::sync::oneshot::Sender<Option<capture::CaptureMode>>,
+    GateHold,
+);
+
+/// Installs the capture ([`start_capture`]) on a new thread, which shares
+/// this thread's network namespace (a thread of the runtime's blocking pool
+/// might have been started from another one), then releases the hold. If
+/// no thread can be started the install runs here.
+fn spawn_capture(ctx: flows::FlowContext, hold: GateHold) -> PendingCapture {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let runtime = tokio::runtime::Handle::current();
+    let work = Arc::new(Mutex::new(Some((ctx, tx, hold))));
+    let theirs = Arc::clone(&work);
+    let thread_runtime = runtime.clone();
+    let spawned = std::thread::Builder::new()
+        .name(CAPTURE_THREAD.to_string())
+        .spawn(move || {
+            let _runtime = thread_runtime.enter();
+            install_capture(&theirs);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a thread for the egress capture; installing it before dialling the host");
+        let _runtime = runtime.enter();
+        install_capture(&work);
+    }
+    PendingCapture { rx }
+}
+
+/// The capture thread's work (once: whoever takes it first).
+fn install_capture(work: &Mutex<Option<CaptureWork>>) {
+    let taken = work.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let Some((ctx, tx, hold)) = taken else {
+        return;
+    };
+    let began = Instant::now();
+    let mode = start_capture(ctx);
+    tracing::debug!(
+        ?mode,
+        elapsed_ms = began.elapsed().as_millis() as u64,
+        "egress capture start-up finished"
+    );
+    let _ = tx.send(mode);
+    hold.release();
 }
 
 /// Installs the capture and spawns its accept loop; `None` (logged) when
@@ -179,8 +258,8 @@ fn start_capture(ctx: flows::FlowContext) -> Option<capture::CaptureMode> {
             return None;
         }
     };
+    // capture::install logged how it captures.
     let mode = cap.mode();
-    tracing::info!(?mode, "egress capture installed");
     let ctx = Arc::new(ctx);
     tokio::spawn(async move {
         loop {
@@ -285,25 +364,32 @@ mod tests {
         let opts = Options {
             relay_addr: "127.0.0.1:0".parse().unwrap(),
             dns_addr: None,
-            ..Options::production(Upstream::Unix("/nonexistent".into()), Spawns::new())
+            ..Options::production(
+                Upstream::Unix("/nonexistent".into()),
+                Spawns::new(),
+                gate::gate().0,
+            )
         };
         assert!(matches!(start(opts), Err(EgressError::NoRuntime)));
     }
 
     /// Stage 1 through `start`: a client of the relay reaches the unix
     /// upstream; a second start on the same address fails with the reason.
+    /// Either way nothing is left to install: the gate is open.
     #[tokio::test]
     async fn start_brings_up_the_relay() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("egress.sock");
         let host = tokio::net::UnixListener::bind(&sock).unwrap();
-        let opts = |addr: SocketAddr| Options {
+        let opts = |addr: SocketAddr, hold: GateHold| Options {
             relay_addr: addr,
             dns_addr: None,
-            ..Options::production(Upstream::Unix(sock.clone()), Spawns::new())
+            ..Options::production(Upstream::Unix(sock.clone()), Spawns::new(), hold)
         };
-        let started = start(opts("127.0.0.1:0".parse().unwrap())).unwrap();
+        let (hold, ready) = gate::gate();
+        let started = start(opts("127.0.0.1:0".parse().unwrap(), hold)).unwrap();
         assert!(started.dns.is_none() && started.capture.is_none());
+        assert!(ready.is_open(), "stage 1 only: nothing runs on");
         let server = tokio::spawn(async move {
             let (mut s, _) = host.accept().await.unwrap();
             let mut b = [0u8; 7];
@@ -319,11 +405,13 @@ mod tests {
         c.read_exact(&mut answer).await.unwrap();
         assert_eq!(&answer, b"HTTP/1.1 407");
         assert_eq!(&server.await.unwrap(), b"CONNECT");
-        let err = start(opts(started.relay_addr)).unwrap_err();
+        let (hold, ready) = gate::gate();
+        let err = start(opts(started.relay_addr, hold)).unwrap_err();
         assert!(
             err.to_string().contains(&started.relay_addr.to_string()),
             "{err}"
         );
+        assert!(ready.is_open(), "a failed start holds nothing");
     }
 
     /// Runs `body` on a current-thread runtime in a thread with a fresh
@@ -434,8 +522,10 @@ mod tests {
 
     /// Both stages through `start` in a fresh network namespace: the relay,
     /// the DNS stub, the capture and attribution of a connection of this
-    /// very process (its session registered as a spawn). A name from the
-    /// stub goes to the host by name, an IP literal by address; once the
+    /// very process (its session registered as a spawn). The gate opens
+    /// only once the capture (installed on its own thread) takes
+    /// connections: the first connection after it is captured. A name from
+    /// the stub goes to the host by name, an IP literal by address; once the
     /// spawn is gone the same connection is reset.
     #[test]
     fn both_stages_end_to_end_in_a_fresh_netns() {
@@ -460,13 +550,31 @@ mod tests {
             let ticket = spawns
                 .register(key, Some("http://sess:tok@127.0.0.1:3128"))
                 .unwrap();
+            let (hold, ready) = gate::gate();
             let started = start(Options {
                 relay_addr: "127.0.0.1:0".parse().unwrap(),
                 dns_addr: Some("127.0.0.1:0".parse().unwrap()),
-                ..Options::production(Upstream::Unix(sock), spawns.clone())
+                ..Options::production(Upstream::Unix(sock), spawns.clone(), hold)
             })
             .unwrap();
-            assert!(started.capture.is_some(), "capture installed as root");
+            assert_eq!(ready.wait().await, Passage::Open);
+            // The install had finished when the gate opened.
+            let mut pending = started.capture.expect("stage 2 on");
+            let mode = pending.rx.try_recv().expect("the capture's outcome");
+            assert!(mode.is_some(), "capture installed as root");
+            let ping = |dst: SocketAddrV4| async move {
+                let mut c = tokio::net::TcpStream::connect(dst).await.unwrap();
+                c.write_all(b"ping").await.unwrap();
+                let mut b = Vec::new();
+                let r = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut b))
+                    .await
+                    .expect("answered or reset in time");
+                r.map(|_| b)
+            };
+            // The first connection once the gate is open: captured, by address.
+            let lit = Ipv4Addr::new(192, 0, 2, 1);
+            assert_eq!(ping(SocketAddrV4::new(lit, 22)).await.unwrap(), b"via:ping");
+            assert_eq!(targets.recv().await.unwrap(), vec![1, 192, 0, 2, 1, 0, 22]);
             // Stage 1: raw bytes through the relay.
             let mut c = tokio::net::TcpStream::connect(started.relay_addr)
                 .await
@@ -478,24 +586,11 @@ mod tests {
             // Stage 2 by name.
             let ip = resolve(started.dns.unwrap(), "allowed.test").await;
             assert!(fake::FakePool::contains(ip), "{ip}");
-            let ping = |dst: SocketAddrV4| async move {
-                let mut c = tokio::net::TcpStream::connect(dst).await.unwrap();
-                c.write_all(b"ping").await.unwrap();
-                let mut b = Vec::new();
-                let r = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut b))
-                    .await
-                    .expect("answered or reset in time");
-                r.map(|_| b)
-            };
             assert_eq!(ping(SocketAddrV4::new(ip, 443)).await.unwrap(), b"via:ping");
             let mut want = vec![3, 12];
             want.extend_from_slice(b"allowed.test");
             want.extend_from_slice(&443u16.to_be_bytes());
             assert_eq!(targets.recv().await.unwrap(), want);
-            // Stage 2 by address.
-            let lit = Ipv4Addr::new(192, 0, 2, 1);
-            assert_eq!(ping(SocketAddrV4::new(lit, 22)).await.unwrap(), b"via:ping");
-            assert_eq!(targets.recv().await.unwrap(), vec![1, 192, 0, 2, 1, 0, 22]);
             // The spawn exited: its connections are no longer carried.
             spawns.unregister(ticket);
             let err = ping(SocketAddrV4::new(ip, 443)).await.unwrap_err();
