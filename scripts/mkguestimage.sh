@@ -153,6 +153,11 @@ cp -f "$VMLINUZ" "$output/vmlinuz.tmp"
 mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"
 # The uncompressed ELF kernel: the kvm backend boots it through its PVH entry (no
 # decompression in the guest); QEMU keeps booting vmlinuz.
+if [[ -f "$VMLINUX" ]]; then
+	# Kernels cached before fetch-kernel.sh dug holes get theirs now (the content is unchanged,
+	# so a VM reading the file meanwhile sees the same bytes).
+	fallocate --dig-holes "$VMLINUX" 2>/dev/null || true
+fi
 if [[ "$output/vmlinux" -ef "$VMLINUX" ]]; then
 	: # already a hard link of the cached kernel (a re-run); mv would refuse the same file
 elif [[ -f "$VMLINUX" ]]; then

@@ -14,7 +14,7 @@
 //! addresses are checked against guest memory before use.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
 
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, kvm_sregs, Msrs};
 use kvm_ioctls::VcpuFd;
@@ -25,6 +25,7 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemory as _};
 
 use crate::layout::{self, E820Entry};
 use crate::memory::GuestMemory;
+use crate::sparse::{HoleSkipper, ReadStats};
 
 /// Errors of the boot setup.
 #[derive(Debug, thiserror::Error)]
@@ -137,15 +138,16 @@ const XLF_KERNEL_64: u16 = 1;
 /// Offset of `startup_64` from the start of the protected-mode kernel.
 const STARTUP_64_OFFSET: u64 = 0x200;
 
-/// Loads an ELF vmlinux or a bzImage.
-pub fn load_kernel(mem: &GuestMemory, file: &mut File) -> Result<LoadedKernel, BootError> {
+/// Loads an ELF vmlinux or a bzImage into `mem`, which must be freshly
+/// mapped (all zero): the file's holes are skipped ([`crate::sparse`]).
+/// Returns what was loaded and how its bytes got there.
+pub fn load_kernel(mem: &GuestMemory, file: &File) -> Result<(LoadedKernel, ReadStats), BootError> {
+    let mut src = HoleSkipper::into_fresh_ram(file).map_err(BootError::ReadKernel)?;
     let mut magic = [0u8; 4];
-    file.seek(SeekFrom::Start(0))
-        .map_err(BootError::ReadKernel)?;
-    file.read_exact(&mut magic).map_err(BootError::ReadKernel)?;
+    src.read_exact(&mut magic).map_err(BootError::ReadKernel)?;
     let himem = Some(GuestAddress(layout::HIMEM_START));
-    if &magic == b"\x7fELF" {
-        let r = ll::Elf::load(mem, None, file, himem).map_err(|source| BootError::Load {
+    let loaded = if &magic == b"\x7fELF" {
+        let r = ll::Elf::load(mem, None, &mut src, himem).map_err(|source| BootError::Load {
             format: "ELF",
             source,
         })?;
@@ -154,17 +156,18 @@ pub fn load_kernel(mem: &GuestMemory, file: &mut File) -> Result<LoadedKernel, B
             _ => (EntryKind::Linux64, r.kernel_load.raw_value()),
         };
         check_entry(mem, entry)?;
-        Ok(LoadedKernel {
+        LoadedKernel {
             kind,
             entry,
             kernel_end: r.kernel_end,
             setup_header: None,
-        })
+        }
     } else {
-        let r = ll::BzImage::load(mem, None, file, himem).map_err(|source| BootError::Load {
-            format: "bzImage",
-            source,
-        })?;
+        let r =
+            ll::BzImage::load(mem, None, &mut src, himem).map_err(|source| BootError::Load {
+                format: "bzImage",
+                source,
+            })?;
         let hdr = r
             .setup_header
             .ok_or(BootError::No64BitEntry { version: 0 })?;
@@ -175,13 +178,14 @@ pub fn load_kernel(mem: &GuestMemory, file: &mut File) -> Result<LoadedKernel, B
         }
         let entry = r.kernel_load.raw_value() + STARTUP_64_OFFSET;
         check_entry(mem, entry)?;
-        Ok(LoadedKernel {
+        LoadedKernel {
             kind: EntryKind::Linux64,
             entry,
             kernel_end: r.kernel_end,
             setup_header: Some(hdr),
-        })
-    }
+        }
+    };
+    Ok((loaded, src.stats()))
 }
 
 fn check_entry(mem: &GuestMemory, entry: u64) -> Result<(), BootError> {
@@ -227,14 +231,16 @@ pub fn place_initrd(
     Ok(InitrdPlacement { addr: start, size })
 }
 
-/// Loads the initrd file into guest memory.
+/// Loads the initrd file into guest memory, which must be freshly mapped
+/// (all zero): the file's holes are skipped ([`crate::sparse`]).
 pub fn load_initrd(
     mem: &GuestMemory,
-    file: &mut File,
+    file: &File,
     kernel: &LoadedKernel,
     low_ram_end: u64,
-) -> Result<InitrdPlacement, BootError> {
-    let size = file.metadata().map_err(BootError::ReadInitrd)?.len();
+) -> Result<(InitrdPlacement, ReadStats), BootError> {
+    let mut src = HoleSkipper::into_fresh_ram(file).map_err(BootError::ReadInitrd)?;
+    let size = src.size();
     let addr_max = kernel
         .setup_header
         .map(|h| u64::from(h.initrd_addr_max))
@@ -246,11 +252,9 @@ pub fn load_initrd(
         kernel_end: kernel.kernel_end,
         limit: low_ram_end,
     })?;
-    file.seek(SeekFrom::Start(0))
-        .map_err(BootError::ReadInitrd)?;
-    mem.read_exact_volatile_from(GuestAddress(p.addr), file, len)
+    mem.read_exact_volatile_from(GuestAddress(p.addr), &mut src, len)
         .map_err(|e| BootError::ReadInitrd(std::io::Error::other(e.to_string())))?;
-    Ok(p)
+    Ok((p, src.stats()))
 }
 
 /// Checks and writes the command line at [`layout::CMDLINE_START`];

@@ -29,6 +29,7 @@ pub mod machine;
 pub mod memory;
 pub mod mptable;
 pub mod seccomp;
+pub mod sparse;
 pub mod vcpu;
 pub mod virtio;
 

@@ -315,12 +315,12 @@ impl Vm {
                 layout::VIRTIO_MMIO_MAX_SLOTS
             )));
         }
-        let mut kernel_file = File::open(&kernel).map_err(|source| VmError::Open {
+        let kernel_file = File::open(&kernel).map_err(|source| VmError::Open {
             what: "kernel",
             path: kernel.clone(),
             source,
         })?;
-        let mut initrd_file = match &initrd {
+        let initrd_file = match &initrd {
             Some(p) => Some(File::open(p).map_err(|source| VmError::Open {
                 what: "initrd",
                 path: p.clone(),
@@ -372,13 +372,18 @@ impl Vm {
             .map_err(ioctl("KVM_CREATE_PIT2"))?;
 
         // Kernel, initrd, command line, tables.
-        let loaded = boot::load_kernel(&ram.mem, &mut kernel_file)?;
+        let load_began = Instant::now();
+        // `ram` was mapped just above: all zero, as the loaders require.
+        let (loaded, kernel_read) = boot::load_kernel(&ram.mem, &kernel_file)?;
         drop(kernel_file);
         let low_end = boot::low_ram_end(&ram.mem);
-        let initrd_place = match initrd_file.as_mut() {
+        let initrd_loaded = match initrd_file.as_ref() {
             Some(f) => Some(boot::load_initrd(&ram.mem, f, &loaded, low_end)?),
             None => None,
         };
+        let initrd_read = initrd_loaded.map(|(_, s)| s).unwrap_or_default();
+        let initrd_place = initrd_loaded.map(|(p, _)| p);
+        let load_us = load_began.elapsed().as_micros() as u64;
         drop(initrd_file);
         let slots: Vec<MmioSlot> = (0..virtio_devices.len())
             .map(|i| MmioSlot {
@@ -476,6 +481,9 @@ impl Vm {
         let build = origin.elapsed();
         tracing::info!(
             build_us = build.as_micros() as u64,
+            load_us,
+            copied_kib = (kernel_read.copied + initrd_read.copied) / 1024,
+            holes_kib = (kernel_read.skipped + initrd_read.skipped) / 1024,
             entry = ?loaded.kind,
             vcpus,
             mem_mib,
