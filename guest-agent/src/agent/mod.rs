@@ -52,6 +52,7 @@ pub mod fdio;
 pub mod files;
 pub mod guest;
 pub mod init;
+pub mod logfmt;
 pub mod modules;
 pub(crate) mod mounts;
 pub mod outbox;
@@ -366,7 +367,8 @@ fn start_egress(config: &Config) -> (egress::Spawns, egress::EgressGate) {
     (spawns, ready)
 }
 
-/// Logging to stderr, one line per event, filtered by `COWORK_LOG`.
+/// Logging to stderr, one line per event, filtered by `COWORK_LOG`, in the
+/// short form of [`logfmt`].
 fn init_logging() {
     use tracing_subscriber::filter::Targets;
     use tracing_subscriber::prelude::*;
@@ -380,7 +382,9 @@ fn init_logging() {
     };
     let layer = tracing_subscriber::fmt::layer()
         .with_writer(io::stderr)
-        .with_ansi(false);
+        .with_ansi(false)
+        .with_timer(logfmt::BootClock)
+        .with_target(false);
     // Another subscriber (the embedding binary's) may already be installed.
     let _ = tracing_subscriber::registry()
         .with(layer)

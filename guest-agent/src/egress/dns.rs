@@ -149,7 +149,7 @@ pub fn serve(pool: Arc<FakePool>, addr: SocketAddrV4) -> Result<SocketAddrV4, Dn
     let udp = tokio::net::UdpSocket::from_std(udp).map_err(DnsError::Runtime)?;
     tokio::spawn(serve_udp(udp, pool.clone()));
     tokio::spawn(serve_tcp(tcp, pool));
-    tracing::info!(addr = %bound, "DNS stub listening (UDP and TCP)");
+    tracing::debug!(addr = %bound, "DNS stub listening (UDP and TCP)");
     Ok(bound)
 }
 
