@@ -6,11 +6,13 @@
 //! by `scripts/mkinitramfs.sh` from each module's own `depends=` field since
 //! Debian's kernel package ships no `modules.dep`. Every module listed there
 //! is loaded with `finit_module(2)`, dependencies first
-//! ([`load_order`], a pure function), in waves ([`load_waves`]): the
-//! modules of one wave depend only on earlier waves and are loaded at once,
-//! one thread each (at most [`MAX_PARALLEL_LOADS`]), so their signature
-//! checks and init functions (device probes) overlap on the guest's vCPUs
-//! instead of running one after another. Devices are still found whichever
+//! ([`load_order`], a pure function), each module as soon as all of its
+//! dependencies are in ([`load_plan`], [`run_plan`]), one thread each (at
+//! most [`MAX_PARALLEL_LOADS`] at once), so their init functions (device
+//! probes) overlap on the guest's vCPUs instead of running one after
+//! another, and a slow module (`fuse`, `overlay`) holds up only what
+//! depends on it: `virtio_mmio`, whose load probes every device, starts as
+//! soon as `virtio` is in. Devices are still found whichever
 //! of a transport (`virtio_mmio`, `virtio_pci`) and a driver
 //! (`virtio_blk`, ...) registers first: the kernel binds them either way
 //! before both loads return. A module that is already loaded or
@@ -40,9 +42,10 @@ pub const MODULES_DEP: &str = "modules.dep";
 /// Longest `modules.dep` accepted (a whole distro kernel's is about 1 MiB).
 const MAX_DEP_FILE: u64 = 16 * 1024 * 1024;
 
-/// Most modules loaded at once within a wave: the guest image's widest wave
-/// has about ten, and each load is CPU work (signature check, relocation,
-/// init) that more threads than vCPUs would only interleave.
+/// Most modules loaded at once: the guest image has about ten without
+/// dependencies between them, and each load is CPU work (signature check,
+/// relocation, init) that many more threads than vCPUs would only
+/// interleave.
 pub const MAX_PARALLEL_LOADS: usize = 8;
 
 /// Errors of reading the dependency file and loading modules.
@@ -152,37 +155,104 @@ pub fn load_order(entries: &[ModuleDeps]) -> Result<Vec<String>, ModulesError> {
     Ok(order)
 }
 
-/// Splits [`load_order`]'s result into waves: a module's wave is one past
-/// the latest wave of its dependencies (modules without any are in wave 0),
-/// so every module of a wave can load at once once the earlier waves are
-/// in. Within a wave, modules keep their load order.
-pub fn load_waves(entries: &[ModuleDeps]) -> Result<Vec<Vec<String>>, ModulesError> {
-    let order = load_order(entries)?;
-    let mut deps_of: HashMap<&str, Vec<&str>> = HashMap::new();
+/// Every module of `entries` in [`load_order`], with the indices (into
+/// that order) of its direct dependencies, for [`run_plan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// Modules, each after all of its dependencies.
+    pub modules: Vec<String>,
+    /// `deps[i]`: indices of `modules[i]`'s dependencies (all `< i`).
+    pub deps: Vec<Vec<usize>>,
+}
+
+/// The [`LoadPlan`] of `entries`; a cycle is an error naming it.
+pub fn load_plan(entries: &[ModuleDeps]) -> Result<LoadPlan, ModulesError> {
+    let modules = load_order(entries)?;
+    let index: HashMap<&str, usize> = modules
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.as_str(), i))
+        .collect();
+    let mut deps = vec![Vec::new(); modules.len()];
     for e in entries {
-        deps_of
-            .entry(e.path.as_str())
-            .or_default()
-            .extend(e.deps.iter().map(String::as_str));
-    }
-    let mut wave_of: HashMap<&str, usize> = HashMap::new();
-    let mut waves: Vec<Vec<String>> = Vec::new();
-    for m in &order {
-        // Dependencies come earlier in `order`, so their waves are known.
-        let w = deps_of
-            .get(m.as_str())
-            .into_iter()
-            .flatten()
-            .filter_map(|d| wave_of.get(d).map(|w| w + 1))
-            .max()
-            .unwrap_or(0);
-        wave_of.insert(m.as_str(), w);
-        if waves.len() <= w {
-            waves.resize_with(w + 1, Vec::new);
+        let Some(&i) = index.get(e.path.as_str()) else {
+            continue;
+        };
+        for d in &e.deps {
+            if let Some(&j) = index.get(d.as_str()) {
+                if !deps[i].contains(&j) {
+                    deps[i].push(j);
+                }
+            }
         }
-        waves[w].push(m.clone());
     }
-    Ok(waves)
+    Ok(LoadPlan { modules, deps })
+}
+
+/// Runs `load(i)` for every `i < deps.len()`, each once all of `deps[i]`
+/// have returned (whatever they returned: a module whose dependency
+/// failed fails on its own, with its own error), at most `max` at once on
+/// scoped threads. Returns the results in completion order, `Err` for a
+/// load that panicked. A thread that cannot be started runs its load on
+/// this one.
+pub fn run_plan<T: Send>(
+    deps: &[Vec<usize>],
+    max: usize,
+    load: impl Fn(usize) -> T + Sync,
+) -> Vec<(usize, std::thread::Result<T>)> {
+    let n = deps.len();
+    let mut waiting_on = vec![0usize; n];
+    let mut dependents = vec![Vec::new(); n];
+    for (i, ds) in deps.iter().enumerate() {
+        for &d in ds.iter().filter(|&&d| d < n) {
+            waiting_on[i] += 1;
+            dependents[d].push(i);
+        }
+    }
+    let mut ready: std::collections::VecDeque<usize> =
+        (0..n).filter(|&i| waiting_on[i] == 0).collect();
+    let mut results = Vec::with_capacity(n);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let run = |i: usize| {
+        (
+            i,
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(i))),
+        )
+    };
+    let run = &run;
+    std::thread::scope(|scope| {
+        let mut running = 0usize;
+        while results.len() < n {
+            while running < max.max(1) {
+                let Some(i) = ready.pop_front() else { break };
+                let to_thread = tx.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("modprobe".into())
+                    .spawn_scoped(scope, move || {
+                        let _ = to_thread.send(run(i));
+                    });
+                if spawned.is_err() {
+                    let _ = tx.send(run(i));
+                }
+                running += 1;
+            }
+            // Nothing running and nothing ready: only a dependency cycle
+            // could leave modules behind, and load_order refuses those.
+            if running == 0 {
+                break;
+            }
+            let Ok((i, out)) = rx.recv() else { break };
+            running -= 1;
+            for &j in &dependents[i] {
+                waiting_on[j] -= 1;
+                if waiting_on[j] == 0 {
+                    ready.push_back(j);
+                }
+            }
+            results.push((i, out));
+        }
+    });
+    results
 }
 
 /// The module name of a tree path (`kernel/net/vmw_vsock/vsock.ko` -> `vsock`).
@@ -201,12 +271,13 @@ pub enum LoadOutcome {
 
 /// Reads `<tree>/modules.dep` and returns the modules' full paths in load order.
 pub fn planned_loads(tree: &Path) -> Result<Vec<PathBuf>, ModulesError> {
-    Ok(planned_waves(tree)?.into_iter().flatten().collect())
+    let (paths, _) = planned(tree)?;
+    Ok(paths)
 }
 
-/// Reads `<tree>/modules.dep` and returns the modules' full paths in waves
-/// ([`load_waves`]).
-pub fn planned_waves(tree: &Path) -> Result<Vec<Vec<PathBuf>>, ModulesError> {
+/// Reads `<tree>/modules.dep`: the modules' full paths in load order and
+/// each one's dependencies ([`load_plan`]).
+fn planned(tree: &Path) -> Result<(Vec<PathBuf>, Vec<Vec<usize>>), ModulesError> {
     let dep = tree.join(MODULES_DEP);
     let read = |source| ModulesError::Read {
         path: dep.clone(),
@@ -217,11 +288,9 @@ pub fn planned_waves(tree: &Path) -> Result<Vec<Vec<PathBuf>>, ModulesError> {
         return Err(ModulesError::TooLarge { path: dep });
     }
     let text = std::fs::read_to_string(&dep).map_err(read)?;
-    let waves = load_waves(&parse_modules_dep(&text)?)?;
-    Ok(waves
-        .iter()
-        .map(|w| w.iter().map(|rel| tree.join(rel)).collect())
-        .collect())
+    let plan = load_plan(&parse_modules_dep(&text)?)?;
+    let paths = plan.modules.iter().map(|rel| tree.join(rel)).collect();
+    Ok((paths, plan.deps))
 }
 
 /// Loads one module and logs (debug) how long the kernel took.
@@ -241,43 +310,23 @@ fn outcome(path: &Path) -> LoadOutcome {
     }
 }
 
-/// Loads every module of `tree`, wave after wave, the modules of a wave at
-/// once (at most [`MAX_PARALLEL_LOADS`] threads); one outcome per module,
-/// wave by wave. A thread that cannot be started loads its modules on
-/// this one.
+/// Loads every module of `tree`, each once its dependencies are in
+/// ([`run_plan`], at most [`MAX_PARALLEL_LOADS`] threads); one outcome per
+/// module, in completion order.
 pub fn load_tree(tree: &Path) -> Result<Vec<LoadOutcome>, ModulesError> {
-    let mut outcomes = Vec::new();
-    for wave in planned_waves(tree)? {
-        if wave.len() == 1 {
-            outcomes.push(outcome(&wave[0]));
-            continue;
-        }
-        for chunk in wave.chunks(MAX_PARALLEL_LOADS) {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = chunk
-                    .iter()
-                    .map(|path| {
-                        std::thread::Builder::new()
-                            .name("modprobe".into())
-                            .spawn_scoped(scope, move || outcome(path))
-                            .map_err(|_| path)
-                    })
-                    .collect();
-                for h in handles {
-                    outcomes.push(match h {
-                        Ok(h) => h.join().unwrap_or_else(|_| {
-                            LoadOutcome::Failed(ModulesError::Load {
-                                path: PathBuf::from("?"),
-                                source: io::Error::other("the loading thread panicked"),
-                            })
-                        }),
-                        Err(path) => outcome(path),
-                    });
-                }
-            });
-        }
-    }
-    Ok(outcomes)
+    let (paths, deps) = planned(tree)?;
+    let outcomes = run_plan(&deps, MAX_PARALLEL_LOADS, |i| outcome(&paths[i]));
+    Ok(outcomes
+        .into_iter()
+        .map(|(i, out)| {
+            out.unwrap_or_else(|_| {
+                LoadOutcome::Failed(ModulesError::Load {
+                    path: paths[i].clone(),
+                    source: io::Error::other("the loading thread panicked"),
+                })
+            })
+        })
+        .collect())
 }
 
 /// Loads one plain `.ko` with `finit_module(2)`. Returns false when the
@@ -466,41 +515,109 @@ mod tests {
     }
 
     #[test]
-    fn waves_load_each_module_after_all_of_its_dependencies() {
+    fn plans_index_each_module_after_all_of_its_dependencies() {
         let d = deps(
             "vmw_vsock_virtio_transport.ko: vmw_vsock_virtio_transport_common.ko vsock.ko virtio.ko virtio_ring.ko\n\
              virtio_blk.ko: virtio.ko virtio_ring.ko\n\
              vmw_vsock_virtio_transport_common.ko: vsock.ko\n\
              virtio.ko: virtio_ring.ko\nvirtio_ring.ko:\nvsock.ko:\noverlay.ko:\n",
         );
-        let waves = load_waves(&d).unwrap();
-        assert_eq!(
-            waves,
-            vec![
-                vec!["vsock.ko", "virtio_ring.ko", "overlay.ko"],
-                vec!["vmw_vsock_virtio_transport_common.ko", "virtio.ko"],
-                vec!["vmw_vsock_virtio_transport.ko", "virtio_blk.ko"],
-            ]
-        );
-        let flat: Vec<String> = waves.concat();
-        assert_eq!(flat.len(), load_order(&d).unwrap().len());
-        let wave = |m: &str| waves.iter().position(|w| w.iter().any(|x| x == m)).unwrap();
+        let plan = load_plan(&d).unwrap();
+        assert_eq!(plan.modules, load_order(&d).unwrap());
+        let at = |m: &str| plan.modules.iter().position(|x| x == m).unwrap();
         for e in &d {
-            for dep in &e.deps {
-                assert!(wave(dep) < wave(&e.path), "{dep} before {}", e.path);
-            }
+            let mut want: Vec<usize> = e.deps.iter().map(|dep| at(dep)).collect();
+            let mut got = plan.deps[at(&e.path)].clone();
+            want.sort_unstable();
+            got.sort_unstable();
+            assert_eq!(got, want, "{}", e.path);
+            assert!(got.iter().all(|&j| j < at(&e.path)));
         }
         assert!(matches!(
-            load_waves(&deps("a.ko: b.ko\nb.ko: a.ko\n")),
+            load_plan(&deps("a.ko: b.ko\nb.ko: a.ko\n")),
             Err(ModulesError::Cycle(_))
         ));
     }
 
     #[test]
-    fn a_tree_loads_wave_by_wave_and_reports_every_module() {
+    fn a_module_starts_once_its_own_dependencies_are_in_not_a_whole_wave() {
+        // 0 = slow (fuse), 1 = virtio, 2 = virtio_mmio (needs 1). The slow
+        // module's load only returns once 2 has run: a wave-by-wave loader
+        // (2 waiting for all of 0 and 1) would never get there, and the
+        // wait gives up after 10 s, failing the test instead of hanging.
+        let deps = vec![vec![], vec![], vec![1]];
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = std::sync::Mutex::new(rx);
+        let tx = std::sync::Mutex::new(tx);
+        let started = std::sync::Mutex::new(Vec::new());
+        let results = run_plan(&deps, 8, |i| {
+            started.lock().unwrap().push(i);
+            match i {
+                0 => rx
+                    .lock()
+                    .unwrap()
+                    .recv_timeout(std::time::Duration::from_secs(10))
+                    .is_ok(),
+                2 => tx.lock().unwrap().send(()).is_ok(),
+                _ => true,
+            }
+        });
+        let order: Vec<usize> = results.iter().map(|(i, _)| *i).collect();
+        assert_eq!(results.len(), 3);
+        assert!(
+            results.iter().all(|(_, r)| matches!(r, Ok(true))),
+            "the slow module never saw its dependent's dependent load: {order:?}"
+        );
+        // 1 finished before 2 started; 0 finished last.
+        let s = started.lock().unwrap().clone();
+        let pos = |v: &[usize], x| v.iter().position(|&y| y == x).unwrap();
+        assert!(pos(&order, 1) < pos(&order, 2));
+        assert_eq!(*order.last().unwrap(), 0);
+        assert!(pos(&s, 1) < pos(&s, 2));
+    }
+
+    #[test]
+    fn a_plan_runs_every_load_once_within_the_limit_and_survives_a_panic() {
+        // A diamond and a chain: 0 <- {1, 2} <- 3 <- 4, plus 5 alone.
+        let deps = vec![vec![], vec![0], vec![0], vec![1, 2], vec![3], vec![]];
+        let live = std::sync::atomic::AtomicUsize::new(0);
+        let peak = std::sync::atomic::AtomicUsize::new(0);
+        let done = std::sync::Mutex::new(Vec::new());
+        let results = run_plan(&deps, 2, |i| {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = live.fetch_add(1, SeqCst) + 1;
+            peak.fetch_max(now, SeqCst);
+            {
+                let done = done.lock().unwrap();
+                for &d in &deps[i] {
+                    assert!(done.contains(&d), "{i} ran before its dependency {d}");
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            done.lock().unwrap().push(i);
+            live.fetch_sub(1, SeqCst);
+            if i == 5 {
+                panic!("a load that panics");
+            }
+            i * 10
+        });
+        let mut seen: Vec<usize> = results.iter().map(|(i, _)| *i).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, [0, 1, 2, 3, 4, 5]);
+        for (i, r) in &results {
+            match i {
+                5 => assert!(r.is_err()),
+                _ => assert_eq!(*r.as_ref().unwrap(), i * 10),
+            }
+        }
+        assert!(peak.load(std::sync::atomic::Ordering::SeqCst) <= 2);
+    }
+
+    #[test]
+    fn a_tree_loads_every_module_and_reports_each() {
         // Files that are not modules: finit_module fails on each (EPERM when
-        // not root, ENOEXEC as root), and every one is still reported, wave
-        // by wave (a and b, then c and d), from the threads of its wave.
+        // not root, ENOEXEC as root), and every one is still reported, a
+        // dependent after its dependency.
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join(MODULES_DEP),
@@ -520,7 +637,11 @@ mod tests {
                 other => panic!("a non-module loaded: {other:?}"),
             })
             .collect();
-        assert_eq!(paths, ["a", "b", "c", "d"]);
+        let mut sorted = paths.clone();
+        sorted.sort();
+        assert_eq!(sorted, ["a", "b", "c", "d"]);
+        let pos = |m: &str| paths.iter().position(|p| p == m).unwrap();
+        assert!(pos("a") < pos("c") && pos("a") < pos("d"), "{paths:?}");
     }
 
     #[test]
