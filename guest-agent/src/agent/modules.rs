@@ -20,6 +20,10 @@
 //! the remaining modules are still tried (a missing device is not fatal to
 //! the agent, the host sees what is missing in the console log).
 //!
+//! Modules the kernel's command line names in `module_blacklist=` (which
+//! the kernel would refuse) are not tried: the kvm backend lists the PCI
+//! transport there, since its machine has no PCI bus ([`blacklist_of`]).
+//!
 //! Limits: no `modprobe.d` options, aliases or soft dependencies at run time
 //! (the image script resolves soft `pre:` dependencies into `modules.dep`);
 //! compressed modules are refused with a clear error rather than
@@ -38,6 +42,12 @@ pub const MODULES_ROOT: &str = "/lib/modules";
 
 /// Name of the dependency file inside a module tree.
 pub const MODULES_DEP: &str = "modules.dep";
+
+/// The kernel's command line, for `module_blacklist=`.
+pub const PROC_CMDLINE: &str = "/proc/cmdline";
+
+/// The kernel parameter listing modules it must not load (comma-separated).
+const BLACKLIST_PARAM: &str = "module_blacklist=";
 
 /// Longest `modules.dep` accepted (a whole distro kernel's is about 1 MiB).
 const MAX_DEP_FILE: u64 = 16 * 1024 * 1024;
@@ -266,7 +276,21 @@ pub fn module_name(path: &str) -> &str {
 pub enum LoadOutcome {
     Loaded(String),
     AlreadyPresent(String),
+    /// Named in the kernel's `module_blacklist=`: not tried.
+    Skipped(String),
     Failed(ModulesError),
+}
+
+/// The module names of every `module_blacklist=` word of a kernel command
+/// line, with `-` spelled `_` as the kernel compares them.
+pub fn blacklist_of(cmdline: &str) -> Vec<String> {
+    cmdline
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix(BLACKLIST_PARAM))
+        .flat_map(|list| list.split(','))
+        .filter(|m| !m.is_empty())
+        .map(|m| m.replace('-', "_"))
+        .collect()
 }
 
 /// Reads `<tree>/modules.dep` and returns the modules' full paths in load order.
@@ -310,12 +334,20 @@ fn outcome(path: &Path) -> LoadOutcome {
     }
 }
 
-/// Loads every module of `tree`, each once its dependencies are in
-/// ([`run_plan`], at most [`MAX_PARALLEL_LOADS`] threads); one outcome per
-/// module, in completion order.
-pub fn load_tree(tree: &Path) -> Result<Vec<LoadOutcome>, ModulesError> {
+/// Loads every module of `tree` but those named in `skip`
+/// ([`blacklist_of`]), each once its dependencies are in ([`run_plan`], at
+/// most [`MAX_PARALLEL_LOADS`] threads); one outcome per module, in
+/// completion order.
+pub fn load_tree(tree: &Path, skip: &[String]) -> Result<Vec<LoadOutcome>, ModulesError> {
     let (paths, deps) = planned(tree)?;
-    let outcomes = run_plan(&deps, MAX_PARALLEL_LOADS, |i| outcome(&paths[i]));
+    let outcomes = run_plan(&deps, MAX_PARALLEL_LOADS, |i| {
+        let name = module_name(&paths[i].to_string_lossy()).replace('-', "_");
+        if skip.contains(&name) {
+            LoadOutcome::Skipped(name)
+        } else {
+            outcome(&paths[i])
+        }
+    });
     Ok(outcomes
         .into_iter()
         .map(|(i, out)| {
@@ -377,14 +409,15 @@ pub fn load_all() {
         tracing::info!(tree = %tree.display(), "no modules.dep; no kernel modules to load");
         return;
     }
-    let outcomes = match load_tree(&tree) {
+    let skip = blacklist_of(&std::fs::read_to_string(PROC_CMDLINE).unwrap_or_default());
+    let outcomes = match load_tree(&tree, &skip) {
         Ok(o) => o,
         Err(e) => {
             tracing::error!(error = %e, "kernel modules not loaded");
             return;
         }
     };
-    let (mut loaded, mut present, mut failed) = (0, 0, 0);
+    let (mut loaded, mut present, mut skipped, mut failed) = (0, 0, 0, 0);
     for o in outcomes {
         match o {
             LoadOutcome::Loaded(name) => {
@@ -395,13 +428,17 @@ pub fn load_all() {
                 present += 1;
                 tracing::debug!(module = %name, "module already present")
             }
+            LoadOutcome::Skipped(name) => {
+                skipped += 1;
+                tracing::debug!(module = %name, "module blacklisted on the kernel command line; not loaded")
+            }
             LoadOutcome::Failed(e) => {
                 failed += 1;
                 tracing::warn!(error = %e, "module not loaded")
             }
         }
     }
-    tracing::info!(loaded, present, failed, "kernel modules loaded");
+    tracing::info!(loaded, present, skipped, failed, "kernel modules loaded");
 }
 
 #[cfg(test)]
@@ -627,7 +664,7 @@ mod tests {
         for m in ["a", "b", "c", "d"] {
             std::fs::write(dir.path().join(format!("{m}.ko")), b"not a module").unwrap();
         }
-        let outcomes = load_tree(dir.path()).unwrap();
+        let outcomes = load_tree(dir.path(), &[]).unwrap();
         let paths: Vec<String> = outcomes
             .iter()
             .map(|o| match o {
@@ -642,6 +679,40 @@ mod tests {
         assert_eq!(sorted, ["a", "b", "c", "d"]);
         let pos = |m: &str| paths.iter().position(|p| p == m).unwrap();
         assert!(pos("a") < pos("c") && pos("a") < pos("d"), "{paths:?}");
+    }
+
+    #[test]
+    fn blacklisted_modules_are_skipped_and_reported_as_such() {
+        assert_eq!(
+            blacklist_of("console=ttyS0 module_blacklist=virtio_pci,virtio-pci-legacy-dev quiet module_blacklist=,x"),
+            ["virtio_pci", "virtio_pci_legacy_dev", "x"]
+        );
+        assert!(blacklist_of("console=ttyS0 quiet").is_empty());
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(MODULES_DEP),
+            "b.ko: a-x.ko\na-x.ko:\nc.ko:\n",
+        )
+        .unwrap();
+        for m in ["a-x", "b", "c"] {
+            std::fs::write(dir.path().join(format!("{m}.ko")), b"not a module").unwrap();
+        }
+        let outcomes = load_tree(dir.path(), &blacklist_of("module_blacklist=a_x")).unwrap();
+        assert_eq!(outcomes.len(), 3);
+        let skipped: Vec<&str> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                LoadOutcome::Skipped(n) => Some(n.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(skipped, ["a_x"]);
+        // The others were tried (and fail: not modules), b after a-x's turn.
+        let failed = outcomes
+            .iter()
+            .filter(|o| matches!(o, LoadOutcome::Failed(_)))
+            .count();
+        assert_eq!(failed, 2);
     }
 
     #[test]
