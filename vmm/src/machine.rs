@@ -194,6 +194,140 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Ioctl { what, source }
 }
 
+/// The kernel and initrd in guest memory ([`load_images`]).
+struct Images {
+    kernel: boot::LoadedKernel,
+    initrd: Option<boot::InitrdPlacement>,
+    /// Bytes copied and holes skipped, both files together.
+    read: crate::sparse::ReadStats,
+    load_us: u64,
+}
+
+/// Loads the kernel, then the initrd above it, into `mem`, which must be
+/// freshly mapped (the loaders skip the files' holes).
+fn load_images(mem: &GuestMemory, kernel: &File, initrd: Option<&File>) -> Result<Images, VmError> {
+    let began = Instant::now();
+    let (loaded, kernel_read) = boot::load_kernel(mem, kernel)?;
+    let (initrd, initrd_read) = match initrd {
+        Some(f) => {
+            let (place, read) = boot::load_initrd(mem, f, &loaded, boot::low_ram_end(mem))?;
+            (Some(place), read)
+        }
+        None => (None, crate::sparse::ReadStats::default()),
+    };
+    Ok(Images {
+        kernel: loaded,
+        initrd,
+        read: crate::sparse::ReadStats {
+            copied: kernel_read.copied + initrd_read.copied,
+            skipped: kernel_read.skipped + initrd_read.skipped,
+        },
+        load_us: began.elapsed().as_micros() as u64,
+    })
+}
+
+/// The vCPUs and devices of a VM being built ([`build_machine`]).
+struct Machine {
+    vcpu_fds: Vec<VcpuFd>,
+    exit: Arc<ExitSignal>,
+    com1_irq: EventFd,
+    serial: Arc<Serial>,
+    boot_timer: Arc<BootTimer>,
+    pio: Bus,
+    mmio: Bus,
+    transports: Vec<Arc<MmioTransport>>,
+}
+
+/// Creates the vCPUs (CPUID, common registers; the boot vCPU's entry is
+/// set once the kernel is loaded) and the platform and virtio devices.
+#[allow(clippy::too_many_arguments)]
+fn build_machine(
+    kvm: &Kvm,
+    vm_fd: &VmFd,
+    vcpus: u8,
+    amx_perm: bool,
+    serial: Option<SerialSink>,
+    virtio_devices: Vec<Box<dyn VirtioDevice>>,
+    slots: &[MmioSlot],
+    mem: &GuestMemory,
+    origin: Instant,
+) -> Result<Machine, VmError> {
+    // vCPUs.
+    let supported = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(cpuid::CpuidError::Supported)?;
+    let amx = amx_perm && cpuid::table_has_amx(supported.as_slice());
+    let tsc_deadline = kvm.check_extension(Cap::TscDeadlineTimer);
+    let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
+    for index in 0..vcpus {
+        let fd = vm_fd
+            .create_vcpu(u64::from(index))
+            .map_err(ioctl("KVM_CREATE_VCPU"))?;
+        let table = cpuid::for_vcpu(
+            &supported,
+            &cpuid::CpuParams {
+                index,
+                count: vcpus,
+                tsc_deadline,
+                amx,
+            },
+        )?;
+        fd.set_cpuid2(&table).map_err(ioctl("KVM_SET_CPUID2"))?;
+        boot::setup_any_vcpu(&fd)?;
+        vcpu_fds.push(fd);
+    }
+
+    // Devices.
+    let exit = ExitSignal::new()?;
+    let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
+        crate::devices::DeviceError::EventFd {
+            what: "COM1 interrupt",
+            source,
+        }
+    })?;
+    vm_fd
+        .register_irqfd(&com1_irq, layout::COM1_IRQ)
+        .map_err(ioctl("KVM_IRQFD (COM1)"))?;
+    let serial = Arc::new(Serial::new(
+        &com1_irq,
+        serial.unwrap_or_else(|| Box::new(std::io::sink())),
+    )?);
+    let boot_timer = Arc::new(BootTimer::new(origin));
+    let mut pio = Bus::new();
+    pio.insert(
+        serial.clone(),
+        layout::COM1_PORT.into(),
+        layout::COM1_PORT_LEN.into(),
+    )?;
+    pio.insert(
+        Arc::new(I8042::new(exit.clone())),
+        layout::I8042_PORT.into(),
+        layout::I8042_PORT_LEN.into(),
+    )?;
+    pio.insert(boot_timer.clone(), layout::BOOT_TIMER_PORT.into(), 4)?;
+    pio.insert(
+        Arc::new(AcpiPm::new(exit.clone())),
+        layout::ACPI_SLEEP_CONTROL_PORT.into(),
+        2,
+    )?;
+
+    let mut mmio = Bus::new();
+    let mut transports = Vec::with_capacity(virtio_devices.len());
+    for (i, (dev, slot)) in virtio_devices.into_iter().zip(slots).enumerate() {
+        transports.push(wire_virtio(vm_fd, &mut mmio, i, dev, slot, mem)?);
+    }
+    Ok(Machine {
+        vcpu_fds,
+        exit,
+        com1_irq,
+        serial,
+        boot_timer,
+        pio,
+        mmio,
+        transports,
+    })
+}
+
 /// Timestamps of one VM's life, relative to the start of [`Vm::build`].
 #[derive(Debug, Clone, Default)]
 pub struct Timeline {
@@ -371,20 +505,6 @@ impl Vm {
             })
             .map_err(ioctl("KVM_CREATE_PIT2"))?;
 
-        // Kernel, initrd, command line, tables.
-        let load_began = Instant::now();
-        // `ram` was mapped just above: all zero, as the loaders require.
-        let (loaded, kernel_read) = boot::load_kernel(&ram.mem, &kernel_file)?;
-        drop(kernel_file);
-        let low_end = boot::low_ram_end(&ram.mem);
-        let initrd_loaded = match initrd_file.as_ref() {
-            Some(f) => Some(boot::load_initrd(&ram.mem, f, &loaded, low_end)?),
-            None => None,
-        };
-        let initrd_read = initrd_loaded.map(|(_, s)| s).unwrap_or_default();
-        let initrd_place = initrd_loaded.map(|(p, _)| p);
-        let load_us = load_began.elapsed().as_micros() as u64;
-        drop(initrd_file);
         let slots: Vec<MmioSlot> = (0..virtio_devices.len())
             .map(|i| MmioSlot {
                 base: layout::virtio_mmio_slot_addr(i),
@@ -392,6 +512,55 @@ impl Vm {
                 gsi: layout::virtio_mmio_slot_irq(i),
             })
             .collect();
+
+        // The kernel and initrd copy (tens of MiB: the longest step) runs on
+        // a thread of its own while this one creates the vCPUs and wires the
+        // devices, which need nothing from guest memory's contents.
+        let (images, machine) = std::thread::scope(|scope| {
+            let load = || load_images(&ram.mem, &kernel_file, initrd_file.as_ref());
+            let loader = std::thread::Builder::new()
+                .name("vm-load".into())
+                .spawn_scoped(scope, load);
+            let machine = build_machine(
+                &kvm,
+                &vm_fd,
+                vcpus,
+                amx_perm,
+                serial,
+                virtio_devices,
+                &slots,
+                &ram.mem,
+                origin,
+            );
+            let images = match loader {
+                Ok(handle) => handle.join().unwrap_or_else(|_| {
+                    Err(VmError::Config("the kernel loading thread panicked".into()))
+                }),
+                Err(_) => load(),
+            };
+            (images, machine)
+        });
+        let images = images?;
+        let Machine {
+            vcpu_fds,
+            exit,
+            com1_irq,
+            serial,
+            boot_timer,
+            pio,
+            mmio,
+            transports,
+        } = machine?;
+        drop(kernel_file);
+        drop(initrd_file);
+        let Images {
+            kernel: loaded,
+            initrd: initrd_place,
+            read,
+            load_us,
+        } = images;
+
+        // Command line, tables, boot structures, the boot vCPU's entry.
         let full_cmdline = full_cmdline(&cmdline, &slots);
         boot::write_cmdline(&ram.mem, &full_cmdline, boot::cmdline_limit(&loaded))?;
         let acpi_layout = acpi::write_tables(&ram.mem, vcpus, &slots)?;
@@ -409,81 +578,16 @@ impl Vm {
             EntryKind::Pvh => boot::write_pvh(&ram.mem, &info)?,
         }
         boot::write_cpu_tables(&ram.mem)?;
-
-        // vCPUs.
-        let supported = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(cpuid::CpuidError::Supported)?;
-        let amx = amx_perm && cpuid::table_has_amx(supported.as_slice());
-        let tsc_deadline = kvm.check_extension(Cap::TscDeadlineTimer);
-        let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
-        for index in 0..vcpus {
-            let fd = vm_fd
-                .create_vcpu(u64::from(index))
-                .map_err(ioctl("KVM_CREATE_VCPU"))?;
-            let table = cpuid::for_vcpu(
-                &supported,
-                &cpuid::CpuParams {
-                    index,
-                    count: vcpus,
-                    tsc_deadline,
-                    amx,
-                },
-            )?;
-            fd.set_cpuid2(&table).map_err(ioctl("KVM_SET_CPUID2"))?;
-            boot::setup_any_vcpu(&fd)?;
-            if index == 0 {
-                boot::setup_boot_vcpu(&fd, &loaded)?;
-            }
-            vcpu_fds.push(fd);
-        }
-
-        // Devices.
-        let exit = ExitSignal::new()?;
-        let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
-            crate::devices::DeviceError::EventFd {
-                what: "COM1 interrupt",
-                source,
-            }
-        })?;
-        vm_fd
-            .register_irqfd(&com1_irq, layout::COM1_IRQ)
-            .map_err(ioctl("KVM_IRQFD (COM1)"))?;
-        let serial = Arc::new(Serial::new(
-            &com1_irq,
-            serial.unwrap_or_else(|| Box::new(std::io::sink())),
-        )?);
-        let boot_timer = Arc::new(BootTimer::new(origin));
-        let mut pio = Bus::new();
-        pio.insert(
-            serial.clone(),
-            layout::COM1_PORT.into(),
-            layout::COM1_PORT_LEN.into(),
-        )?;
-        pio.insert(
-            Arc::new(I8042::new(exit.clone())),
-            layout::I8042_PORT.into(),
-            layout::I8042_PORT_LEN.into(),
-        )?;
-        pio.insert(boot_timer.clone(), layout::BOOT_TIMER_PORT.into(), 4)?;
-        pio.insert(
-            Arc::new(AcpiPm::new(exit.clone())),
-            layout::ACPI_SLEEP_CONTROL_PORT.into(),
-            2,
-        )?;
-
-        let mut mmio = Bus::new();
-        let mut transports = Vec::with_capacity(virtio_devices.len());
-        for (i, (dev, slot)) in virtio_devices.into_iter().zip(&slots).enumerate() {
-            transports.push(wire_virtio(&vm_fd, &mut mmio, i, dev, slot, &ram.mem)?);
+        if let Some(boot_vcpu) = vcpu_fds.first() {
+            boot::setup_boot_vcpu(boot_vcpu, &loaded)?;
         }
 
         let build = origin.elapsed();
         tracing::info!(
             build_us = build.as_micros() as u64,
             load_us,
-            copied_kib = (kernel_read.copied + initrd_read.copied) / 1024,
-            holes_kib = (kernel_read.skipped + initrd_read.skipped) / 1024,
+            copied_kib = read.copied / 1024,
+            holes_kib = read.skipped / 1024,
             entry = ?loaded.kind,
             vcpus,
             mem_mib,
