@@ -2,7 +2,9 @@
 //! (memory, irqchip, PIT, kernel, boot tables, vCPUs, devices), and
 //! [`Vm::run`] runs it to an [`ExitReason`].
 //!
-//! Threads: `run()` spawns one thread per vCPU and runs the VMM event loop
+//! Threads: `build()` copies the kernel and initrd on a short-lived thread
+//! (`vm-load`) while it creates the vCPUs and devices, and joins it before
+//! it returns. `run()` spawns one thread per vCPU and runs the VMM event loop
 //! (event-manager); it returns once the guest resets, powers off, fails, or
 //! a [`StopHandle`] stops it. With seccomp ([`Config::seccomp`], on by
 //! default) the event loop runs on a thread of its own
