@@ -102,13 +102,20 @@ pub const MAX_CPUS: u32 = 254;
 /// TCG boot (0.32-0.36 s of the kernel's 2.5 s to `/init`):
 /// `initcall_blacklist=crypto_kdf108_init` skips that initcall, which does
 /// nothing else (the KDF stays usable; later kernels skip the test under
-/// `cryptomgr.notests` themselves). `module_blacklist=` names the virtio
+/// `cryptomgr.notests` themselves). The same list skips `init_encrypted`,
+/// the "encrypted" key type's registration (nothing in the guest uses that
+/// key type; its set-up instantiates a cipher, 60-70 ms of a TCG boot), and
+/// `apparmor=0` leaves AppArmor off: the guest loads no AppArmor policy
+/// (the agent is init; no systemd, no `apparmor_parser`), so its set-up
+/// (the LSM, its netfilter hooks, its policy hash) guarded nothing. Both:
+/// QEMU TCG to `/init`, 6 alternating boots, median 2.04 → 1.74 s.
+/// `module_blacklist=` names the virtio
 /// PCI transport modules, useless without a PCI bus: the agent does not
 /// load them (the qemu backend's machine needs them). The VMM appends one
 /// `virtio_mmio.device=` per device.
 pub const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet 8250.nr_uarts=1 \
-     i8042.noaux cryptomgr.notests initcall_blacklist=crypto_kdf108_init \
-     module_blacklist=virtio_pci,virtio_pci_legacy_dev,virtio_pci_modern_dev";
+     i8042.noaux cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_encrypted \
+     apparmor=0 module_blacklist=virtio_pci,virtio_pci_legacy_dev,virtio_pci_modern_dev";
 /// Request queues of the virtio-fs device.
 pub const FS_REQUEST_QUEUES: u16 = 1;
 /// Name of the thread that builds and runs the VM.
