@@ -3,8 +3,7 @@
 //! mounted at `/sessions`, where session directories live and the disk
 //! janitor measures and prunes.
 //!
-//! As the VM's init, after the kernel modules are loaded, [`Staged`] (on a
-//! thread of its own, while the userland image is mounted) or
+//! As the VM's init, after the kernel modules are loaded,
 //! [`mount_session_disk`]:
 //!
 //! 1. finds the disk by its serial in `/sys/block/*/serial`
@@ -16,10 +15,10 @@
 //!    anything else is left alone;
 //! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
-//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (the initramfs's,
-//!    so a blank disk is formatted with the initramfs's `mkfs.ext4`; the
-//!    mount is then moved into the session userland's new root before the
-//!    agent switches to it, see `agent::userland`);
+//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
+//!    userland's new root before the agent switches to it, see
+//!    `agent::userland`, so a blank disk is formatted with the initramfs's
+//!    `mkfs.ext4`);
 //! 5. grows the filesystem online to the whole disk when the host made the
 //!    image larger (`createVM` with a bigger `diskSizeGB`): the kernel's
 //!    `EXT4_IOC_RESIZE_FS` on the mounted filesystem, as `resize2fs` does
@@ -53,14 +52,12 @@ use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
-use std::thread::JoinHandle;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::extfs::{self, FsSize, Superblock};
 use crate::mounttable;
 use crate::proto;
-use crate::sys;
 
 /// Where block devices are listed in sysfs.
 pub const SYS_BLOCK: &str = "/sys/block";
@@ -133,14 +130,6 @@ pub enum SessionDiskError {
     },
     #[error("cannot read the size of session disk {dev}: {source}")]
     Size { dev: PathBuf, source: io::Error },
-    #[error("cannot move the session disk's mount from {from} to {to}: {source}")]
-    Move {
-        from: PathBuf,
-        to: PathBuf,
-        source: io::Error,
-    },
-    #[error("the session disk's preparation thread panicked (a bug in the agent; its log has the panic)")]
-    Worker,
     #[error("session disk {0} has no valid ext4 superblock to grow")]
     BadSuperblock(PathBuf),
     #[error("cannot grow the filesystem on {target} from {from} to {to} blocks: {source}")]
@@ -468,15 +457,13 @@ pub fn prepare(
     })
 }
 
-/// What the session disk's preparation did at this boot, for the hello
-/// (the last outcome recorded wins: a disk prepared again after a failed
-/// root switch reports how that went).
-static OUTCOME: Mutex<Option<proto::SessionDiskInfo>> = Mutex::new(None);
+/// What [`mount_session_disk`] did at this boot, for the hello.
+static OUTCOME: OnceLock<proto::SessionDiskInfo> = OnceLock::new();
 
-/// What the session disk's preparation did at this boot (`None` when it
-/// did not run: the agent is not a VM's init).
+/// What [`mount_session_disk`] did at this boot (`None` when it did not
+/// run: the agent is not a VM's init).
 pub fn outcome() -> Option<proto::SessionDiskInfo> {
-    OUTCOME.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    OUTCOME.get().cloned()
 }
 
 /// The hello's report of a [`prepare`] result.
@@ -495,28 +482,18 @@ pub fn report(result: &Result<Prepared, SessionDiskError>) -> proto::SessionDisk
     }
 }
 
-/// [`prepare`] for the running VM, mounting on `target`, then
-/// [`record`]ed. For a re-try after a failed root switch; the boot itself
-/// prepares the disk alongside the userland ([`Staged`]).
+/// [`prepare`] for the running VM, mounting on `target` (`/sessions` of the
+/// root the sessions will see: the initramfs's, or the new root's before
+/// the agent switches to it), logging the outcome and keeping it for the
+/// hello ([`outcome`]); the host refuses a boot whose disk failed.
 pub fn mount_session_disk(target: &Path) {
-    record(&prepare_machine_disk(target), target);
-}
-
-/// [`prepare`] with the running machine's locations.
-fn prepare_machine_disk(target: &Path) -> Result<Prepared, SessionDiskError> {
-    prepare(
+    let result = prepare(
         Path::new(SYS_BLOCK),
         Path::new(DEV_DIR),
         &MKFS_CANDIDATES,
         target,
-    )
-}
-
-/// Logs what happened to the session disk (now mounted at `target`, the
-/// sessions root its sessions will see) and keeps it for the hello
-/// ([`outcome`]); the host refuses a boot whose disk failed.
-pub fn record(result: &Result<Prepared, SessionDiskError>, target: &Path) {
-    match result {
+    );
+    match &result {
         Ok(Prepared::NoDisk) => tracing::info!(
             serial = proto::SESSION_DISK_SERIAL,
             "no session disk; sessions live on the root filesystem"
@@ -535,117 +512,7 @@ pub fn record(result: &Result<Prepared, SessionDiskError>, target: &Path) {
             tracing::error!(error = %e, "session disk not mounted and not formatted; the host is told")
         }
     }
-    *OUTCOME.lock().unwrap_or_else(|p| p.into_inner()) = Some(report(result));
-}
-
-/// Moves the session disk's mount from `from` to `to` (`MS_MOVE`),
-/// creating `to` if needed.
-pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(MOUNT_DIR_MODE)
-        .create(to)?;
-    sys::mount(
-        Some(&sys::cstring(from)?),
-        &sys::cstring(to)?,
-        None,
-        libc::MS_MOVE,
-        None,
-    )
-}
-
-/// The session disk prepared (found, formatted if blank, mounted, grown)
-/// on a thread of its own while the agent mounts and checks the userland
-/// image and builds its overlay: two ext4 mounts on two disks, each mostly
-/// waiting for its device, overlap instead of following each other. The
-/// disk is mounted at a staging directory on the initramfs (its `/sessions`,
-/// where the initramfs userland wants it anyway, and where the image's
-/// `mkfs.ext4` is), and [`Staged::finish`] moves it into the new root.
-pub struct Staged {
-    /// Where the disk is mounted until [`Staged::finish`] moves it.
-    staging: PathBuf,
-    /// The preparation, until [`Staged::finish`] took its result.
-    work: Option<StagedWork>,
-}
-
-/// A [`Staged`] preparation: on its thread, or done in line when no thread
-/// could be started.
-enum StagedWork {
-    Running(JoinHandle<Result<Prepared, SessionDiskError>>),
-    Done(Result<Prepared, SessionDiskError>),
-}
-
-impl Staged {
-    /// Starts preparing the machine's disk, to be mounted at `staging`.
-    /// When no thread can be started it is prepared here and now instead.
-    pub fn start(staging: &Path) -> Staged {
-        Staged::start_with(staging, prepare_machine_disk)
-    }
-
-    /// [`Staged::start`] with the preparation given (tests).
-    fn start_with<F>(staging: &Path, prepare: F) -> Staged
-    where
-        F: FnOnce(&Path) -> Result<Prepared, SessionDiskError> + Send + 'static,
-    {
-        // The preparation reaches the thread through a channel, so that it
-        // is still here to run in line when no thread can be started.
-        let at = staging.to_path_buf();
-        let (tx, rx) = std::sync::mpsc::channel::<F>();
-        let spawned = std::thread::Builder::new()
-            .name("session-disk".into())
-            .spawn(move || match rx.recv() {
-                Ok(prepare) => prepare(&at),
-                Err(_) => Err(SessionDiskError::Worker),
-            });
-        let work = match spawned {
-            Ok(handle) => match tx.send(prepare) {
-                Ok(()) => StagedWork::Running(handle),
-                Err(std::sync::mpsc::SendError(prepare)) => StagedWork::Done(prepare(staging)),
-            },
-            Err(e) => {
-                tracing::debug!(error = %e, "no thread for the session disk; preparing it in line");
-                StagedWork::Done(prepare(staging))
-            }
-        };
-        Staged {
-            staging: staging.to_path_buf(),
-            work: Some(work),
-        }
-    }
-
-    /// Waits for the preparation, moves a mounted disk from the staging
-    /// directory to `target` (nothing to move when they are the same) and
-    /// [`record`]s the outcome. Later calls do nothing.
-    pub fn finish(&mut self, target: &Path) {
-        let mut result = match self.work.take() {
-            None => return,
-            Some(StagedWork::Done(result)) => result,
-            Some(StagedWork::Running(handle)) => {
-                handle.join().unwrap_or(Err(SessionDiskError::Worker))
-            }
-        };
-        let mounted = matches!(result, Ok(Prepared::Mounted(_) | Prepared::Formatted(_)));
-        if mounted && target != self.staging {
-            if let Err(source) = move_mount(&self.staging, target) {
-                detach(&self.staging);
-                result = Err(SessionDiskError::Move {
-                    from: self.staging.clone(),
-                    to: target.to_path_buf(),
-                    source,
-                });
-            }
-        }
-        record(&result, target);
-    }
-}
-
-/// Detaches whatever is mounted at `dir` (after a failed move); failures
-/// are logged.
-fn detach(dir: &Path) {
-    if let Err(e) = sys::cstring(dir).and_then(|c| sys::umount2(&c, libc::MNT_DETACH)) {
-        tracing::warn!(dir = %dir.display(), error = %e, "cannot unmount the staged session disk");
-    }
+    let _ = OUTCOME.set(report(&result));
 }
 
 #[cfg(test)]
@@ -898,87 +765,5 @@ mod tests {
             .set_len(128 << 20)
             .unwrap();
         assert_eq!(disk_bytes(&img).unwrap() / size.block_size, 2 * size.blocks);
-    }
-
-    /// The staged preparation in a private mount namespace, with a tmpfs
-    /// standing in for the disk: its mount moves to the target with what
-    /// is on it; nothing to move when the disk is absent; a failed move
-    /// and a panicking preparation are failures the hello reports, and the
-    /// staged mount does not stay behind.
-    #[test]
-    fn ns_root_a_staged_disk_moves_to_its_target_or_reports_why_not() {
-        if !crate::agent::testns::real_root_or_skip("mounts in a private mount namespace") {
-            return;
-        }
-        let Some(dir) = crate::agent::testns::in_namespaces(
-            "agent::sessiondisk::tests::ns_root_a_staged_disk_moves_to_its_target_or_reports_why_not",
-            &["-m"],
-        ) else {
-            return;
-        };
-        let staging = dir.join("initramfs/sessions");
-        let mount_tmpfs = |at: &Path| -> Result<Prepared, SessionDiskError> {
-            mounttable::mount_unless_mounted("tmpfs", at, c"tmpfs", 0, MOUNT_DIR_MODE).map_err(
-                |source| SessionDiskError::Mount {
-                    dev: PathBuf::from("tmpfs"),
-                    target: at.to_path_buf(),
-                    source,
-                    kernel: None,
-                },
-            )?;
-            std::fs::write(at.join("marker"), "on the disk").unwrap();
-            Ok(Prepared::Mounted(PathBuf::from("/dev/vdz")))
-        };
-
-        // Mounted: moved, contents and all; the staging directory is empty.
-        let target = dir.join("newroot/sessions");
-        let mut staged = Staged::start_with(&staging, mount_tmpfs);
-        staged.finish(&target);
-        assert!(sys::is_mount_point(&target).unwrap());
-        assert!(!sys::is_mount_point(&staging).unwrap());
-        assert_eq!(
-            std::fs::read_to_string(target.join("marker")).unwrap(),
-            "on the disk"
-        );
-        let info = outcome().unwrap();
-        assert_eq!(info.state, proto::SessionDiskInfo::MOUNTED);
-        assert_eq!(info.dev.as_deref(), Some("/dev/vdz"));
-        // A second finish does nothing.
-        staged.finish(&dir.join("elsewhere"));
-        assert!(!dir.join("elsewhere").exists());
-
-        // Finishing at the staging directory itself leaves it where it is.
-        let here = dir.join("here");
-        Staged::start_with(&here, mount_tmpfs).finish(&here);
-        assert!(sys::is_mount_point(&here).unwrap());
-
-        // No disk: nothing to move, reported absent.
-        let absent = dir.join("absent");
-        Staged::start_with(&staging, |_: &Path| Ok(Prepared::NoDisk)).finish(&absent);
-        assert!(!absent.exists());
-        assert_eq!(outcome().unwrap().state, proto::SessionDiskInfo::ABSENT);
-
-        // The target cannot be made (a file is in the way): a failure with
-        // both paths, and the staged mount is detached.
-        std::fs::write(dir.join("file"), "").unwrap();
-        let blocked = dir.join("file/sessions");
-        Staged::start_with(&staging, mount_tmpfs).finish(&blocked);
-        assert!(!sys::is_mount_point(&staging).unwrap());
-        let info = outcome().unwrap();
-        assert_eq!(info.state, proto::SessionDiskInfo::FAILED);
-        let error = info.error.unwrap();
-        assert!(
-            error.contains("cannot move") && error.contains("file/sessions"),
-            "{error}"
-        );
-
-        // A preparation that panics is a failure, not a hang or a crash.
-        Staged::start_with(&staging, |_: &Path| -> Result<Prepared, SessionDiskError> {
-            panic!("preparation bug")
-        })
-        .finish(&target);
-        let info = outcome().unwrap();
-        assert_eq!(info.state, proto::SessionDiskInfo::FAILED);
-        assert!(info.error.unwrap().contains("panicked"));
     }
 }

@@ -20,10 +20,8 @@
 //! kept for the hello ([`proto::UserlandInfo::fallbacks`]), and the next is
 //! tried. The first good one becomes the lower layer of an overlay whose
 //! upper is a bounded tmpfs ([`USERLAND_DIR`], [`switch::upper_size`]); the
-//! session disk, prepared meanwhile on a thread of its own at the
-//! initramfs's `/sessions` (where the initramfs's `mkfs.ext4` can format a
-//! blank disk; [`sessiondisk::Staged`]), is moved to `/sessions` inside it,
-//! and the agent switches root
+//! session disk is mounted at `/sessions` inside it (while the initramfs's
+//! `mkfs.ext4` can still format a blank disk), and the agent switches root
 //! to it ([`switch::switch_root`]) and frees the initramfs. With no good
 //! candidate the agent stays on the initramfs, as before userland disks
 //! existed. Either way [`etc`] then sets up what an init system would
@@ -163,9 +161,8 @@ pub fn boot() -> Booted {
     let upper_bytes = switch::total_ram()
         .map(switch::upper_size)
         .unwrap_or(switch::UPPER_MIN_BYTES);
-    let mut disk = sessiondisk::Staged::start(Path::new(DEFAULT_SESSIONS_ROOT));
     let mut booted = match choose(&Layout::machine(), &CANDIDATES, upper_bytes, &mut fallbacks) {
-        Some(chosen) => match enter(&chosen, upper_bytes, &mut disk) {
+        Some(chosen) => match enter(&chosen, upper_bytes) {
             Ok(switched_us) => Booted {
                 info: UserlandInfo {
                     kind: chosen.candidate.kind.to_string(),
@@ -179,12 +176,12 @@ pub fn boot() -> Booted {
                 tracing::warn!(userland = chosen.candidate.kind, error = %e, "cannot switch to the userland; staying on the initramfs");
                 fallbacks.push(format!("{}: {e}", chosen.candidate.kind));
                 release_layers();
-                stay_on_initramfs(&mut disk)
+                stay_on_initramfs()
             }
         },
         None => {
             release_layers();
-            stay_on_initramfs(&mut disk)
+            stay_on_initramfs()
         }
     };
     booted.info.fallbacks = fallbacks;
@@ -266,16 +263,11 @@ fn choose(
     None
 }
 
-/// Builds the overlay on [`NEWROOT`], moves the session disk into it once
-/// `disk` is ready and switches root (`upper_bytes`: the writable layer's
-/// bound, for the log). Returns when the switch finished. On error the
-/// agent is still on the initramfs, the session disk mounted at its
-/// `/sessions` (the caller releases the layers).
-fn enter(
-    chosen: &Chosen,
-    upper_bytes: u64,
-    disk: &mut sessiondisk::Staged,
-) -> Result<u64, UserlandError> {
+/// Builds the overlay on [`NEWROOT`], mounts the session disk in it and
+/// switches root (`upper_bytes`: the writable layer's bound, for the log).
+/// Returns when the switch finished. On error the agent is
+/// still on the initramfs (the caller releases the layers).
+fn enter(chosen: &Chosen, upper_bytes: u64) -> Result<u64, UserlandError> {
     let newroot = Path::new(NEWROOT);
     let redirect_dir = switch::mount_overlay(
         Path::new(LOWER_DIR),
@@ -283,13 +275,12 @@ fn enter(
         Path::new(WORK_DIR),
         newroot,
     )?;
-    let staging = Path::new(DEFAULT_SESSIONS_ROOT);
     let sessions_in_newroot = newroot.join(DEFAULT_SESSIONS_ROOT.trim_start_matches('/'));
-    disk.finish(&sessions_in_newroot);
+    sessiondisk::mount_session_disk(&sessions_in_newroot);
     let switched = match switch::switch_root(newroot, &API_MOUNTS) {
         Ok(s) => s,
         Err(e) => {
-            bring_session_disk_back(&sessions_in_newroot, staging);
+            unmount(&sessions_in_newroot);
             unmount(newroot);
             return Err(e.into());
         }
@@ -336,24 +327,9 @@ fn unmount(dir: &Path) {
     }
 }
 
-/// After a failed switch: moves the session disk from the new root back to
-/// the initramfs's `/sessions`; if that fails too, unmounts it and prepares
-/// it there again (the hello reports how that went).
-fn bring_session_disk_back(in_newroot: &Path, staging: &Path) {
-    if !sys::is_mount_point(in_newroot).unwrap_or(false) {
-        return;
-    }
-    if let Err(e) = sessiondisk::move_mount(in_newroot, staging) {
-        tracing::warn!(error = %e, "cannot move the session disk back to the initramfs; mounting it again");
-        unmount(in_newroot);
-        sessiondisk::mount_session_disk(staging);
-    }
-}
-
-/// The initramfs userland: the session disk at `/sessions` on it, once
-/// `disk` is ready (at once when a failed switch already brought it back).
-fn stay_on_initramfs(disk: &mut sessiondisk::Staged) -> Booted {
-    disk.finish(Path::new(DEFAULT_SESSIONS_ROOT));
+/// The initramfs userland: the session disk at `/sessions` on it.
+fn stay_on_initramfs() -> Booted {
+    sessiondisk::mount_session_disk(Path::new(DEFAULT_SESSIONS_ROOT));
     tracing::info!("sessions run in the initramfs (busybox) userland");
     Booted {
         info: UserlandInfo {
