@@ -91,31 +91,17 @@ pub const DEFAULT_MEMORY_MIB: u64 = 1024;
 /// Most vCPUs the VMM supports.
 pub const MAX_CPUS: u32 = 254;
 /// Kernel command line: serial console, reset through the i8042 on reboot,
-/// a panic resets at once (which ends the run), no PCI bus to probe. Then
-/// boot-time savings (the same as the qemu backend's): `8250.nr_uarts=1`
-/// registers COM1 only (no probing of COM2-4, which the VM does not have),
-/// `i8042.noaux` skips probing a PS/2 mouse port, and `cryptomgr.notests`
-/// skips the crypto self-tests the kernel otherwise runs for every
-/// algorithm it registers (the implementations are the distribution's,
-/// tested there). Linux 6.1's SP800-108 KDF runs its own self-test in its
-/// initcall regardless of that flag, and it is the slowest initcall of a
-/// TCG boot (0.32-0.36 s of the kernel's 2.5 s to `/init`):
-/// `initcall_blacklist=crypto_kdf108_init` skips that initcall, which does
-/// nothing else (the KDF stays usable; later kernels skip the test under
-/// `cryptomgr.notests` themselves). The same list skips `init_encrypted`,
-/// the "encrypted" key type's registration (nothing in the guest uses that
-/// key type; its set-up instantiates a cipher, 60-70 ms of a TCG boot), and
-/// `apparmor=0` leaves AppArmor off: the guest loads no AppArmor policy
-/// (the agent is init; no systemd, no `apparmor_parser`), so its set-up
-/// (the LSM, its netfilter hooks, its policy hash) guarded nothing. Both:
-/// QEMU TCG to `/init`, 6 alternating boots, median 2.04 → 1.74 s.
-/// `module_blacklist=` names the virtio
-/// PCI transport modules, useless without a PCI bus: the agent does not
-/// load them (the qemu backend's machine needs them). The VMM appends one
-/// `virtio_mmio.device=` per device.
-pub const KERNEL_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 pci=off quiet 8250.nr_uarts=1 \
-     i8042.noaux cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_encrypted \
-     apparmor=0 module_blacklist=virtio_pci,virtio_pci_legacy_dev,virtio_pci_modern_dev";
+/// a panic resets at once (which ends the run), no PCI bus to probe, then
+/// the boot-time words both backends use
+/// ([`super::guest::BOOT_TIME_CMDLINE`]). `module_blacklist=` names the
+/// virtio PCI transport modules, useless without a PCI bus: the agent does
+/// not load them (the qemu backend's machine needs them). The VMM appends
+/// one `virtio_mmio.device=` per device.
+pub const KERNEL_CMDLINE: &str = concat!(
+    "console=ttyS0 reboot=k panic=-1 pci=off quiet ",
+    super::guest::boot_time_cmdline!(),
+    " module_blacklist=virtio_pci,virtio_pci_legacy_dev,virtio_pci_modern_dev"
+);
 /// Request queues of the virtio-fs device.
 pub const FS_REQUEST_QUEUES: u16 = 1;
 /// Name of the thread that builds and runs the VM.

@@ -27,16 +27,12 @@ pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
 pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
 
 /// Kernel command line (the agent is `/init`; `panic=-1` plus `-no-reboot`
-/// turn a guest panic into QEMU exiting), then boot-time savings (the same
-/// as the kvm backend's, `crate::backend::kvm::KERNEL_CMDLINE`):
-/// `8250.nr_uarts=1` registers COM1 only, `i8042.noaux` skips probing the
-/// PS/2 mouse port, `cryptomgr.notests` skips the kernel's crypto
-/// self-tests at algorithm registration, `initcall_blacklist=` skips the
-/// one self-test that flag misses and the unused "encrypted" key type, and
-/// `apparmor=0` the AppArmor set-up no policy ever uses (see the kvm
-/// backend's for each).
-pub const KERNEL_CMDLINE: &str = "console=ttyS0 panic=-1 quiet 8250.nr_uarts=1 i8042.noaux \
-     cryptomgr.notests initcall_blacklist=crypto_kdf108_init,init_encrypted apparmor=0";
+/// turn a guest panic into QEMU exiting), then the boot-time words both
+/// backends use ([`crate::backend::guest::BOOT_TIME_CMDLINE`]).
+pub const KERNEL_CMDLINE: &str = concat!(
+    "console=ttyS0 panic=-1 quiet ",
+    crate::backend::guest::boot_time_cmdline!()
+);
 /// QEMU's own balloon, last so the other devices keep their PCI slots. Free
 /// page reporting: the guest reports runs of free memory (2 MiB and up) and
 /// QEMU punches them out of the memfd, so QEMU's RSS falls again after the
