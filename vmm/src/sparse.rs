@@ -79,11 +79,16 @@ impl<'a> HoleSkipper<'a> {
         usize::try_from(left).map_or(want, |l| l.min(want))
     }
 
+    /// The current offset as the `off_t` the syscalls take.
+    fn offset(&self) -> io::Result<libc::off_t> {
+        libc::off_t::try_from(self.pos)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))
+    }
+
     /// `lseek(fd, pos, whence)` for `SEEK_DATA`/`SEEK_HOLE`; `None` when
     /// there is no such offset after `pos` (`ENXIO`).
     fn seek_kind(&self, whence: libc::c_int) -> io::Result<Option<u64>> {
-        let pos = libc::off_t::try_from(self.pos)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
+        let pos = self.offset()?;
         // SAFETY: lseek on a descriptor we borrow; it moves the file's own
         // offset, which nothing else here uses (reads are pread).
         let at = unsafe { libc::lseek(self.file.as_raw_fd(), pos, whence) };
@@ -119,8 +124,7 @@ impl<'a> HoleSkipper<'a> {
     /// the end of the file), the destination's pages populated first
     /// ([`populate_for_write`]).
     fn copy_to(&mut self, dst: *mut u8, len: usize) -> io::Result<usize> {
-        let offset = libc::off_t::try_from(self.pos)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "file offset too large"))?;
+        let offset = self.offset()?;
         populate_for_write(dst, len);
         // SAFETY: `dst..dst + len` is inside the VolatileSlice the caller
         // holds mutably; pread writes at most `len` bytes there.
