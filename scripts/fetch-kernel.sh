@@ -74,12 +74,6 @@ read_le() {
 	printf '%s\n' "$v"
 }
 
-# Turn the zero blocks of file $1 into holes (same content, less to read); a file system that
-# cannot punch holes keeps the file as it is.
-dig_holes() {
-	fallocate --dig-holes "$1" 2>/dev/null || true
-}
-
 # Decompress the kernel payload of a bzImage into an ELF vmlinux.
 #
 # The x86 boot protocol (>= 2.08) records where the compressed kernel lives: payload_offset (u32

@@ -25,9 +25,9 @@ Builds, into the output directory:
   vmlinuz      Debian's linux-image-cloud-amd64 kernel (scripts/fetch-kernel.sh)
   vmlinux      the same kernel as an uncompressed ELF (PVH entry), booted by --backend kvm
   initramfs    uncompressed newc cpio (scripts/mkinitramfs.sh): /init = the static guest agent
-               ($AGENT_BIN, without its symbol table), busybox-static with applet links, and mkinitramfs.sh's 'guest'
-               module set (virtio mmio/pci, vsock, virtiofs, virtio-blk, virtio-rng,
-               virtio-balloon, ext4)
+               ($AGENT_BIN, without its symbol table), busybox-static with applet links,
+               and mkinitramfs.sh's 'guest' module set (virtio mmio/pci, vsock, virtiofs,
+               virtio-blk, virtio-rng, virtio-balloon, ext4)
                with their dependencies, decompressed, plus a modules.dep the agent loads
                them from in dependency order; e2fsprogs' mke2fs as /sbin/mkfs.ext4
                with its shared libraries and loader (the agent formats a blank session
@@ -168,7 +168,7 @@ mv -f "$output/vmlinuz.tmp" "$output/vmlinuz"
 if [[ -f "$VMLINUX" ]]; then
 	# Kernels cached before fetch-kernel.sh dug holes get theirs now (the content is unchanged,
 	# so a VM reading the file meanwhile sees the same bytes).
-	fallocate --dig-holes "$VMLINUX" 2>/dev/null || true
+	dig_holes "$VMLINUX"
 fi
 if [[ "$output/vmlinux" -ef "$VMLINUX" ]]; then
 	: # already a hard link of the cached kernel (a re-run); mv would refuse the same file

@@ -47,3 +47,9 @@ abs_path() {
 	*) printf '%s/%s\n' "$PWD" "$1" ;;
 	esac
 }
+
+# Turn the zero blocks of file $1 into holes (same content, less to read); a file system that
+# cannot punch holes keeps the file as it is.
+dig_holes() {
+	fallocate --dig-holes "$1" 2>/dev/null || true
+}
