@@ -74,7 +74,8 @@ pub struct Config {
     pub mem_mib: u64,
     /// Number of vCPUs (1..=254).
     pub vcpus: u8,
-    /// How guest memory is backed.
+    /// How guest memory is backed (default: [`Backing::from_env`], huge
+    /// pages unless `COWORK_GUEST_THP=off`).
     pub memory_backing: Backing,
     /// Where COM1 output goes (`None`: discarded).
     pub serial: Option<SerialSink>,
@@ -103,7 +104,7 @@ impl Config {
             cmdline: DEFAULT_CMDLINE.to_string(),
             mem_mib: 256,
             vcpus: 1,
-            memory_backing: Backing::Anonymous,
+            memory_backing: Backing::from_env(),
             serial: None,
             virtio_devices: Vec::new(),
             seccomp: seccomp::Mode::from_env(),
@@ -590,6 +591,7 @@ impl Vm {
             load_us,
             copied_kib = read.copied / 1024,
             holes_kib = read.skipped / 1024,
+            huge_pages = ram.huge_aligned,
             entry = ?loaded.kind,
             vcpus,
             mem_mib,
