@@ -18,7 +18,12 @@
 //!    in-kernel irqchip and PIT), which happens after the guest is done;
 //! 4. RSS: the `vm run` child's peak RSS (wait4) minus that of the same
 //!    binary doing nothing (`VMM_BENCH_CHILD=noop`) = VMM overhead (plus the
-//!    few guest pages the guest touches).
+//!    few guest pages the guest touches);
+//! 5. guest memory backing: the same guest in touch mode (command line "t":
+//!    one write per 4 KiB page of 256 MiB, then reset) with 512 MiB of RAM
+//!    as `Backing::Anonymous` (huge pages advised, aligned) and as
+//!    `Backing::AnonymousBasePages`, config → reset medians: what a guest
+//!    pays for first touching its memory.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -154,4 +159,22 @@ fn main() {
         base.max_rss_kib,
         p.max_rss_kib.saturating_sub(base.max_rss_kib)
     );
+
+    let touch_runs = n.min(10);
+    println!("guest writing one byte per 4 KiB page of 256 MiB, 512 MiB RAM, {touch_runs} runs (config -> reset, medians):");
+    for (name, backing) in [
+        ("huge pages (default)", vmm::memory::Backing::Anonymous),
+        (
+            "base pages          ",
+            vmm::memory::Backing::AnonymousBasePages,
+        ),
+    ] {
+        let r = vmm::bench::in_process_backed(&kernel, "t", 512, 1, backing, touch_runs)
+            .expect("touch bench");
+        println!(
+            "  {name} {:8.3} ms   peak RSS growth {} KiB",
+            ms(r.exit),
+            r.rss_growth_kib
+        );
+    }
 }

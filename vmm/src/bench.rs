@@ -14,6 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::machine::{Config, ExitReason, Vm, VmError};
+use crate::memory::Backing;
 
 /// Errors of the benchmark.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +78,18 @@ pub fn in_process(
     vcpus: u8,
     n: usize,
 ) -> Result<InProcessReport, BenchError> {
+    in_process_backed(kernel, cmdline, mem_mib, vcpus, Backing::from_env(), n)
+}
+
+/// [`in_process`] with guest memory backed as `backing`.
+pub fn in_process_backed(
+    kernel: &Path,
+    cmdline: &str,
+    mem_mib: u64,
+    vcpus: u8,
+    backing: Backing,
+    n: usize,
+) -> Result<InProcessReport, BenchError> {
     if n == 0 {
         return Err(BenchError::NoIterations);
     }
@@ -88,6 +101,7 @@ pub fn in_process(
         c.mem_mib = mem_mib;
         c.vcpus = vcpus;
         c.cmdline = cmdline.to_string();
+        c.memory_backing = backing;
         let mut vm = Vm::build(c)?;
         let reason = vm.run()?;
         if !matches!(reason, ExitReason::Reset | ExitReason::Shutdown) {

@@ -5,6 +5,9 @@
 # It writes boot mark 1 to the boot-timing port, then picks a mode from the
 # FIRST CHARACTER of the kernel command line (boot_params.hdr.cmd_line_ptr):
 #   q  quiet: reset at once (benchmark guest)
+#   t  touch: write one byte in every 4 KiB page from TOUCH_START to
+#      TOUCH_END (256 MiB; the guest needs 288 MiB of RAM), then reset
+#      (memory-backing benchmark: one nested page fault per host page)
 #   s  print the report, then "spinning", then loop forever (host stop test)
 #   h  print the report, then "halting", then cli+hlt forever (host stop test)
 #   p  print the report, then power off via the ACPI sleep control register
@@ -29,6 +32,8 @@ _start:
     movzbl (%r14), %ebx             # mode character
     cmp $'q', %bl
     je reset
+    cmp $'t', %bl
+    je touch
     mov %ebx, %ebp                  # keep the mode in %ebp
 
     lea msg_hello(%rip), %rsi
@@ -140,3 +145,16 @@ msg_cpuid7:  .asciz "cpuid7 ebx="
 msg_done:    .asciz "done\n"
 msg_spin:    .asciz "spinning\n"
 msg_halt:    .asciz "halting\n"
+
+# touch: one write per 4 KiB page of [TOUCH_START, TOUCH_END), then reset.
+    .equ TOUCH_START, 0x2000000     # 32 MiB: above this guest's image and tables
+    .equ TOUCH_END, 0x12000000      # 288 MiB
+touch:
+    mov $TOUCH_START, %rax
+    mov $TOUCH_END, %rcx
+1:
+    movb $1, (%rax)
+    add $4096, %rax
+    cmp %rcx, %rax
+    jb 1b
+    jmp reset
