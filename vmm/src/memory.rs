@@ -179,13 +179,14 @@ pub fn create(mem_mib: u64, backing: Backing) -> Result<GuestRam, MemoryError> {
     })
 }
 
-/// Runs `map` (given the hole's address; 0 when there is none), which maps `len` bytes wherever the kernel puts them, while
-/// the address space has a free hole of exactly `len` bytes at a
-/// [`HUGE_PAGE`]-aligned address: the kernel places a mapping in the
-/// highest free gap that fits, which is that hole unless a gap above it
-/// fits too (or another thread maps into it first; see the module doc).
-/// The hole is cut from a `PROT_NONE` reservation `HUGE_PAGE` larger than
-/// `len`, whose two leftover ends are unmapped after `map` ran.
+/// Runs `map` (given the hole's address; 0 when there is none), which
+/// maps `len` bytes wherever the kernel puts them, while the address space
+/// has a free hole of exactly `len` bytes at a [`HUGE_PAGE`]-aligned
+/// address: the kernel places a mapping in the highest free gap that fits,
+/// which is that hole unless a gap above it fits too (or another thread
+/// maps into it first; see the module doc). The hole is cut from a
+/// `PROT_NONE` reservation `HUGE_PAGE` larger than `len`, whose two
+/// leftover ends are unmapped after `map` ran.
 fn with_aligned_hole<T>(len: usize, map: impl FnOnce(usize) -> T) -> T {
     let Some(total) = len.checked_add(HUGE_PAGE) else {
         return map(0);
@@ -332,20 +333,18 @@ mod tests {
     #[test]
     fn the_hole_is_aligned_free_and_fenced_while_mapping() {
         let len = 8 * HUGE_PAGE;
-        let (hole, addr) = with_aligned_hole(len, |hole| {
+        let map = with_aligned_hole(len, |hole| -> MmapRegion {
             assert_eq!(hole % HUGE_PAGE, 0);
             assert!(hole != 0 && !mapped(hole) && !mapped(hole + len - 4096));
             // The reservation's rest fences the hole on at least one side.
             assert!(mapped(hole - 4096) || mapped(hole + len));
-            let map: MmapRegion = MmapRegion::new(len).unwrap();
-            (hole, map)
+            MmapRegion::new(len).unwrap()
         });
         // Usually exactly the hole (not asserted: other test threads map
         // too); the mapping is whole and owned either way.
-        let at = addr.as_ptr() as usize;
+        let at = map.as_ptr() as usize;
         assert!(mapped(at) && mapped(at + len - 4096));
-        let _ = hole;
-        drop(addr);
+        drop(map);
         assert!(!mapped(at));
     }
 }

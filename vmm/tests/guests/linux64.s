@@ -132,6 +132,19 @@ poweroff:
 triple:
     ud2
 
+# touch: one write per 4 KiB page of [TOUCH_START, TOUCH_END), then reset.
+    .equ TOUCH_START, 0x2000000     # 32 MiB: above this guest's image and tables
+    .equ TOUCH_END, 0x12000000      # 288 MiB
+touch:
+    mov $TOUCH_START, %rax
+    mov $TOUCH_END, %rcx
+1:
+    movb $1, (%rax)
+    add $4096, %rax
+    cmp %rcx, %rax
+    jb 1b
+    jmp reset
+
     .include "serial64.inc"
 
     .section .rodata
@@ -146,15 +159,3 @@ msg_done:    .asciz "done\n"
 msg_spin:    .asciz "spinning\n"
 msg_halt:    .asciz "halting\n"
 
-# touch: one write per 4 KiB page of [TOUCH_START, TOUCH_END), then reset.
-    .equ TOUCH_START, 0x2000000     # 32 MiB: above this guest's image and tables
-    .equ TOUCH_END, 0x12000000      # 288 MiB
-touch:
-    mov $TOUCH_START, %rax
-    mov $TOUCH_END, %rcx
-1:
-    movb $1, (%rax)
-    add $4096, %rax
-    cmp %rcx, %rax
-    jb 1b
-    jmp reset
