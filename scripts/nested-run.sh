@@ -22,7 +22,8 @@ are printed on stdout, and this script exits with the command's exit status.
 
 Harness failures exit 125 (timeout: 124) with a message on stderr; use --result to tell them
 apart from a command that exits 124/125 itself. --result's status is one of ok (rc= holds the
-command's exit status), timeout, l1-panic (the L1 kernel crashed; worth one retry) or error.
+command's exit status), timeout, l1-panic (the L1 kernel crashed or locked up: L1 boots with
+softlockup_panic=1; worth one retry) or error.
 
 Options:
   -c CMD             run CMD with 'bash -c' instead of an argument vector
@@ -316,6 +317,13 @@ done
 [[ -S "$sock" ]] || harness_fail error "virtiofsd did not start: $(tail -n 5 "$job/virtiofsd.log")"
 
 # --- QEMU ----------------------------------------------------------------------------------
+# An L1 CPU stuck in the kernel never comes back under TCG's SVM emulation (seen: a VMM
+# thread spinning 650 s until the whole-run timeout). softlockup_panic turns the first
+# soft-lockup report into an L1 panic, which ends the run at once as l1-panic (retried by the
+# tests) and, since panic() raises the console level, prints the stuck CPU's backtrace.
+# watchdog_thresh=20 reports after 40 s in the kernel, twice the default, to leave room for
+# slow but legitimate paths at TCG speed.
+l1_watchdog="softlockup_panic=1 watchdog_thresh=20"
 # shellcheck disable=SC2054 # the commas belong to QEMU option values
 qemu_cmd=(
 	"$qemu_path" -accel "$accel" -cpu EPYC,+svm -smp "$smp" -m "$mem" -M pc
@@ -323,7 +331,7 @@ qemu_cmd=(
 	-object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem
 	-chardev "socket,id=vfs,path=$sock" -device vhost-user-fs-pci,chardev=vfs,tag=hostroot
 	-kernel "$kernel" -initrd "$initrd"
-	-append "console=ttyS0 quiet panic=-1 $extra_append nested.job=$job nested.token=$token"
+	-append "console=ttyS0 quiet panic=-1 $l1_watchdog $extra_append nested.job=$job nested.token=$token"
 	"${extra_qemu_args[@]}"
 )
 # timeout passes the TERM it gets at this script's death on to QEMU; QEMU gets KILL should
@@ -422,7 +430,7 @@ if ((qemu_status == 124 || qemu_status == 137)); then
 fi
 show_boot_tail
 if ((l1_panic)); then
-	harness_fail l1-panic "the L1 guest kernel panicked (QEMU $(qemu_version) TCG's SVM emulation has shown rare crashes of L1 while it runs an L2 guest); the command did not finish"
+	harness_fail l1-panic "the L1 guest kernel panicked or locked up (QEMU $(qemu_version) TCG's SVM emulation has shown rare crashes and soft lockups of L1 while it runs an L2 guest); the command did not finish"
 fi
 if [[ -n "$guest_error" ]]; then
 	harness_fail error "L1 guest: $guest_error"

@@ -249,7 +249,8 @@ pub enum NestedError {
         stdout: String,
         harness_log: String,
     },
-    /// The L1 guest kernel panicked before the command finished (after the retries).
+    /// The L1 guest kernel panicked (a soft lockup panics it too) before the
+    /// command finished (after the retries).
     L1Panic {
         stdout: String,
         harness_log: String,
@@ -276,7 +277,7 @@ impl fmt::Display for NestedError {
                 stdout,
                 harness_log,
             } => {
-                write!(f, "the L1 guest kernel panicked\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
+                write!(f, "the L1 guest kernel panicked or locked up\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
             }
             NestedError::Harness {
                 message,
@@ -343,7 +344,7 @@ pub fn run_in_nested_kvm_with(
             Err(NestedError::L1Panic { .. }) if attempt < opts.retries_on_l1_panic => {
                 attempt += 1;
                 eprintln!(
-                    "nested harness: the L1 kernel panicked; retrying ({attempt}/{})",
+                    "nested harness: the L1 kernel panicked or locked up; retrying ({attempt}/{})",
                     opts.retries_on_l1_panic
                 );
             }
