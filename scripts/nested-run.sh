@@ -23,12 +23,15 @@ are printed on stdout, and this script exits with the command's exit status.
 Harness failures exit 125 (timeout: 124) with a message on stderr; use --result to tell them
 apart from a command that exits 124/125 itself. --result's status is one of ok (rc= holds the
 command's exit status), timeout, l1-panic (the L1 kernel crashed or locked up: L1 boots with
-softlockup_panic=1; worth one retry) or error.
+softlockup_panic=1), l1-hang (L1 stopped running: no heartbeat for --hang-after seconds) or
+error; the two L1 failures are worth one retry.
 
 Options:
   -c CMD             run CMD with 'bash -c' instead of an argument vector
   --check            only check the prerequisites and report what is missing
   --timeout SECS     whole-run limit, boot included (default: 600)
+  --hang-after SECS  end the run as l1-hang when L1's heartbeat (a file the job touches every
+                     5 s) is older than this while the command runs (default: 90; 0: never)
   --mem MIB          L1 memory (default: 2048)
   --smp N            L1 vCPUs (default: 2)
   --cwd DIR          working directory of the command (default: the current one)
@@ -46,6 +49,8 @@ Options:
                      each VM boot re-read its kernel, initrd and disk images over L1's
                      emulated virtio. L1 may then see a file the host changes while L1 runs
                      stale; nested commands must not depend on that)
+  --no-kvm-hold      do not hold an empty VM in L1 during the command (held by default, so
+                     KVM never turns SVM off and on across L1's CPUs between the command's VMs)
   --qemu-arg ARG     extra argument for the L1 QEMU; repeatable
   --append STR       extra L1 kernel command-line arguments
   --log FILE         write the whole L1 console log to FILE
@@ -66,6 +71,7 @@ USAGE
 }
 
 timeout_s=600
+hang_s=90
 mem=2048
 smp=2
 cwd="$PWD"
@@ -83,6 +89,7 @@ resultfile=""
 use_lock=1
 verbose=0
 quiet=0
+hold_kvm=1
 check_only=0
 shell_cmd=""
 argv=()
@@ -91,6 +98,10 @@ while (($#)); do
 	-c) shell_cmd="${2:?-c needs a command}"; shift 2 ;;
 	--check) check_only=1; shift ;;
 	--timeout) timeout_s="${2:?}"; shift 2 ;;
+	--hang-after)
+		hang_s="${2:?}"
+		[[ "$hang_s" =~ ^[0-9]+$ ]] || die "--hang-after takes whole seconds"
+		shift 2 ;;
 	--mem) mem="${2:?}"; shift 2 ;;
 	--smp) smp="${2:?}"; shift 2 ;;
 	--cwd) cwd="${2:?}"; shift 2 ;;
@@ -110,6 +121,7 @@ while (($#)); do
 	--result) resultfile="$(abs_path "${2:?}")"; shift 2 ;;
 	--no-lock) use_lock=0; shift ;;
 	-v | --verbose) verbose=1; shift ;;
+	--no-kvm-hold) hold_kvm=0; shift ;;
 	-q | --quiet) quiet=1; shift ;;
 	-h | --help) usage; exit 0 ;;
 	--) shift; argv=("$@"); break ;;
@@ -244,6 +256,8 @@ echo "$$" >"$job/owner.pid"
 token="$(od -An -tx1 -N8 /dev/urandom | tr -d ' \n')"
 sock="$job/virtiofs.sock"
 fifo="$job/console"
+alive="$job/alive"
+hb_interval=5
 mkfifo "$fifo"
 
 vfs_pid=""
@@ -285,6 +299,23 @@ trap 'exit 143' TERM
 		fi
 		printf 'export %s=%q\n' "$name" "${kv#*=}"
 	done < <(env -0)
+	if ((hold_kvm)); then
+		# One empty VM for the whole run: KVM turns SVM on across L1's CPUs when its first VM is
+		# created and off when its last one goes, each time with an IPI it waits for on every CPU.
+		# Under QEMU TCG's SVM emulation an L1 CPU now and then stops answering IPIs after running
+		# an L2 guest, and the VMM thread closing its VM then spins there for good (soft lockup
+		# in kvm_destroy_vm -> on_each_cpu_cond_mask). With a VM held, a test's VMs never take
+		# that path. The holder (perl-base is Essential on Debian) creates the VM before it forks
+		# into the background, so the command's first VM already finds SVM on.
+		printf '%s\n' "perl -e 'open(my \$k, \"+<\", \"/dev/kvm\") or exit 1; defined(ioctl(\$k, 0xAE01, 0)) or exit 2; exit 0 if fork; sleep' </dev/null >/dev/null 2>&1 || echo 'nested-run: warning: could not hold a KVM VM' >&2"
+	fi
+	if ((hang_s > 0)); then
+		# L1's heartbeat: a file on the share the host watches while the command runs. Both of
+		# L1's CPUs have been seen to stop for good (QEMU busy, no console output, no soft-lockup
+		# report: interrupts off, or an L2 guest L1 never gets back from); the run then ends as
+		# l1-hang after --hang-after seconds instead of at the whole-run timeout.
+		printf '( while :; do echo "$SECONDS" >%q; sleep %d; done ) </dev/null >/dev/null 2>&1 &\n' "$alive" "$hb_interval"
+	fi
 	printf 'export COWORK_NESTED_INSIDE=1\n'
 	printf 'export COWORK_GUEST_THP=%q\n' "${COWORK_GUEST_THP:-off}"
 	printf 'cd -- %q || exit 125\n' "$cwd"
@@ -350,11 +381,48 @@ rc=""
 guest_error=""
 guest_ready_uptime=""
 l1_panic=0
+l1_hang=""
 t_ready=""
 t_exit=""
 log="${logfile:-/dev/null}"
 : >"$log"
-while IFS= read -r line || [[ -n "$line" ]]; do
+
+# While the command runs: the age in seconds of L1's heartbeat (the job's writes to $alive;
+# the command's start until the first one).
+heartbeat_age() {
+	local last
+	last="$(stat -c %Y "$alive" 2>/dev/null)" || last="${t_ready%.*}"
+	echo $((EPOCHSECONDS - last))
+}
+next_check=0
+partial=""
+at_eof=0
+exec {console}<"$fifo"
+while ((!at_eof)); do
+	# Wake up every heartbeat interval even when L1 prints nothing; a timed-out read keeps
+	# the part of a line it got.
+	got_line=1
+	if IFS= read -r -t "$hb_interval" -u "$console" chunk; then
+		line="$partial$chunk"
+		partial=""
+	elif (($? > 128)); then
+		partial+="$chunk"
+		got_line=0
+	else
+		at_eof=1
+		line="$partial$chunk"
+		partial=""
+		[[ -n "$line" ]] || got_line=0
+	fi
+	if [[ "$state" == run ]] && ((hang_s > 0 && EPOCHSECONDS >= next_check)) && [[ -z "$l1_hang" ]]; then
+		next_check=$((EPOCHSECONDS + hb_interval))
+		age="$(heartbeat_age)"
+		if ((age > hang_s)); then
+			l1_hang="$age"
+			kill "$qemu_pid" 2>/dev/null || true
+		fi
+	fi
+	((got_line)) || continue
 	line="${line%$'\r'}"
 	printf '%s\n' "$line" >>"$log"
 	# Only counts as the L1 kernel's if no exit marker follows (an L2 guest's panic message
@@ -392,7 +460,8 @@ while IFS= read -r line || [[ -n "$line" ]]; do
 		((verbose)) && printf '%s\n' "$line" >&2
 		;;
 	esac
-done <"$fifo"
+done
+exec {console}<&-
 qemu_status=0
 wait "$qemu_pid" || qemu_status=$?
 qemu_pid=""
@@ -423,6 +492,10 @@ show_boot_tail() {
 if [[ -n "$rc" ]]; then
 	write_result "status=ok" "rc=$rc" "${timings[@]}"
 	exit "$rc"
+fi
+if [[ -n "$l1_hang" ]]; then
+	show_boot_tail
+	harness_fail l1-hang "the L1 guest stopped running while the command ran: its heartbeat was ${l1_hang}s old (limit ${hang_s}s; QEMU $(qemu_version) TCG's SVM emulation has shown rare hangs of both L1 CPUs while they run L2 guests); QEMU was stopped"
 fi
 if ((qemu_status == 124 || qemu_status == 137)); then
 	show_boot_tail

@@ -249,9 +249,14 @@ pub enum NestedError {
         stdout: String,
         harness_log: String,
     },
-    /// The L1 guest kernel panicked (a soft lockup panics it too) before the
-    /// command finished (after the retries).
-    L1Panic {
+    /// The L1 guest died under the command (after the retries): its kernel
+    /// panicked (`l1-panic`; a soft lockup panics it too) or it stopped
+    /// running (`l1-hang`: no heartbeat).
+    L1Died {
+        /// The harness's status, `l1-panic` or `l1-hang`.
+        status: String,
+        /// The harness's message.
+        message: String,
         stdout: String,
         harness_log: String,
     },
@@ -273,11 +278,13 @@ impl fmt::Display for NestedError {
             } => {
                 write!(f, "nested harness timed out\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
             }
-            NestedError::L1Panic {
+            NestedError::L1Died {
+                status,
+                message,
                 stdout,
                 harness_log,
             } => {
-                write!(f, "the L1 guest kernel panicked or locked up\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
+                write!(f, "the L1 guest died ({status}): {message}\n--- output ---\n{stdout}\n--- harness ---\n{harness_log}")
             }
             NestedError::Harness {
                 message,
@@ -298,8 +305,9 @@ impl std::error::Error for NestedError {}
 pub struct NestedOptions {
     /// Whole-run limit, L1 boot included.
     pub timeout: Duration,
-    /// How often to retry when the L1 kernel panics (a rare QEMU TCG SVM emulation fault).
-    pub retries_on_l1_panic: u32,
+    /// How often to retry when the L1 guest dies: its kernel panics or it
+    /// hangs (rare QEMU TCG SVM emulation faults).
+    pub retries_on_l1_death: u32,
     /// L1 memory in MiB (None: the harness default, 2048).
     pub mem_mib: Option<u32>,
     /// L1 vCPUs (None: the harness default, 2).
@@ -312,7 +320,7 @@ impl Default for NestedOptions {
     fn default() -> Self {
         NestedOptions {
             timeout: Duration::from_secs(600),
-            retries_on_l1_panic: 1,
+            retries_on_l1_death: 1,
             mem_mib: None,
             smp: None,
             cwd: None,
@@ -321,8 +329,8 @@ impl Default for NestedOptions {
 }
 
 /// Run `cmd` with `bash -c` inside the nested-KVM guest (in this process's working directory,
-/// with its environment) and return its output and exit status. Retries once if the L1 kernel
-/// panics.
+/// with its environment) and return its output and exit status. Retries once if the L1 guest
+/// dies (a kernel panic or lock-up, or a hang the harness's heartbeat catches).
 pub fn run_in_nested_kvm(cmd: &str, timeout: Duration) -> Result<NestedOutput, NestedError> {
     run_in_nested_kvm_with(
         cmd,
@@ -341,11 +349,11 @@ pub fn run_in_nested_kvm_with(
     let mut attempt = 0;
     loop {
         match run_once(cmd, opts) {
-            Err(NestedError::L1Panic { .. }) if attempt < opts.retries_on_l1_panic => {
+            Err(NestedError::L1Died { status, .. }) if attempt < opts.retries_on_l1_death => {
                 attempt += 1;
                 eprintln!(
-                    "nested harness: the L1 kernel panicked or locked up; retrying ({attempt}/{})",
-                    opts.retries_on_l1_panic
+                    "nested harness: the L1 guest died ({status}); retrying ({attempt}/{})",
+                    opts.retries_on_l1_death
                 );
             }
             other => return other,
@@ -407,7 +415,9 @@ fn run_once(cmd: &str, opts: &NestedOptions) -> Result<NestedOutput, NestedError
             stdout,
             harness_log,
         }),
-        "l1-panic" => Err(NestedError::L1Panic {
+        "l1-panic" | "l1-hang" => Err(NestedError::L1Died {
+            status,
+            message,
             stdout,
             harness_log,
         }),
@@ -536,10 +546,11 @@ pub fn rerun_test(spec: &Rerun<'_>) {
         let started = Instant::now();
         let out = match run_in_nested_kvm(&inner, spec.harness_timeout) {
             Ok(out) => out,
-            // The L1 guest died under the command (a kernel panic, or QEMU
-            // exiting on a silent L1 reset): one more attempt. A timeout
-            // (already long) or an I/O error fails at once.
-            Err(e @ (NestedError::L1Panic { .. } | NestedError::Harness { .. }))
+            // The L1 guest died under the command (a kernel panic or
+            // lock-up, a hang caught by the heartbeat, or QEMU exiting on a
+            // silent L1 reset): one more attempt. A timeout (already long)
+            // or an I/O error fails at once.
+            Err(e @ (NestedError::L1Died { .. } | NestedError::Harness { .. }))
                 if attempt < spec.attempts =>
             {
                 loud_notice(&format!(
