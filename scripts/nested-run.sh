@@ -302,11 +302,13 @@ trap 'exit 143' TERM
 	if ((hold_kvm)); then
 		# One empty VM for the whole run: KVM turns SVM on across L1's CPUs when its first VM is
 		# created and off when its last one goes, each time with an IPI it waits for on every CPU.
-		# Under QEMU TCG's SVM emulation an L1 CPU now and then stops answering IPIs after running
-		# an L2 guest, and the VMM thread closing its VM then spins there for good (soft lockup
-		# in kvm_destroy_vm -> on_each_cpu_cond_mask). With a VM held, a test's VMs never take
-		# that path. The holder (perl-base is Essential on Debian) creates the VM before it forks
-		# into the background, so the command's first VM already finds SVM on.
+		# Under QEMU TCG's SVM emulation an L1 CPU now and then stops answering IPIs (seen after
+		# it ran L2 guests, and once right after SVM was turned on), and the VMM thread closing
+		# its VM then spins there for good (soft lockup in kvm_destroy_vm ->
+		# on_each_cpu_cond_mask). With a VM held, the command's VMs never take that path; other
+		# IPIs still can stall, which softlockup_panic and the heartbeat below catch. The holder
+		# (perl-base is Essential on Debian) creates the VM before it forks into the
+		# background, so the command's first VM already finds SVM on.
 		printf '%s\n' "perl -e 'open(my \$k, \"+<\", \"/dev/kvm\") or exit 1; defined(ioctl(\$k, 0xAE01, 0)) or exit 2; exit 0 if fork; sleep' </dev/null >/dev/null 2>&1 || echo 'nested-run: warning: could not hold a KVM VM' >&2"
 	fi
 	if ((hang_s > 0)); then
