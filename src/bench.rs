@@ -104,18 +104,7 @@ pub(crate) struct Helper {
 
 impl Drop for Helper {
     fn drop(&mut self) {
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
         if self.keep {
             eprintln!("bench: helper log kept at {}", self.log.display());
         } else {
@@ -125,10 +114,38 @@ impl Drop for Helper {
 }
 
 impl Helper {
+    /// Stops the helper (SIGTERM, SIGKILL after 5 s) and waits for it, so
+    /// its log is complete; stopping a stopped helper does nothing.
+    pub(crate) fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        // SAFETY: kill(2) on our own child, which try_wait says is not yet
+        // reaped, so its pid is not reused.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The last 20 lines of the helper's log.
     pub(crate) fn log_tail(&self) -> String {
+        self.log_tail_lines(20)
+    }
+
+    /// The last `n` lines of the helper's log.
+    pub(crate) fn log_tail_lines(&self, n: usize) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 }
 
@@ -732,5 +749,61 @@ fn print_table(opts: &Opts, rows: &[Row]) {
             pad(&r.target, w2),
             r.verdict
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A helper stand-in: `sleep 30` as the child and a three-line log.
+    fn sleeper(dir: &std::path::Path, keep: bool) -> Helper {
+        let log = dir.join("helper.log");
+        std::fs::write(&log, "one\ntwo\nthree\n").expect("write the log");
+        Helper {
+            child: Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .expect("spawn sleep"),
+            dir: dir.to_path_buf(),
+            socket: dir.join("helper.sock"),
+            log,
+            keep,
+        }
+    }
+
+    #[test]
+    fn stop_ends_the_helper_once_and_keeps_its_log_readable() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let mut h = sleeper(tmp.path(), true);
+        let began = Instant::now();
+        h.stop();
+        assert!(
+            began.elapsed() < Duration::from_secs(4),
+            "SIGTERM should end sleep at once, took {:?}",
+            began.elapsed()
+        );
+        assert!(
+            matches!(h.child.try_wait(), Ok(Some(_))),
+            "the child was reaped"
+        );
+        h.stop(); // a second stop is a no-op
+        assert_eq!(h.log_tail_lines(2), "two\nthree");
+        assert_eq!(h.log_tail_lines(10), "one\ntwo\nthree");
+        assert_eq!(h.log_tail(), "one\ntwo\nthree");
+        drop(h);
+        assert!(
+            tmp.path().join("helper.log").exists(),
+            "keep leaves the log"
+        );
+    }
+
+    #[test]
+    fn drop_without_keep_removes_the_directory() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("h");
+        std::fs::create_dir(&dir).expect("mkdir");
+        drop(sleeper(&dir, false));
+        assert!(!dir.exists());
     }
 }

@@ -42,6 +42,9 @@ use report::{BackendRuns, Report};
 /// [`log`] reads (the guest console, at debug, is left out; `--helper-log
 /// debug --keep-logs` keeps it for a closer look).
 pub const HELPER_LOG_FILTER: &str = "info";
+/// Helper log lines a failed boot's error quotes (the helper stopped, so
+/// they reach past its shutdown to how the VM ended).
+const FAILED_BOOT_LOG_LINES: usize = 40;
 /// Profile the benchmark configures.
 const PROFILE: &str = "bench-boot";
 /// Session name of the first spawn.
@@ -353,7 +356,7 @@ async fn one_boot(
         "--userland",
         opts.userland.as_str(),
     ];
-    let helper = launch_helper(&HelperSpec {
+    let mut helper = launch_helper(&HelperSpec {
         exe: opts.helper.as_deref(),
         args: &args,
         log_filter: &opts.helper_log,
@@ -380,7 +383,15 @@ async fn one_boot(
             spawn_exit_ms: Some(spawn_exit_ms),
             events: log::HelperLog(&text).parse(),
         }),
-        (Err(e), _) => Err(format!("{e}\nhelper log tail:\n{}", helper.log_tail())),
+        (Err(e), _) => {
+            // Stopped first, so the tail has how its VM ended (a guest that
+            // died under the spawn shows only as a closed link until then).
+            helper.stop();
+            Err(format!(
+                "{e}\nhelper log tail (after stopping it):\n{}",
+                helper.log_tail_lines(FAILED_BOOT_LOG_LINES)
+            ))
+        }
         (_, Err(e)) => Err(e.to_string()),
     }
 }
