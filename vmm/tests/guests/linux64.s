@@ -158,4 +158,3 @@ msg_cpuid7:  .asciz "cpuid7 ebx="
 msg_done:    .asciz "done\n"
 msg_spin:    .asciz "spinning\n"
 msg_halt:    .asciz "halting\n"
-
