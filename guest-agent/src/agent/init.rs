@@ -342,12 +342,17 @@ pub struct MachineInit {
 /// kernel modules, clock, loopback, the session userland and session disk
 /// ([`userland::boot`]), the session share. Each step logs its own outcome;
 /// none stops the others.
+///
+/// The modules load in the background ([`modules::start_all`]) while the
+/// rest goes on: the userland waits only for the modules it needs
+/// ([`userland::MODULES`]), so mounting the image and the session disk
+/// overlaps the other devices' probes (vsock, virtio-fs, balloon, rng);
+/// everything is loaded before the share is mounted and the agent dials.
 pub fn run_machine_init() -> MachineInit {
     let mut steps = StepTimes::start();
     run_early_init();
     steps.lap("mounts");
-    modules::load_all();
-    steps.lap("modules");
+    let modules = modules::start_all();
     clock::set_clock();
     match loopback_up() {
         Ok(()) => tracing::debug!("loopback up"),
@@ -362,8 +367,12 @@ pub fn run_machine_init() -> MachineInit {
         ),
     }
     steps.lap("clock_net");
+    modules.wait_for(userland::MODULES);
+    steps.lap("userland_modules");
     let booted = userland::boot();
     steps.lap("userland");
+    modules.finish();
+    steps.lap("modules");
     let mut private_paths = booted.private_paths;
     private_paths.extend(mount_share());
     steps.lap("share");

@@ -20,6 +20,12 @@
 //! the remaining modules are still tried (a missing device is not fatal to
 //! the agent, the host sees what is missing in the console log).
 //!
+//! As the VM's init the agent loads them in the background
+//! ([`start_all`]: the plan is read and every file opened first, so the
+//! root may be switched away from the initramfs while they load) and waits
+//! only for what its next step needs ([`ModuleLoads::wait_for`]), then for
+//! the rest ([`ModuleLoads::finish`]).
+//!
 //! Modules the kernel's command line names in `module_blacklist=` (which
 //! the kernel would refuse) are not tried: the kvm backend lists the PCI
 //! transport there, since its machine has no PCI bus ([`blacklist_of`]).
@@ -32,8 +38,9 @@
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 
 use crate::sys;
 
@@ -210,6 +217,18 @@ pub fn run_plan<T: Send>(
     max: usize,
     load: impl Fn(usize) -> T + Sync,
 ) -> Vec<(usize, std::thread::Result<T>)> {
+    run_plan_observed(deps, max, load, |_| {})
+}
+
+/// [`run_plan`], calling `done(i)` on the calling thread as each load `i`
+/// returns (in completion order, before any load that waited for it
+/// starts).
+pub fn run_plan_observed<T: Send>(
+    deps: &[Vec<usize>],
+    max: usize,
+    load: impl Fn(usize) -> T + Sync,
+    mut done: impl FnMut(usize),
+) -> Vec<(usize, std::thread::Result<T>)> {
     let n = deps.len();
     let mut waiting_on = vec![0usize; n];
     let mut dependents = vec![Vec::new(); n];
@@ -253,6 +272,7 @@ pub fn run_plan<T: Send>(
             }
             let Ok((i, out)) = rx.recv() else { break };
             running -= 1;
+            done(i);
             for &j in &dependents[i] {
                 waiting_on[j] -= 1;
                 if waiting_on[j] == 0 {
@@ -317,11 +337,12 @@ fn planned(tree: &Path) -> Result<(Vec<PathBuf>, Vec<Vec<usize>>), ModulesError>
     Ok((paths, plan.deps))
 }
 
-/// Loads one module and logs (debug) how long the kernel took.
-fn outcome(path: &Path) -> LoadOutcome {
+/// Loads one module from its open file and logs (debug) how long the
+/// kernel took.
+fn outcome(path: &Path, file: Result<OwnedFd, ModulesError>) -> LoadOutcome {
     let started = std::time::Instant::now();
     let name = module_name(&path.to_string_lossy()).to_string();
-    let result = load_module(path);
+    let result = file.and_then(|fd| load_module_file(path, &fd));
     tracing::debug!(
         module = %name,
         ms = started.elapsed().as_secs_f64() * 1e3,
@@ -339,41 +360,135 @@ fn outcome(path: &Path) -> LoadOutcome {
 /// most [`MAX_PARALLEL_LOADS`] threads); one outcome per module, in
 /// completion order.
 pub fn load_tree(tree: &Path, skip: &[String]) -> Result<Vec<LoadOutcome>, ModulesError> {
-    let (paths, deps) = planned(tree)?;
-    let outcomes = run_plan(&deps, MAX_PARALLEL_LOADS, |i| {
-        let name = module_name(&paths[i].to_string_lossy()).replace('-', "_");
-        if skip.contains(&name) {
-            LoadOutcome::Skipped(name)
-        } else {
-            outcome(&paths[i])
-        }
-    });
-    Ok(outcomes
-        .into_iter()
-        .map(|(i, out)| {
-            out.unwrap_or_else(|_| {
-                LoadOutcome::Failed(ModulesError::Load {
-                    path: paths[i].clone(),
-                    source: io::Error::other("the loading thread panicked"),
-                })
-            })
-        })
-        .collect())
+    let plan = OpenPlan::read(tree, skip, &[])?;
+    Ok(plan.load(|_| {}))
 }
 
-/// Loads one plain `.ko` with `finit_module(2)`. Returns false when the
-/// kernel already has it (`EEXIST`).
-pub fn load_module(path: &Path) -> Result<bool, ModulesError> {
+/// A tree's plan ([`planned`]) with every module file already open (none
+/// for the skipped ones), so the loads do not depend on the tree's path
+/// staying reachable: PID 1 may switch root while they run ([`start_all`]).
+struct OpenPlan {
+    paths: Vec<PathBuf>,
+    /// [`normalized`] module names, by plan index.
+    names: Vec<String>,
+    deps: Vec<Vec<usize>>,
+    /// Each slot is taken by the one load of its module; `None` for a
+    /// module named in `module_blacklist=`.
+    files: Vec<Mutex<Option<Result<OwnedFd, ModulesError>>>>,
+}
+
+impl OpenPlan {
+    /// The plan of `tree` without the modules in `skip`; the modules named
+    /// in `first` and their dependencies load before any other
+    /// ([`first_then_rest`]).
+    fn read(tree: &Path, skip: &[String], first: &[&str]) -> Result<OpenPlan, ModulesError> {
+        let (paths, mut deps) = planned(tree)?;
+        let names: Vec<String> = paths
+            .iter()
+            .map(|p| normalized(module_name(&p.to_string_lossy())))
+            .collect();
+        first_then_rest(&names, &mut deps, first);
+        let files = paths
+            .iter()
+            .zip(&names)
+            .map(|(p, name)| Mutex::new((!skip.contains(name)).then(|| open_module(p))))
+            .collect();
+        Ok(OpenPlan {
+            paths,
+            names,
+            deps,
+            files,
+        })
+    }
+
+    /// Runs every load ([`run_plan_observed`]), calling `done` with each
+    /// module's name as its load returns.
+    fn load(&self, mut done: impl FnMut(&str)) -> Vec<LoadOutcome> {
+        let outcomes = run_plan_observed(
+            &self.deps,
+            MAX_PARALLEL_LOADS,
+            |i| match self.files[i].lock().ok().and_then(|mut f| f.take()) {
+                Some(file) => outcome(&self.paths[i], file),
+                None => LoadOutcome::Skipped(self.names[i].clone()),
+            },
+            |i| done(&self.names[i]),
+        );
+        outcomes
+            .into_iter()
+            .map(|(i, out)| {
+                out.unwrap_or_else(|_| {
+                    LoadOutcome::Failed(ModulesError::Load {
+                        path: self.paths[i].clone(),
+                        source: io::Error::other("the loading thread panicked"),
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// Makes every module outside `first` (and outside what those depend on)
+/// wait for all of them: with `first` the userland's modules
+/// ([`crate::agent::userland::MODULES`]), the virtio transport's load then
+/// probes only the block devices (the only driver registered by then), and
+/// the other devices (vsock, virtio-fs, balloon, rng) are probed when their
+/// own drivers load, after the transport, while PID 1 already mounts the
+/// disks. Without it whichever drivers happened to be in when the transport
+/// loaded were probed inside its load, which the userland waits for.
+/// `names[i]` is module `i`'s [`normalized`] name, `deps` as
+/// [`LoadPlan::deps`]; adds no cycle, since the first group depends on
+/// nothing outside itself.
+fn first_then_rest(names: &[String], deps: &mut [Vec<usize>], first: &[&str]) {
+    let first: Vec<String> = first.iter().map(|n| normalized(n)).collect();
+    let mut group: Vec<usize> = (0..names.len())
+        .filter(|&i| first.contains(&names[i]))
+        .collect();
+    let mut k = 0;
+    while k < group.len() {
+        for &d in &deps[group[k]] {
+            if d < names.len() && !group.contains(&d) {
+                group.push(d);
+            }
+        }
+        k += 1;
+    }
+    for (i, ds) in deps.iter_mut().enumerate() {
+        if !group.contains(&i) {
+            for &g in &group {
+                if !ds.contains(&g) {
+                    ds.push(g);
+                }
+            }
+        }
+    }
+}
+
+/// A module's name as the kernel compares it (`-` spelled `_`).
+fn normalized(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// Opens a plain `.ko` for [`load_module_file`]; a compressed one is refused.
+fn open_module(path: &Path) -> Result<OwnedFd, ModulesError> {
     if !path.to_string_lossy().ends_with(".ko") {
         return Err(ModulesError::Compressed {
             path: path.to_path_buf(),
         });
     }
-    let load = |source| ModulesError::Load {
+    sys::open(path, libc::O_RDONLY | libc::O_CLOEXEC).map_err(|source| ModulesError::Load {
         path: path.to_path_buf(),
         source,
-    };
-    let file = sys::open(path, libc::O_RDONLY | libc::O_CLOEXEC).map_err(load)?;
+    })
+}
+
+/// Loads one plain `.ko` with `finit_module(2)`. Returns false when the
+/// kernel already has it (`EEXIST`).
+pub fn load_module(path: &Path) -> Result<bool, ModulesError> {
+    load_module_file(path, &open_module(path)?)
+}
+
+/// `finit_module(2)` on the open module file `file` (named `path` in errors).
+fn load_module_file(path: &Path, file: &OwnedFd) -> Result<bool, ModulesError> {
     let params: &CStr = c"";
     // SAFETY: finit_module with an open descriptor, a NUL-terminated empty
     // parameter string and no flags.
@@ -392,7 +507,10 @@ pub fn load_module(path: &Path) -> Result<bool, ModulesError> {
     if e.raw_os_error() == Some(libc::EEXIST) {
         Ok(false)
     } else {
-        Err(load(e))
+        Err(ModulesError::Load {
+            path: path.to_path_buf(),
+            source: e,
+        })
     }
 }
 
@@ -401,44 +519,185 @@ pub fn running_tree() -> PathBuf {
     Path::new(MODULES_ROOT).join(sys::kernel_release())
 }
 
-/// Loads the running kernel's modules and logs one line per module. A tree
-/// without `modules.dep` means an image without modules: nothing to do.
-pub fn load_all() {
+/// The running kernel's modules loading on a thread of their own
+/// ([`start_all`]), so PID 1 can go on with whatever needs only some of them
+/// ([`ModuleLoads::wait_for`]) and collect the rest later
+/// ([`ModuleLoads::finish`]).
+pub struct ModuleLoads {
+    progress: Arc<Progress>,
+    /// The loading thread; `None` when there was nothing to load in the
+    /// background (no tree, or the thread could not be started and the
+    /// loads ran in [`start_all`]).
+    thread: Option<std::thread::JoinHandle<Vec<LoadOutcome>>>,
+    /// Outcomes of loads that ran in [`start_all`] itself.
+    outcomes: Vec<LoadOutcome>,
+    started: std::time::Instant,
+}
+
+/// Which modules have not finished loading yet ([`normalized`] names).
+struct Progress {
+    pending: Mutex<Vec<String>>,
+    changed: Condvar,
+}
+
+impl Progress {
+    fn finished(&self, name: &str) {
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.retain(|p| p != name);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Nothing is pending any more (also when the loading thread ends
+    /// without reporting every module, so no waiter waits forever).
+    fn clear(&self) {
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.clear();
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// Clears [`Progress`] when the loading thread ends, however it ends.
+struct ClearOnExit(Arc<Progress>);
+
+impl Drop for ClearOnExit {
+    fn drop(&mut self) {
+        self.0.clear();
+    }
+}
+
+/// Starts loading the running kernel's modules ([`load_tree`]'s order and
+/// parallelism, `module_blacklist=` honoured) on a thread of its own
+/// ([`start_tree`]). A tree without `modules.dep` means an image without
+/// modules: nothing to do.
+pub fn start_all() -> ModuleLoads {
     let tree = running_tree();
     if !tree.join(MODULES_DEP).exists() {
         tracing::info!(tree = %tree.display(), "no modules.dep; no kernel modules to load");
-        return;
+        return ModuleLoads::nothing();
     }
     let skip = blacklist_of(&std::fs::read_to_string(PROC_CMDLINE).unwrap_or_default());
-    let outcomes = match load_tree(&tree, &skip) {
-        Ok(o) => o,
+    start_tree(&tree, &skip, crate::agent::userland::MODULES)
+}
+
+/// Reads `tree`'s plan (the modules in `first` and their dependencies
+/// before all others, [`first_then_rest`]) and opens every module file on
+/// this thread, then loads them on a thread of its own; once this returns, the tree's path
+/// is no longer needed. When the thread cannot be started the modules are
+/// loaded here, before this returns.
+pub fn start_tree(tree: &Path, skip: &[String], first: &[&str]) -> ModuleLoads {
+    let mut loads = ModuleLoads::nothing();
+    let plan = match OpenPlan::read(tree, skip, first) {
+        Ok(plan) => plan,
         Err(e) => {
             tracing::error!(error = %e, "kernel modules not loaded");
-            return;
+            return loads;
         }
     };
-    let (mut loaded, mut present, mut skipped, mut failed) = (0, 0, 0, 0);
-    for o in outcomes {
-        match o {
-            LoadOutcome::Loaded(name) => {
-                loaded += 1;
-                tracing::debug!(module = %name, "module loaded")
-            }
-            LoadOutcome::AlreadyPresent(name) => {
-                present += 1;
-                tracing::debug!(module = %name, "module already present")
-            }
-            LoadOutcome::Skipped(name) => {
-                skipped += 1;
-                tracing::debug!(module = %name, "module blacklisted on the kernel command line; not loaded")
-            }
-            LoadOutcome::Failed(e) => {
-                failed += 1;
-                tracing::warn!(error = %e, "module not loaded")
-            }
+    if let Ok(mut pending) = loads.progress.pending.lock() {
+        pending.clone_from(&plan.names);
+    }
+    let plan = Arc::new(plan);
+    let (for_thread, progress) = (plan.clone(), loads.progress.clone());
+    let spawned = std::thread::Builder::new()
+        .name("modules".into())
+        .spawn(move || {
+            let _clear = ClearOnExit(progress.clone());
+            for_thread.load(|name| progress.finished(name))
+        });
+    match spawned {
+        Ok(handle) => loads.thread = Some(handle),
+        Err(e) => {
+            tracing::debug!(error = %e, "no thread for the module loads; loading them first");
+            loads.outcomes = plan.load(|_| {});
+            loads.progress.clear();
         }
     }
-    tracing::info!(loaded, present, skipped, failed, "kernel modules loaded");
+    loads
+}
+
+impl ModuleLoads {
+    /// Loads with nothing to load.
+    fn nothing() -> ModuleLoads {
+        ModuleLoads {
+            progress: Arc::new(Progress {
+                pending: Mutex::new(Vec::new()),
+                changed: Condvar::new(),
+            }),
+            thread: None,
+            outcomes: Vec::new(),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// Waits until every module of `names` that is being loaded has
+    /// finished (loaded, failed or skipped); names not in the tree (built
+    /// in, or not shipped) are not waited for.
+    pub fn wait_for(&self, names: &[&str]) {
+        let wanted: Vec<String> = names.iter().map(|n| normalized(n)).collect();
+        let Ok(mut pending) = self.progress.pending.lock() else {
+            return;
+        };
+        while pending.iter().any(|p| wanted.contains(p)) {
+            pending = match self.progress.changed.wait(pending) {
+                Ok(p) => p,
+                Err(_) => return,
+            };
+        }
+    }
+
+    /// Waits for every load and logs one line for all of them (each module
+    /// at debug level, a warning per failure). Returns every outcome.
+    pub fn finish(self) -> Vec<LoadOutcome> {
+        let mut outcomes = self.outcomes;
+        if let Some(thread) = self.thread {
+            match thread.join() {
+                Ok(o) => outcomes.extend(o),
+                Err(_) => tracing::error!("the module loading thread panicked"),
+            }
+        }
+        if outcomes.is_empty() {
+            return outcomes;
+        }
+        let (mut loaded, mut present, mut skipped, mut failed) = (0, 0, 0, 0);
+        for o in &outcomes {
+            match o {
+                LoadOutcome::Loaded(name) => {
+                    loaded += 1;
+                    tracing::debug!(module = %name, "module loaded")
+                }
+                LoadOutcome::AlreadyPresent(name) => {
+                    present += 1;
+                    tracing::debug!(module = %name, "module already present")
+                }
+                LoadOutcome::Skipped(name) => {
+                    skipped += 1;
+                    tracing::debug!(module = %name, "module blacklisted on the kernel command line; not loaded")
+                }
+                LoadOutcome::Failed(e) => {
+                    failed += 1;
+                    tracing::warn!(error = %e, "module not loaded")
+                }
+            }
+        }
+        let ms = self.started.elapsed().as_millis() as u64;
+        tracing::info!(
+            loaded,
+            present,
+            skipped,
+            failed,
+            ms,
+            "kernel modules loaded"
+        );
+        outcomes
+    }
+
+    /// Modules not finished yet.
+    #[cfg(test)]
+    fn pending(&self) -> Vec<String> {
+        self.progress.pending.lock().unwrap().clone()
+    }
 }
 
 #[cfg(test)]
@@ -680,6 +939,142 @@ mod tests {
         assert_eq!(sorted, ["a", "b", "c", "d"]);
         let pos = |m: &str| paths.iter().position(|p| p == m).unwrap();
         assert!(pos("a") < pos("c") && pos("a") < pos("d"), "{paths:?}");
+    }
+
+    /// A tree of files that are not modules (finit_module fails on each:
+    /// EPERM when not root, ENOEXEC as root), `c` and `d` after `a`.
+    fn fake_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(MODULES_DEP),
+            "c.ko: a.ko\nb-x.ko:\na.ko:\nd.ko: a.ko\n",
+        )
+        .unwrap();
+        for m in ["a", "b-x", "c", "d"] {
+            std::fs::write(dir.path().join(format!("{m}.ko")), b"not a module").unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn background_loads_can_be_waited_for_by_name_and_all_are_reported() {
+        let dir = fake_tree();
+        let loads = start_tree(dir.path(), &blacklist_of("module_blacklist=d"), &[]);
+        // Names are compared as the kernel spells them; a module the tree
+        // does not have is not waited for.
+        loads.wait_for(&["c", "b-x", "built_in_elsewhere"]);
+        let pending = loads.pending();
+        for done in ["a", "b_x", "c"] {
+            assert!(
+                !pending.contains(&done.to_string()),
+                "{done} still pending: {pending:?}"
+            );
+        }
+        let mut names: Vec<String> = loads
+            .finish()
+            .into_iter()
+            .map(|o| match o {
+                LoadOutcome::Failed(ModulesError::Load { path, .. }) => {
+                    module_name(&path.to_string_lossy()).to_string()
+                }
+                LoadOutcome::Skipped(name) => format!("skipped {name}"),
+                other => panic!("a non-module loaded: {other:?}"),
+            })
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a", "b-x", "c", "skipped d"]);
+    }
+
+    #[test]
+    fn the_first_group_and_its_dependencies_load_before_everything_else() {
+        // The guest image's shape: two transports, the block driver and
+        // overlay first; the other drivers after all of them.
+        let text = "virtio_ring.ko:\nvirtio.ko: virtio_ring.ko\n\
+            virtio_mmio.ko: virtio.ko virtio_ring.ko\n\
+            virtio_pci_modern_dev.ko:\n\
+            virtio_pci.ko: virtio_pci_modern_dev.ko virtio.ko virtio_ring.ko\n\
+            virtio_blk.ko: virtio.ko virtio_ring.ko\nvirtio-rng.ko: virtio.ko virtio_ring.ko\n\
+            vsock.ko:\nfuse.ko:\nvirtiofs.ko: fuse.ko virtio.ko virtio_ring.ko\noverlay.ko:\n";
+        let plan = load_plan(&deps(text)).unwrap();
+        let names: Vec<String> = plan
+            .modules
+            .iter()
+            .map(|m| normalized(module_name(m)))
+            .collect();
+        let mut d = plan.deps.clone();
+        first_then_rest(
+            &names,
+            &mut d,
+            &[
+                "virtio_mmio",
+                "virtio_pci",
+                "virtio-blk",
+                "overlay",
+                "absent",
+            ],
+        );
+        let first = [
+            "virtio_ring",
+            "virtio",
+            "virtio_mmio",
+            "virtio_pci_modern_dev",
+            "virtio_pci",
+            "virtio_blk",
+            "overlay",
+        ];
+        let idx = |n: &str| names.iter().position(|m| m == n).unwrap();
+        for (i, name) in names.iter().enumerate() {
+            if first.contains(&name.as_str()) {
+                // Unchanged: only their own dependencies.
+                assert_eq!(d[i], plan.deps[i], "{name}");
+            } else {
+                for f in first {
+                    assert!(d[i].contains(&idx(f)), "{name} does not wait for {f}");
+                }
+            }
+        }
+        // Still runnable: every load happens once, a first-group module
+        // before any other.
+        let order: Vec<usize> = run_plan(&d, 4, |i| i).into_iter().map(|(i, _)| i).collect();
+        assert_eq!(order.len(), names.len());
+        let last_first = order
+            .iter()
+            .rposition(|&i| first.contains(&names[i].as_str()));
+        let first_rest = order
+            .iter()
+            .position(|&i| !first.contains(&names[i].as_str()));
+        assert!(last_first < first_rest, "{order:?}");
+        // No group: the plan is untouched.
+        let mut same = plan.deps.clone();
+        first_then_rest(&names, &mut same, &[]);
+        assert_eq!(same, plan.deps);
+    }
+
+    #[test]
+    fn background_loads_do_not_need_the_tree_once_started() {
+        // PID 1 switches root (and frees the initramfs) while modules load:
+        // every file was opened before start_tree returned.
+        let dir = fake_tree();
+        let loads = start_tree(dir.path(), &[], &[]);
+        drop(dir);
+        let outcomes = loads.finish();
+        assert_eq!(outcomes.len(), 4);
+        for o in outcomes {
+            match o {
+                LoadOutcome::Failed(ModulesError::Load { source, .. }) => {
+                    assert_ne!(source.kind(), io::ErrorKind::NotFound, "{source}")
+                }
+                other => panic!("unexpected outcome {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_tree_that_cannot_be_read_waits_for_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let loads = start_tree(&dir.path().join("missing"), &[], &[]);
+        loads.wait_for(&["virtio_blk"]);
+        assert!(loads.finish().is_empty());
     }
 
     #[test]

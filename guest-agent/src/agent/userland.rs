@@ -61,6 +61,12 @@ use super::sessiondisk;
 use crate::proto::{self, UserlandInfo};
 use crate::sys;
 
+/// Kernel modules [`boot`] needs loaded before it looks for disks: a virtio
+/// transport (whichever the machine has; the other finds nothing) with the
+/// block driver, so the userland and session disks exist, and overlayfs for
+/// the root. ext4 is built into the guest kernel.
+pub const MODULES: &[&str] = &["virtio_mmio", "virtio_pci", "virtio_blk", "overlay"];
+
 /// tmpfs holding the overlay's writable layer ([`UPPER_DIR`], [`WORK_DIR`])
 /// and the read-only image's mount ([`LOWER_DIR`]); hidden from sessions.
 pub const USERLAND_DIR: &str = "/run/cowork/userland";
