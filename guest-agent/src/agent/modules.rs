@@ -435,10 +435,10 @@ impl OpenPlan {
 /// own drivers load, after the transport, while PID 1 already mounts the
 /// disks. Without it whichever drivers happened to be in when the transport
 /// loaded were probed inside its load, which the userland waits for.
-/// `names[i]` is module `i`'s [`normalized`] name, `deps` as
+/// `names[i]` is module `i`'s name as the kernel spells it (`_`), `deps` as
 /// [`LoadPlan::deps`]; adds no cycle, since the first group depends on
 /// nothing outside itself.
-fn first_then_rest(names: &[String], deps: &mut [Vec<usize>], first: &[&str]) {
+pub fn first_then_rest(names: &[String], deps: &mut [Vec<usize>], first: &[&str]) {
     let first: Vec<String> = first.iter().map(|n| normalized(n)).collect();
     let mut group: Vec<usize> = (0..names.len())
         .filter(|&i| first.contains(&names[i]))
