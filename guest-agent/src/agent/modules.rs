@@ -309,7 +309,7 @@ pub fn blacklist_of(cmdline: &str) -> Vec<String> {
         .filter_map(|w| w.strip_prefix(BLACKLIST_PARAM))
         .flat_map(|list| list.split(','))
         .filter(|m| !m.is_empty())
-        .map(|m| m.replace('-', "_"))
+        .map(normalized)
         .collect()
 }
 
@@ -583,9 +583,9 @@ pub fn start_all() -> ModuleLoads {
 
 /// Reads `tree`'s plan (the modules in `first` and their dependencies
 /// before all others, [`first_then_rest`]) and opens every module file on
-/// this thread, then loads them on a thread of its own; once this returns, the tree's path
-/// is no longer needed. When the thread cannot be started the modules are
-/// loaded here, before this returns.
+/// this thread, then loads them on a thread of its own; once this
+/// returns, the tree's path is no longer needed. When the thread cannot be
+/// started the modules are loaded here, before this returns.
 pub fn start_tree(tree: &Path, skip: &[String], first: &[&str]) -> ModuleLoads {
     let mut loads = ModuleLoads::nothing();
     let plan = match OpenPlan::read(tree, skip, first) {
