@@ -25,7 +25,8 @@ Builds, into the output directory:
   vmlinuz      Debian's linux-image-cloud-amd64 kernel (scripts/fetch-kernel.sh)
   vmlinux      the same kernel as an uncompressed ELF (PVH entry), booted by --backend kvm
   initramfs    uncompressed newc cpio (scripts/mkinitramfs.sh): /init = the static guest agent
-               ($AGENT_BIN, without its symbol table), busybox-static with applet links,
+               ($AGENT_BIN, without its symbol table), busybox-static with applet links
+               (but no modprobe: the agent loads the modules itself),
                and mkinitramfs.sh's 'guest' module set (virtio mmio/pci, vsock, virtiofs,
                virtio-blk, virtio-rng, virtio-balloon, ext4)
                with their dependencies, decompressed, plus a modules.dep the agent loads
@@ -157,8 +158,15 @@ done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\
 note "building the initramfs ($KERNEL_VERSION)"
 # Uncompressed: the kernel then only copies the cpio into its rootfs instead of inflating it
 # first (gzip took about a second of a TCG boot; the loaders read ~11 MiB instead of ~4.5).
+# No /sbin/modprobe: the agent loads every module itself (finit_module), and the only callers
+# of the kernel's module autoloader are four crypto lookups of IPv6's segment-routing HMAC
+# set-up (crypto-hmac(sha1), crypto-hmac(sha256) and their -all forms) during inet6_init. Each
+# runs /sbin/modprobe as a usermode helper, which first waits for the initramfs to be unpacked:
+# with busybox's modprobe there the boot thread then waited for four futile modprobe runs as
+# well (~0.12 s of a nested boot); without it the exec fails at once (README "Boot").
 "$SCRIPTS_DIR/mkinitramfs.sh" --output "$output/initramfs" --init "$shipped_agent" \
-	--module-set guest --modules-dir "$MODULES_DIR" --compress none "${mkfs_adds[@]}" ||
+	--module-set guest --modules-dir "$MODULES_DIR" --compress none --omit-applet modprobe \
+	"${mkfs_adds[@]}" ||
 	die "building the initramfs failed (see above)"
 rm -f "$shipped_agent"
 cp -f "$VMLINUZ" "$output/vmlinuz.tmp"

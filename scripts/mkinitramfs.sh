@@ -45,6 +45,7 @@ Options:
   --busybox PATH       static busybox to install as /bin/busybox with applet links
                        (default: /bin/busybox from busybox-static)
   --no-busybox         do not install busybox
+  --omit-applet NAME   leave busybox's link for applet NAME (e.g. modprobe) out; repeatable
   --no-softdeps        do not follow 'softdep=pre:' module hints
   --keep-signatures    keep the modules' appended signatures (by default they are dropped: the
                        kernel would verify each at load time, see strip_signature)
@@ -75,6 +76,8 @@ SIG_MAGIC='~Module signature appended~'
 modules=()
 adds=()
 applets=()
+# Applet names (basenames) whose links are left out: --omit-applet.
+declare -A omit_applet=()
 while (($#)); do
 	case "$1" in
 	--output) output="${2:?--output needs a file}"; shift 2 ;;
@@ -93,6 +96,7 @@ while (($#)); do
 	--add) adds+=("${2:?--add needs SRC:DST}"); shift 2 ;;
 	--busybox) busybox="${2:?--busybox needs a path}"; shift 2 ;;
 	--no-busybox) busybox=""; shift ;;
+	--omit-applet) omit_applet[${2:?--omit-applet needs an applet name}]=1; shift 2 ;;
 	--no-softdeps) softdeps=0; shift ;;
 	--keep-signatures) keep_signatures=1; shift ;;
 	--compress) compress="${2:?--compress needs gzip, zstd or none}"; shift 2 ;;
@@ -325,6 +329,7 @@ newc_entry() { # name mode(octal) rdevmajor rdevminor [data]
 		declare -A seen_applet=()
 		for applet in "${applets[@]}"; do
 			[[ -z "$applet" || "$applet" == bin/busybox || -n "${seen_applet[$applet]:-}" ]] && continue
+			[[ -n "${omit_applet[${applet##*/}]:-}" ]] && continue
 			seen_applet[$applet]=1
 			# Relative link from the applet's directory back to bin/busybox.
 			dir="${applet%/*}"
