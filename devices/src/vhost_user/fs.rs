@@ -55,15 +55,13 @@ use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRE
 use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 use crate::fs::device::{
     serve_chain, FsDeviceStats, MALFORMED_LOG_BUDGET, MAX_REQUEST_QUEUES, QUEUE_SIZE,
 };
 use crate::fs::SessionFs;
-use crate::vhost_user::ThreadFilter;
+use crate::vhost_user::{ExitEvent, ThreadFilter};
 
 /// Guest memory as the vhost-user-backend crate maps it.
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -152,7 +150,7 @@ pub struct VhostUserFsBackend {
     /// Requests whose handler panicked (answered with length 0).
     panics: AtomicU64,
     /// One exit event per worker thread.
-    exits: Vec<(EventConsumer, EventNotifier)>,
+    exits: Vec<ExitEvent>,
     /// Seccomp of the threads serving the frontend.
     filter: ThreadFilter,
 }
@@ -167,7 +165,7 @@ impl VhostUserFsBackend {
         config.check()?;
         let num_queues = usize::from(config.request_queues) + 1;
         let exits = (0..num_queues)
-            .map(|_| new_event_consumer_and_notifier(EventFlag::NONBLOCK))
+            .map(|_| ExitEvent::new())
             .collect::<io::Result<Vec<_>>>()
             .map_err(VhostUserFsError::Setup)?;
         Ok(Self {
@@ -290,8 +288,7 @@ impl VhostUserBackend for VhostUserFsBackend {
     }
 
     fn exit_event(&self, thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        let (c, n) = self.exits.get(thread_index)?;
-        Some((c.try_clone().ok()?, n.try_clone().ok()?))
+        self.exits.get(thread_index)?.for_worker()
     }
 
     fn handle_event(

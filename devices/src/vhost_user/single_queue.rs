@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::ThreadFilter;
+use super::{ExitEvent, ThreadFilter};
 
 use tracing::{info, warn};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -28,9 +28,7 @@ use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm::virtio::config_slice;
 use vmm::virtio::single_queue::QueueModel;
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 /// Guest memory as the vhost-user-backend crate maps it.
 pub(crate) type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -79,21 +77,17 @@ pub enum VhostUserServeError {
 pub(crate) struct SingleQueueBackend<T> {
     model: T,
     mem: Mem,
-    exit_consumer: EventConsumer,
-    exit_notifier: EventNotifier,
+    exit: ExitEvent,
     /// Seccomp of the threads serving the frontend.
     filter: ThreadFilter,
 }
 
 impl<T: VhostQueueModel> SingleQueueBackend<T> {
     fn new(model: T, mem: Mem) -> Result<Self, VhostUserServeError> {
-        let (exit_consumer, exit_notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)
-            .map_err(VhostUserServeError::Setup)?;
         Ok(Self {
             model,
             mem,
-            exit_consumer,
-            exit_notifier,
+            exit: ExitEvent::new().map_err(VhostUserServeError::Setup)?,
             filter: ThreadFilter::default(),
         })
     }
@@ -154,10 +148,7 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        Some((
-            self.exit_consumer.try_clone().ok()?,
-            self.exit_notifier.try_clone().ok()?,
-        ))
+        self.exit.for_worker()
     }
 
     fn handle_event(
@@ -317,5 +308,45 @@ mod tests {
             .contains(VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG));
         // virtio_blk_config starts with the capacity in 512-byte sectors.
         assert_eq!(blk.get_config(0, 8), (2048u64).to_le_bytes().to_vec());
+    }
+
+    /// What [`ExitEvent`]'s `Drop` relies on: vhost-user-backend leaves the
+    /// exit-event consumers it took open after its daemon, handler and
+    /// workers are gone. Should a new version close them itself, this
+    /// fails, and `ExitEvent` must stop closing them (a second close could
+    /// hit another thread's descriptor).
+    #[test]
+    fn the_library_still_leaks_what_exit_event_hands_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let server =
+            SingleQueueServer::bind(&dir.path().join("rng.sock"), RngModel::new()).unwrap();
+        let backend = server.backend.clone();
+        let handed_out = backend.lock().unwrap().exit.handed_out();
+        assert_eq!(handed_out.len(), 1, "one worker thread");
+        let ids: Vec<Option<u64>> = handed_out
+            .iter()
+            .map(|&fd| super::super::eventfd_id(fd))
+            .collect();
+        assert!(
+            ids.iter().all(Option::is_some),
+            "{handed_out:?} are eventfds"
+        );
+        // The daemon, its handler and its worker end; only the test holds
+        // the backend now.
+        drop(server);
+        assert_eq!(Arc::strong_count(&backend), 1);
+        let after: Vec<Option<u64>> = handed_out
+            .iter()
+            .map(|&fd| super::super::eventfd_id(fd))
+            .collect();
+        assert_eq!(
+            after, ids,
+            "vhost-user-backend closed the exit-event consumers itself"
+        );
+        // The backend's drop closes them.
+        drop(backend);
+        for (fd, id) in handed_out.iter().zip(&ids) {
+            assert_ne!(super::super::eventfd_id(*fd), *id, "fd {fd} still open");
+        }
     }
 }

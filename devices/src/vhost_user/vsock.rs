@@ -38,11 +38,9 @@ use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm::virtio::config_slice;
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{
-    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
-};
+use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
-use crate::vhost_user::ThreadFilter;
+use crate::vhost_user::{ExitEvent, ThreadFilter};
 use crate::vsock::device::{NUM_QUEUES, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
 use crate::vsock::{DeviceError, VsockConfig, VsockHost, VsockModel};
 
@@ -112,8 +110,7 @@ pub struct VhostUserVsockBackend {
     model: VsockModel,
     mem: Mem,
     queue_size: u16,
-    exit_consumer: EventConsumer,
-    exit_notifier: EventNotifier,
+    exit: ExitEvent,
     /// Seccomp of the threads serving the frontend.
     filter: ThreadFilter,
 }
@@ -126,14 +123,12 @@ impl VhostUserVsockBackend {
         mem: Mem,
     ) -> Result<Self, VhostUserVsockError> {
         let model = VsockModel::new(config.guest_cid, config.vsock.clone(), host)?;
-        let (exit_consumer, exit_notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)
-            .map_err(VhostUserVsockError::Setup)?;
+        let exit = ExitEvent::new().map_err(VhostUserVsockError::Setup)?;
         Ok(Self {
             model,
             mem,
             queue_size: config.queue_size,
-            exit_consumer,
-            exit_notifier,
+            exit,
             filter: ThreadFilter::default(),
         })
     }
@@ -229,10 +224,7 @@ impl VhostUserBackendMut for VhostUserVsockBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        Some((
-            self.exit_consumer.try_clone().ok()?,
-            self.exit_notifier.try_clone().ok()?,
-        ))
+        self.exit.for_worker()
     }
 
     fn handle_event(

@@ -33,7 +33,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 /// Default time [`VsockHost::connect`] waits for the guest to accept.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -150,7 +150,7 @@ impl VsockHost {
             shared: Arc::new(Shared {
                 targets: Mutex::new(HashMap::new()),
                 requests: Mutex::new(VecDeque::new()),
-                wake: EventFd::new(EFD_NONBLOCK)?,
+                wake: EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC)?,
             }),
         })
     }
