@@ -8,7 +8,10 @@
 //! by a guest process and checked on the host, host-enforced refusals, a
 //! `mountPath` into a running session, a guest `ln -s / x` that stays in
 //! the guest, `installSdk`, release of a deleted session's grants), and
-//! stopVM delivering exit events and leaving no QEMU behind.
+//! stopVM delivering exit events and leaving no QEMU behind. A second
+//! helper boots and stops three times: after each stopVM it holds the same
+//! descriptors as after the first (the vhost-user servers' exit events once
+//! stayed open, six per boot).
 //!
 //! Gate: runs when the guest image exists (`scripts/mkguestimage.sh`, found
 //! the way the helper finds it: `$COWORK_GUEST_IMAGE_DIR`, else
@@ -24,7 +27,7 @@ use std::time::{Duration, Instant};
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
 use support::gate::{qemu_gate, qemu_missing};
-use support::procfs::children_named;
+use support::procfs::{children_named, fd_kinds};
 use support::session::{self, assert_exit_0, read_file, rel, run, sh, wait_stdout};
 use support::session_checks::{self, HostFolders};
 use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
@@ -201,6 +204,86 @@ async fn qemu_backend_end_to_end() {
     drop(sub);
     drop(pipe);
     helper.stop_clean(QEMU_VERBOSE_ENV);
+}
+
+/// Boots in one helper.
+const CYCLES: usize = 3;
+
+/// startVM/stopVM again and again in one helper (as a desktop client does
+/// over a day) leaves no descriptors behind: after each stopVM the helper
+/// holds the same descriptors, kind by kind, as after the first one (which
+/// may have created what the helper keeps for its lifetime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_start_stop_cycles_release_descriptors() {
+    if !prerequisites() {
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let mut helper = VmHelper::start_qemu("cowork-qemu-cycles-", &[]);
+    let (pipe, mut sub) = session::client(
+        &helper,
+        "qemu-cycles",
+        "/tmp/qemu-cycles-profile",
+        START_LIMIT,
+    )
+    .await;
+    let mut after_stop = Vec::new();
+    for cycle in 1..=CYCLES {
+        let what = format!("boot {cycle}");
+        session::start_vm(
+            &pipe,
+            &helper,
+            json!({"memoryGB": 1, "cpuCount": 1}),
+            START_LIMIT,
+            &what,
+        )
+        .await;
+        let out = run(
+            &pipe,
+            &mut sub,
+            sh(&format!("true-{cycle}"), "s1", "true"),
+            T,
+        )
+        .await;
+        assert_exit_0(&what, &out);
+        pipe.call("stopVM", json!({})).await.expect("stopVM");
+        assert!(
+            children_named(helper.pid(), "qemu-system").is_empty(),
+            "{what}: QEMU still running after stopVM"
+        );
+        after_stop.push(settled_fd_kinds(helper.pid()).await);
+        eprintln!(
+            "qemu_cycles: after stop {cycle}: {:?}",
+            after_stop[cycle - 1]
+        );
+    }
+    for (i, kinds) in after_stop.iter().enumerate().skip(1) {
+        assert_eq!(
+            kinds,
+            &after_stop[0],
+            "descriptors after stopVM {} differ from after the first\n{}",
+            i + 1,
+            helper.log_text()
+        );
+    }
+    drop(sub);
+    drop(pipe);
+    helper.stop_clean(QEMU_VERBOSE_ENV);
+}
+
+/// `fd_kinds(pid)` once two readings 300 ms apart agree (threads that end
+/// after stopVM's reply close theirs), at most 10 s.
+async fn settled_fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = fd_kinds(pid);
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = fd_kinds(pid);
+        if now == last || Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
 }
 
 /// Host folders in the guest: `ro` and `rw` mounts at spawn, what the host

@@ -77,3 +77,29 @@ pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
 }
+
+/// Open descriptors of `pid` by kind, counted: the link target with any
+/// inode number dropped (`anon_inode:[eventfd]`, `socket`, `pipe`,
+/// `anon_inode:[eventpoll]`, or the file's path).
+pub fn fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    let mut kinds = std::collections::BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return kinds;
+    };
+    for target in dir
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+    {
+        let t = target.to_string_lossy();
+        let numbered = |n: &str| {
+            n.strip_suffix(']')
+                .is_some_and(|d| d.bytes().all(|b| b.is_ascii_digit()))
+        };
+        let kind = match t.split_once(":[") {
+            Some((k, rest)) if numbered(rest) => k.to_string(),
+            _ => t.into_owned(),
+        };
+        *kinds.entry(kind).or_insert(0) += 1;
+    }
+    kinds
+}
