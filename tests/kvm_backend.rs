@@ -15,7 +15,8 @@
 //! mounts it at `/sessions` on the first boot, a session writes a file and
 //! `getSessionsDiskInfo` lists it; after stopVM (the image unlocked) a
 //! second startVM mounts the disk without formatting it and `readFile`
-//! returns the file.
+//! returns the file; after its stopVM the helper holds the same
+//! descriptors, kind by kind, as after the first.
 //!
 //! Where it runs:
 //! - directly, on hosts whose `/dev/kvm` can boot Linux (vmx/svm, not PVM);
@@ -43,7 +44,9 @@ use cowork_helper::backend::image::{self, GuestImage};
 use cowork_helper::client::Pipe;
 use serde_json::json;
 use support::nested::{self, Mode};
-use support::procfs::{kvm_fds, large_mappings_rss_kib, status_kib, thread_names};
+use support::procfs::{
+    kvm_fds, large_mappings_rss_kib, settled_fd_kinds, status_kib, thread_names,
+};
 use support::session::{self, run};
 use support::session_checks::{self, HostFolders};
 use support::session_disk::{
@@ -413,6 +416,7 @@ async fn body_async() {
     // stopVM: the guest powers off and the VM is gone from the helper.
     let stop_time = stop_vm(&pipe, &helper, &disk, 1, "first boot").await;
     let rss_stopped = status_kib(pid, "VmRSS");
+    let fds_stopped = settled_fd_kinds(pid).await;
 
     // Second boot in the same helper: the agent mounts the disk it
     // formatted (no second format) and the session's file is there.
@@ -449,6 +453,12 @@ async fn body_async() {
         .to_string();
     let stop2_time = stop_vm(&pipe, &helper, &disk, 2, "second boot").await;
     let hwm = status_kib(pid, "VmHWM");
+    // A boot leaves no descriptor behind (by kind: eventfds, sockets, ...).
+    assert_eq!(
+        settled_fd_kinds(pid).await,
+        fds_stopped,
+        "descriptors after the second stopVM differ from after the first"
+    );
 
     drop(sub);
     drop(pipe);

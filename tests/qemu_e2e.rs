@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
 use support::gate::{qemu_gate, qemu_missing};
-use support::procfs::{children_named, fd_kinds};
+use support::procfs::{children_named, settled_fd_kinds};
 use support::session::{self, assert_exit_0, read_file, rel, run, sh, wait_stdout};
 use support::session_checks::{self, HostFolders};
 use support::vm_helper::{self, built_helper, VmHelper, QEMU_VERBOSE_ENV};
@@ -269,21 +269,6 @@ async fn qemu_start_stop_cycles_release_descriptors() {
     drop(sub);
     drop(pipe);
     helper.stop_clean(QEMU_VERBOSE_ENV);
-}
-
-/// `fd_kinds(pid)` once two readings 300 ms apart agree (threads that end
-/// after stopVM's reply close theirs), at most 10 s.
-async fn settled_fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut last = fd_kinds(pid);
-    loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = fd_kinds(pid);
-        if now == last || Instant::now() > deadline {
-            return now;
-        }
-        last = now;
-    }
 }
 
 /// Host folders in the guest: `ro` and `rw` mounts at spawn, what the host

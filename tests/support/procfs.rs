@@ -103,3 +103,18 @@ pub fn fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
     }
     kinds
 }
+
+/// `fd_kinds(pid)` once two readings 300 ms apart agree (threads that end
+/// after stopVM's reply close theirs), at most 10 s.
+pub async fn settled_fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut last = fd_kinds(pid);
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let now = fd_kinds(pid);
+        if now == last || std::time::Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
+}
