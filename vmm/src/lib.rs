@@ -11,7 +11,7 @@
 //!
 //! Module map: [`layout`] (addresses), [`memory`], [`boot`], [`cpuid`],
 //! [`acpi`], [`mptable`], [`devices`], [`bus`], [`vcpu`], [`machine`], [`seccomp`] (per-thread
-//! system call filters),
+//! system call filters), [`threadfs`] (a thread's own umask),
 //! [`virtio`] (transport, separate work).
 
 pub mod acpi;
@@ -30,6 +30,7 @@ pub mod memory;
 pub mod mptable;
 pub mod seccomp;
 pub mod sparse;
+pub mod threadfs;
 pub mod vcpu;
 pub mod virtio;
 

@@ -240,16 +240,35 @@ fn xattr_name_allowed(name: &CStr) -> bool {
     n.starts_with(USER_XATTR_PREFIX) && n.len() > USER_XATTR_PREFIX.len() || ACL_XATTRS.contains(&n)
 }
 
-/// Runs `f` (which may call `PassthroughFs::import`, which sets the process
-/// umask to 0) and restores the helper's umask afterwards, so the rest of
-/// the helper does not start creating world-writable files.
-fn with_umask_restored<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: umask only swaps the process file mode creation mask.
-    let old = unsafe { libc::umask(0) };
-    let out = f();
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
-    out
+/// Runs `f` (which may call `PassthroughFs::import`, which sets the umask
+/// to 0; `destroy` calls it too) where that umask is private: on the
+/// calling thread when it has a filesystem context of its own (the
+/// virtio-fs and vhost-user workers, see `vmm::threadfs`), else on a
+/// short-lived thread that makes one first. Either way the thread's umask
+/// is put back afterwards, and no other thread of the helper ever sees 0
+/// (which would make the files it creates meanwhile world-writable).
+fn with_private_umask<T: Send>(f: impl FnOnce() -> T + Send) -> io::Result<T> {
+    let restoring = |f: Box<dyn FnOnce() -> T + Send + '_>| {
+        // SAFETY: umask only swaps this thread's file mode creation mask.
+        let old = unsafe { libc::umask(0) };
+        let out = f();
+        // SAFETY: as above.
+        unsafe { libc::umask(old) };
+        out
+    };
+    if vmm::threadfs::is_private() {
+        return Ok(restoring(Box::new(f)));
+    }
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("grant-root".into())
+            .spawn_scoped(scope, || {
+                vmm::threadfs::unshare_once()?;
+                Ok(restoring(Box::new(f)))
+            })?
+            .join()
+            .map_err(|_| io::Error::other("the thread opening a grant's root panicked"))?
+    })
 }
 
 /// A grant's filesystem: a passthrough filesystem rooted at the host path,
@@ -309,10 +328,12 @@ impl GrantFs {
             path: root.to_path_buf(),
             source,
         })?;
-        with_umask_restored(|| inner.import()).map_err(|source| GrantFsError::OpenRoot {
-            path: root.to_path_buf(),
-            source,
-        })?;
+        with_private_umask(|| inner.import())
+            .and_then(|opened| opened)
+            .map_err(|source| GrantFsError::OpenRoot {
+                path: root.to_path_buf(),
+                source,
+            })?;
         Ok(Self {
             inner,
             mode,
@@ -546,7 +567,9 @@ impl FileSystem for GrantFs {
 
     fn destroy(&self) {
         // PassthroughFs::destroy re-imports the root, which sets the umask.
-        with_umask_restored(|| self.inner.destroy());
+        if let Err(e) = with_private_umask(|| self.inner.destroy()) {
+            tracing::warn!(grant = %self.label, error = %e, "virtio-fs: grant not reset at DESTROY");
+        }
     }
 
     fn lookup(&self, ctx: &Context, parent: u64, name: &CStr) -> io::Result<Entry> {

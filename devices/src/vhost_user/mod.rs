@@ -38,9 +38,13 @@ impl ThreadFilter {
         let _ = self.0.set(mode);
     }
 
-    /// Installs the vhost-user filter on the calling thread unless it has
-    /// one already or no filtering mode was set.
+    /// Gives the calling thread its own umask the first time (the FUSE
+    /// server sets it, see `vmm::threadfs`), then installs the vhost-user
+    /// filter on it unless it has one already or no filtering mode was set.
     pub(crate) fn apply(&self) -> io::Result<()> {
+        if !vmm::threadfs::is_private() && seccomp::current().is_none() {
+            vmm::threadfs::unshare_once()?;
+        }
         let Some(&mode) = self.0.get() else {
             return Ok(());
         };
@@ -185,6 +189,17 @@ mod exit_event_tests {
                 "fd {fd} still open after the drop"
             );
         }
+    }
+
+    #[test]
+    fn vhost_user_threads_get_their_own_umask_before_any_filter() {
+        std::thread::spawn(|| {
+            assert!(!vmm::threadfs::is_private());
+            ThreadFilter::default().apply().unwrap();
+            assert!(vmm::threadfs::is_private());
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

@@ -225,12 +225,26 @@ impl<T: Send + 'static> DeviceWorker<T> {
     ) -> io::Result<()> {
         let WorkerSetup { stop, worker } = setup;
         let builder = std::thread::Builder::new().name(thread_name.into());
+        // The FUSE server behind virtio-fs sets the umask (see
+        // `crate::threadfs`): its workers get their own, before any filter.
+        let private_fs = self.class == ThreadClass::FsWorker;
+        let name = self.name;
+        let unshare = move || {
+            if private_fs {
+                if let Err(e) = crate::threadfs::unshare_once() {
+                    tracing::warn!("{name}: worker keeps the process umask: {e}");
+                }
+            }
+        };
         let filter = match seccomp::current() {
             Some((_, mode)) => Filter::new(self.class, mode).map_err(io::Error::other)?,
             None => None,
         };
         let Some(filter) = filter else {
-            let thread = builder.spawn(move || Some(body(worker)))?;
+            let thread = builder.spawn(move || {
+                unshare();
+                Some(body(worker))
+            })?;
             let _ = self.stop();
             self.running = Some(Running { stop, thread });
             return Ok(());
@@ -239,6 +253,7 @@ impl<T: Send + 'static> DeviceWorker<T> {
         // got there before `start` returns.
         let (installed_tx, installed_rx) = std::sync::mpsc::sync_channel(1);
         let thread = seccomp::spawn_unfiltered(builder, move || {
+            unshare();
             let installed = filter.install();
             let ok = installed.is_ok();
             let _ = installed_tx.send(installed);
@@ -354,6 +369,38 @@ mod tests {
             worker_filter(true, Some(ThreadClass::FsWorker)),
             (Some((ThreadClass::FsWorker, seccomp::Mode::On)), 2)
         );
+    }
+
+    /// Whether a worker of `class` started from a thread filtered or not
+    /// runs with its own filesystem context (umask).
+    fn worker_private_fs(filtered: bool, class: ThreadClass) -> bool {
+        seccomp::start_spawner().unwrap();
+        let (seen_tx, seen_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            if filtered {
+                let vcpu = Filter::new(ThreadClass::Vcpu, seccomp::Mode::On)
+                    .unwrap()
+                    .unwrap();
+                vcpu.install().unwrap();
+            }
+            let mut worker = DeviceWorker::with_class("test", class);
+            worker
+                .start("worker-fs-test", WorkerSetup::new().unwrap(), move |_| {
+                    seen_tx.send(crate::threadfs::is_private()).unwrap();
+                })
+                .unwrap();
+            worker.stop().unwrap();
+        })
+        .join()
+        .unwrap();
+        seen_rx.recv().unwrap()
+    }
+
+    #[test]
+    fn virtio_fs_workers_have_their_own_umask() {
+        assert!(worker_private_fs(false, ThreadClass::FsWorker));
+        assert!(worker_private_fs(true, ThreadClass::FsWorker));
+        assert!(!worker_private_fs(false, ThreadClass::DeviceWorker));
     }
 
     #[test]

@@ -803,3 +803,60 @@ fn chown_to_the_presented_owner_is_a_no_op_and_others_are_refused() {
     }
     fx.assert_outside_untouched();
 }
+
+/// The umask of thread `tid` of this process, read without changing it.
+fn umask_of(tid: i64) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    let field = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .unwrap();
+    u32::from_str_radix(field.trim(), 8).unwrap()
+}
+
+/// This thread's id.
+fn gettid() -> i64 {
+    // SAFETY: gettid has no arguments.
+    unsafe { libc::syscall(libc::SYS_gettid) }
+}
+
+#[test]
+fn opening_a_grants_root_never_changes_the_helpers_umask() {
+    // What `PassthroughFs::import` does to the umask, run the way a grant's
+    // root is opened, while this (ordinary, shared-umask) thread watches.
+    let caller = gettid();
+    let before = umask_of(caller);
+    let sentinel = if before == 0o077 { 0o070 } else { 0o077 };
+    let (own, callers) = with_private_umask(|| {
+        // SAFETY: sets only this thread's umask (which is private here).
+        unsafe { libc::umask(sentinel) };
+        (umask_of(gettid()), umask_of(caller))
+    })
+    .unwrap();
+    assert_eq!(own, sentinel);
+    assert_eq!(
+        callers, before,
+        "the helper's umask changed while a grant root opened"
+    );
+    assert_eq!(umask_of(caller), before);
+
+    // On a thread with its own context (a virtio-fs worker) it runs in place
+    // and the thread's umask is put back.
+    std::thread::spawn(move || {
+        vmm::threadfs::unshare_once().unwrap();
+        let me = gettid();
+        let mine = umask_of(me);
+        let inside = with_private_umask(|| (gettid(), umask_of(gettid()))).unwrap();
+        assert_eq!(inside, (me, 0), "ran elsewhere, or not with umask 0");
+        assert_eq!(umask_of(me), mine);
+        assert_eq!(umask_of(caller), before);
+    })
+    .join()
+    .unwrap();
+
+    // A real grant opens and resets (DESTROY) without touching it either.
+    let fx = Fixture::new();
+    let fs = grant(&fx, GrantMode::Rw);
+    fs.destroy();
+    assert_eq!(umask_of(caller), before);
+}
