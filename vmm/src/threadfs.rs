@@ -42,18 +42,26 @@ pub fn is_private() -> bool {
     PRIVATE.with(Cell::get)
 }
 
+/// The umask of thread `tid` of this process, read from
+/// `/proc/self/task/<tid>/status` (`umask(2)` can only read it by setting
+/// it, which would race with the thread itself).
+pub fn umask_of(tid: libc::pid_t) -> io::Result<u32> {
+    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        .ok_or_else(|| io::Error::other(format!("no Umask line for thread {tid}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The calling thread's umask, read without changing it.
+    /// The calling thread's umask.
     fn umask_now() -> u32 {
-        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
-        let field = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Umask:"))
-            .unwrap();
-        u32::from_str_radix(field.trim(), 8).unwrap()
+        // SAFETY: gettid has no arguments and cannot fail.
+        umask_of(unsafe { libc::gettid() }).unwrap()
     }
 
     #[test]

@@ -248,23 +248,24 @@ fn xattr_name_allowed(name: &CStr) -> bool {
 /// is put back afterwards, and no other thread of the helper ever sees 0
 /// (which would make the files it creates meanwhile world-writable).
 fn with_private_umask<T: Send>(f: impl FnOnce() -> T + Send) -> io::Result<T> {
-    let restoring = |f: Box<dyn FnOnce() -> T + Send + '_>| {
+    /// `f` with the umask 0 it may set anyway, then the thread's umask back.
+    fn restoring<T>(f: impl FnOnce() -> T) -> T {
         // SAFETY: umask only swaps this thread's file mode creation mask.
         let old = unsafe { libc::umask(0) };
         let out = f();
         // SAFETY: as above.
         unsafe { libc::umask(old) };
         out
-    };
+    }
     if vmm::threadfs::is_private() {
-        return Ok(restoring(Box::new(f)));
+        return Ok(restoring(f));
     }
     std::thread::scope(|scope| {
         std::thread::Builder::new()
             .name("grant-root".into())
             .spawn_scoped(scope, || {
                 vmm::threadfs::unshare_once()?;
-                Ok(restoring(Box::new(f)))
+                Ok(restoring(f))
             })?
             .join()
             .map_err(|_| io::Error::other("the thread opening a grant's root panicked"))?

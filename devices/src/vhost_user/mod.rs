@@ -42,7 +42,7 @@ impl ThreadFilter {
     /// server sets it, see `vmm::threadfs`), then installs the vhost-user
     /// filter on it unless it has one already or no filtering mode was set.
     pub(crate) fn apply(&self) -> io::Result<()> {
-        if !vmm::threadfs::is_private() && seccomp::current().is_none() {
+        if seccomp::current().is_none() {
             vmm::threadfs::unshare_once()?;
         }
         let Some(&mode) = self.0.get() else {

@@ -804,20 +804,15 @@ fn chown_to_the_presented_owner_is_a_no_op_and_others_are_refused() {
     fx.assert_outside_untouched();
 }
 
-/// The umask of thread `tid` of this process, read without changing it.
-fn umask_of(tid: i64) -> u32 {
-    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
-    let field = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .unwrap();
-    u32::from_str_radix(field.trim(), 8).unwrap()
+/// The umask of thread `tid` of this process.
+fn umask_of(tid: libc::pid_t) -> u32 {
+    vmm::threadfs::umask_of(tid).unwrap()
 }
 
 /// This thread's id.
-fn gettid() -> i64 {
-    // SAFETY: gettid has no arguments.
-    unsafe { libc::syscall(libc::SYS_gettid) }
+fn gettid() -> libc::pid_t {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
 }
 
 #[test]
