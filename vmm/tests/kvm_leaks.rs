@@ -1,13 +1,38 @@
 //! After `Vm::run` returns, every vCPU thread is joined and every fd the VM
-//! owned is closed. Alone in its own test binary so no concurrent test
-//! changes the process's fd and thread counts.
+//! owned is closed; while it runs, none of its fds would leak into a child
+//! process (all are close-on-exec). Alone in its own test binary so no
+//! other test binary changes the process's fd and thread counts, and its
+//! tests take turns.
 
 mod common;
 
+use std::collections::BTreeSet;
+
+use vmm::virtio::testdev::PatternDevice;
 use vmm::{Config, ExitReason, Vm};
+
+/// The tests of this binary count the whole process's fds and threads: one
+/// at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// The process's open fd numbers.
+fn fd_set() -> BTreeSet<i32> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Whether `fd` is closed on exec, or `None` once it is closed (the
+/// directory listing itself is such an fd).
+fn cloexec(fd: i32) -> Option<bool> {
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    (flags >= 0).then_some(flags & libc::FD_CLOEXEC != 0)
 }
 
 fn threads() -> usize {
@@ -47,6 +72,7 @@ fn boot(cpus: u8, cmdline: &str) -> ExitReason {
 
 #[test]
 fn no_fd_or_thread_survives_a_run() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // Warm up: guest build, one-time signal handler installation.
     assert_eq!(boot(1, "quiet"), ExitReason::Reset);
     std::thread::sleep(std::time::Duration::from_millis(100));
@@ -71,4 +97,47 @@ fn no_fd_or_thread_survives_a_run() {
     drop(vm);
     assert!(matches!(boot(1, "ud2"), ExitReason::GuestError(_)));
     assert_eq!(settled((f0, t0)), (f0, t0));
+}
+
+#[test]
+fn every_fd_of_a_running_vm_is_close_on_exec() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let before = fd_set();
+    let mut c = Config::new(common::build_guest("linux64"));
+    c.cmdline = "halt".into();
+    c.vcpus = 2;
+    c.mem_mib = 64;
+    c.serial = Some(Box::new(common::Capture::default()));
+    // Two virtio-mmio transports: their queue-notify and interrupt eventfds.
+    c.virtio_devices = vec![
+        Box::new(PatternDevice::new(vec![8])),
+        Box::new(PatternDevice::new(vec![16, 16])),
+    ];
+    let mut vm = Vm::build(c).unwrap();
+    let h = vm.stop_handle();
+    let t = std::thread::spawn(move || {
+        // Long enough for the vCPU threads and the event loop to be up.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let open: Vec<(i32, String)> = fd_set()
+            .difference(&before)
+            .filter(|&&fd| cloexec(fd) == Some(false))
+            .map(|&fd| {
+                let target = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default();
+                (fd, target)
+            })
+            .collect();
+        let new = fd_set().difference(&before).count();
+        assert!(h.stop());
+        (new, open)
+    });
+    assert_eq!(vm.run().unwrap(), ExitReason::Stopped);
+    let (new, inherited) = t.join().unwrap();
+    // kvm, vm, vCPUs, eventfds for the devices, the event loop's epoll...
+    assert!(new >= 8, "only {new} new fds while the VM ran");
+    assert!(
+        inherited.is_empty(),
+        "fds a child process would inherit: {inherited:?}"
+    );
 }

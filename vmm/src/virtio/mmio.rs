@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tracing::{debug, error};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, GuestAddress, GuestMemory, GuestMemoryRegion};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use super::VirtioInterrupt;
 use super::{features, status, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice};
@@ -340,16 +340,18 @@ impl MmioTransport {
                 size,
             })?;
             queues.push(q);
-            queue_evts.push(EventFd::new(EFD_NONBLOCK).map_err(|source| {
+            queue_evts.push(EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| {
                 MmioTransportError::EventFd {
                     what: "queue notify",
                     source,
                 }
             })?);
         }
-        let irq = EventFd::new(EFD_NONBLOCK).map_err(|source| MmioTransportError::EventFd {
-            what: "interrupt",
-            source,
+        let irq = EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC).map_err(|source| {
+            MmioTransportError::EventFd {
+                what: "interrupt",
+                source,
+            }
         })?;
         let offered =
             (device.avail_features() | features::VERSION_1) & !features::UNSUPPORTED_BY_TRANSPORT;

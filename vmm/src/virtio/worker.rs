@@ -68,9 +68,9 @@ pub struct WorkerSetup {
 
 impl WorkerSetup {
     /// A new blocking stop eventfd (a failed worker parks on it) and an
-    /// epoll set holding it under [`STOP_TOKEN`].
+    /// epoll set holding it under [`STOP_TOKEN`]; both close on exec.
     pub fn new() -> Result<Self, ActivateError> {
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let stop = EventFd::new(libc::EFD_CLOEXEC).map_err(ActivateError::Worker)?;
         let epoll = Epoll::new().map_err(ActivateError::Worker)?;
         let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
         let setup = Self {
@@ -357,6 +357,20 @@ mod tests {
         done_tx.send(()).unwrap();
         starter.join().unwrap();
         (class, kernel)
+    }
+
+    #[test]
+    fn a_workers_fds_are_close_on_exec() {
+        let setup = WorkerSetup::new().unwrap();
+        for fd in [
+            setup.stop.as_raw_fd(),
+            setup.worker.stop.as_raw_fd(),
+            setup.worker.epoll.as_raw_fd(),
+        ] {
+            // SAFETY: F_GETFD only reads the flags of an fd the setup owns.
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+            assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC, "fd {fd}");
+        }
     }
 
     #[test]
