@@ -43,7 +43,7 @@
 //! Argument filters where the values are known: `ioctl` only with the
 //! request codes each class issues (`KVM_RUN` on vCPUs), `mmap`/`mprotect`
 //! never with `PROT_EXEC`, `socket`/`socketpair` only `AF_UNIX`, `tgkill`
-//! only inside this process.
+//! only inside this process, `fcntl` only for dups and fd and status flags.
 //!
 //! Limits: x86_64 only (the syscall numbers are this architecture's). The
 //! threads share one address space: a filter stops a hijacked thread from
@@ -248,6 +248,25 @@ struct Allow {
     why: &'static str,
 }
 
+/// The `fcntl` commands any filtered thread may issue: dups (std's
+/// `try_clone` is `F_DUPFD_CLOEXEC`; plain `dup` is allowed anyway), the
+/// close-on-exec flag (vmm-sys-util's event pairs) and the status flags
+/// (`O_NONBLOCK`; fuse-backend-rs's passthrough re-applies a FUSE open's
+/// `O_APPEND`/`O_DIRECT` with `F_SETFL`). Not: record locks (the
+/// passthrough answers FUSE lock requests with `ENOSYS` without calling
+/// the host), leases and dnotify (a hijacked worker could hold off or watch
+/// the user's other programs on a granted file), signal ownership
+/// (`F_SETOWN`/`F_SETSIG` would route `SIGIO` at a thread of its choosing),
+/// pipe sizes and seals.
+const FCNTL_COMMANDS: &[u64] = &[
+    libc::F_DUPFD as u64,
+    libc::F_DUPFD_CLOEXEC as u64,
+    libc::F_GETFD as u64,
+    libc::F_SETFD as u64,
+    libc::F_GETFL as u64,
+    libc::F_SETFL as u64,
+];
+
 /// Shorthand for table entries.
 macro_rules! allow {
     ($name:ident, $why:expr) => {
@@ -355,7 +374,8 @@ const ACTIVATION: &[Allow] = &[
     allow!(SYS_epoll_ctl, "registering queue notifiers and streams"),
     allow!(
         SYS_fcntl,
-        "dup of eventfds (F_DUPFD_CLOEXEC), non-blocking flags"
+        Only::ArgIn(1, FCNTL_COMMANDS),
+        "dup of eventfds (F_DUPFD_CLOEXEC), fd and status flags"
     ),
     allow!(SYS_dup, "cloning an fd"),
     allow!(SYS_timerfd_create, "the vsock muxer's credit/retry timer"),

@@ -254,6 +254,41 @@ fn vsock_workers_get_unix_sockets_only() {
 }
 
 #[test]
+fn fcntl_is_for_dups_and_flags_only() {
+    for class in ThreadClass::ALL {
+        // Opened here: most classes may not open files.
+        let file = tempfile::tempfile().unwrap();
+        let (flags, dup, lease, owner, lock) = filtered(class, Mode::On, move || {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+            // SAFETY: fcntl on a file this closure owns; a lock struct that
+            // lives across the call.
+            unsafe {
+                let flags = errno_of(libc::fcntl(fd, libc::F_GETFL).into());
+                let dup = errno_of(libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3).into());
+                if let Ok(new) = dup {
+                    close(new);
+                }
+                let lease = errno_of(libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK).into());
+                let owner = errno_of(libc::fcntl(fd, libc::F_SETOWN, 1).into());
+                let mut lk: libc::flock = std::mem::zeroed();
+                lk.l_type = libc::F_RDLCK as i16;
+                let lock = errno_of(libc::fcntl(fd, libc::F_GETLK, &mut lk).into());
+                (flags, dup.map(|_| ()), lease, owner, lock)
+            }
+        });
+        assert!(flags.is_ok(), "{class:?}: F_GETFL {flags:?}");
+        assert_eq!(dup, Ok(()), "{class:?}: F_DUPFD_CLOEXEC");
+        for (what, got) in [
+            ("F_SETLEASE", lease),
+            ("F_SETOWN", owner),
+            ("F_GETLK", lock),
+        ] {
+            assert_eq!(got, Err(libc::EPERM), "{class:?}: {what}");
+        }
+    }
+}
+
+#[test]
 fn tgkill_stays_inside_the_process() {
     let (own, other) = filtered(ThreadClass::EventLoop, Mode::On, || {
         let pid = std::process::id() as libc::c_long;
