@@ -230,7 +230,11 @@ impl Vm {
         }
         let _ = (&mut m.done).await;
         if let Some(link) = self.link() {
-            // Make sure everything that ran is accounted for.
+            // What the agent wrote before the end reaches its callers and
+            // the event stream first (an answer sent just before the agent
+            // died is an answer, not "disconnected"); then everything that
+            // ran is accounted for.
+            link.drain().await;
             self.agent_gone(&link).await;
         }
         // No credential outlives its machine (agent_gone revoked those of
@@ -352,5 +356,74 @@ mod tests {
         );
         vm.machine_gone(7, "machine 7 ended").await;
         assert!(vm.lifecycle.lock().await.is_none());
+    }
+
+    /// The agent answers a request and its machine ends at once, before
+    /// the link reader ran: the answer still reaches its caller. The
+    /// backend keeps its end of the link open (as a VMM's vsock device may
+    /// until it is dropped), so only the drain's shutdown ends the stream.
+    /// Single-threaded runtime: nothing runs between the answer's write and
+    /// the machine's end unless the teardown yields to the reader.
+    #[tokio::test]
+    async fn an_answer_written_just_before_the_machine_ends_is_delivered() {
+        use std::io::Write;
+        use std::time::Duration;
+
+        use guest_agent::proto;
+
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = Vm::new(VmConfig {
+            backend: BackendKind::Sandbox,
+            profile_dir: tmp.path().join("profile"),
+            helper_exe: "/nonexistent/cowork-helper".into(),
+            egress: crate::egress::EgressProxy::from_env(),
+        });
+        let (host, mut agent) = std::os::unix::net::UnixStream::pair().unwrap();
+        host.set_nonblocking(true).unwrap();
+        let host = tokio::net::UnixStream::from_std(host).unwrap();
+        let link = vm.attach(proto::Hello::default(), host);
+        vm.running.store(true, Ordering::Release);
+        let (kill, _kill_rx) = oneshot::channel();
+        let (probe_stop, _probe_rx) = watch::channel(false);
+        *vm.lifecycle.lock().await = Some(Machine {
+            serial: 1,
+            kill: Some(kill),
+            done: tokio::spawn(async {}),
+            probe_stop,
+            host_paths: HostPaths::Prefix("/".into()),
+        });
+        let call = link
+            .send(Op::Ping, &[])
+            .await
+            .expect("the request is queued");
+        // The machine's task has finished; the reader waits for data.
+        tokio::task::yield_now().await;
+
+        // The first request of a link has id 1.
+        let mut frame = Vec::new();
+        proto::encode_frame_into(
+            &mut frame,
+            &proto::AgentMessage::Response {
+                id: 1,
+                error: None,
+                result: serde_json::json!({"pong": true}),
+            },
+            &[],
+        );
+        agent.write_all(&frame).unwrap();
+        vm.machine_gone(1, "the agent died").await;
+
+        let (answer, _) = call
+            .wait(&link, Duration::from_secs(1))
+            .await
+            .expect("the answer written before the end");
+        assert_eq!(answer, serde_json::json!({"pong": true}));
+        assert!(vm.link().is_none(), "the link is gone with its machine");
+        // A later request fails at once.
+        assert!(matches!(
+            link.call(Op::Ping, &[], Duration::from_secs(1)).await,
+            Err(VmError::AgentGone)
+        ));
+        drop(agent);
     }
 }

@@ -26,9 +26,15 @@
 //!   its deadline, so an agent that stops reading makes requests fail with
 //!   a timeout instead of piling up.
 //!
+//! - When the machine ends, whatever the agent wrote before it died is
+//!   still read ([`AgentLink::drain`]): an answer or an exit the agent sent
+//!   just before the end reaches its caller instead of a "disconnected"
+//!   error.
+//!
 //! Limits: one write carries at most about [`WRITE_BATCH`] bytes.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -38,7 +44,7 @@ use guest_agent::proto::{self, AgentMessage, Envelope, Hello, HostMessage, Op};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Vm, VmError};
 
@@ -76,6 +82,12 @@ pub fn max_pending_requests() -> usize {
         .unwrap_or(MAX_PENDING_REQUESTS)
 }
 
+/// How long [`AgentLink::drain`] waits for the reader to take what the
+/// agent wrote before its machine ended. Frames already in the socket
+/// take microseconds; the bound only matters for a reader stuck behind a
+/// slow event consumer, and keeps a machine's teardown from hanging on it.
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
 /// Answer of one agent request.
 struct Reply {
     result: Result<Value, String>,
@@ -97,6 +109,11 @@ pub struct AgentLink {
     /// Why the link ended, when the agent broke the protocol (said to the
     /// callers it fails and in the processes' fatal events).
     violation: Mutex<Option<String>>,
+    /// The link's socket (a second descriptor of it), to end its reading
+    /// side once the machine is gone ([`AgentLink::drain`]).
+    socket: Option<OwnedFd>,
+    /// Turns true when the reader task has handled its last frame.
+    reader_done: watch::Receiver<bool>,
     pub hello: Hello,
 }
 
@@ -260,6 +277,31 @@ impl AgentLink {
         }
     }
 
+    /// Once the machine has ended: lets the reader take every frame the
+    /// agent wrote before it died, then returns (after [`DRAIN_LIMIT`] at
+    /// most). Nothing new can arrive, so the socket's reading side is shut:
+    /// the reader gets what is buffered, then end-of-stream, whether or not
+    /// the backend still holds the other end.
+    pub(super) async fn drain(&self) {
+        if let Some(socket) = &self.socket {
+            // SAFETY: shutdown(2) on a socket descriptor this link owns.
+            if unsafe { libc::shutdown(socket.as_raw_fd(), libc::SHUT_RD) } != 0 {
+                let e = std::io::Error::last_os_error();
+                tracing::debug!(error = %e, "shutting the agent link's reading side");
+            }
+        }
+        let mut done = self.reader_done.clone();
+        if tokio::time::timeout(DRAIN_LIMIT, done.wait_for(|d| *d))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                limit_ms = DRAIN_LIMIT.as_millis() as u64,
+                "the agent link's reader did not finish; its last messages are dropped"
+            );
+        }
+    }
+
     /// Records that the agent broke the protocol (the first reason wins).
     fn set_violation(&self, why: String) {
         lock(&self.violation).get_or_insert(why);
@@ -324,6 +366,16 @@ impl Vm {
         hello: Hello,
         stream: UnixStream,
     ) -> (Arc<AgentLink>, tokio::task::JoinHandle<()>) {
+        // Only descriptor exhaustion fails the dup; the drain then waits for
+        // the backend to close the stream instead.
+        let socket = stream
+            .as_fd()
+            .try_clone_to_owned()
+            .inspect_err(
+                |e| tracing::warn!(error = %e, "cannot keep a second descriptor of the agent link"),
+            )
+            .ok();
+        let (done_tx, reader_done) = watch::channel(false);
         let (rd, wr) = stream.into_split();
         let (tx, rx) = mpsc::channel(AGENT_QUEUE);
         let link = Arc::new(AgentLink {
@@ -334,11 +386,13 @@ impl Vm {
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             violation: Mutex::new(None),
+            socket,
+            reader_done,
             hello,
         });
         *self.link.write().unwrap_or_else(|p| p.into_inner()) = Some(link.clone());
         tokio::spawn(link_writer(wr, rx));
-        let reader = tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd));
+        let reader = tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd, done_tx));
         (link, reader)
     }
 
@@ -483,6 +537,7 @@ async fn link_reader(
     vm: std::sync::Weak<Vm>,
     link: Arc<AgentLink>,
     mut rd: tokio::net::unix::OwnedReadHalf,
+    done: watch::Sender<bool>,
 ) {
     let mut buf = Vec::new();
     let mut dropped = Dropped::default();
@@ -553,6 +608,9 @@ async fn link_reader(
             "agent messages dropped on this link"
         );
     }
+    // Every frame is handled: a drain waiting on this can account for the
+    // rest (it and this task both end up in agent_gone; the first does it).
+    done.send_replace(true);
     if let Some(vm) = vm.upgrade() {
         vm.agent_gone(&link).await;
     } else {
