@@ -40,7 +40,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use cowork_helper::client::{Pipe, Subscription, DEFAULT_TIMEOUT};
-use serde_json::{json, Value};
+use serde_json::json;
+use support::fsync_records::{check_records, write_records};
 use support::gate::{qemu_gate, qemu_missing};
 use support::session::{self, assert_exit_0, run, sh, spawn};
 use support::session_disk::{self, disk_info, write_on_disk, GIB};
@@ -63,10 +64,6 @@ const FOREIGN_DATA_AT: u64 = 32 << 20;
 const LOG_BLOCK_SIZE_AT: u64 = 1024 + 0x18;
 /// The damaged `s_log_block_size`.
 const BAD_LOG_BLOCK_SIZE: u32 = 20;
-/// Bytes of one record the fsync writer appends (payload and header).
-const RECORD_LEN: usize = 4096;
-/// Acknowledged records to see before `stopVM` is sent.
-const ACKS_BEFORE_STOP: u64 = 150;
 /// Size of the tmpfs the host-disk case puts the data directory on: above
 /// what `createVM {diskSizeGB: 1}` needs free (256 MiB plus 8 MiB).
 const TMPFS_SIZE: &str = "300m";
@@ -361,137 +358,6 @@ async fn a_full_session_disk_is_the_sessions_error_only() {
     eprintln!("data_safety: ENOSPC case took {:?}", t0.elapsed());
 }
 
-/// The fsync writer: appends [`RECORD_LEN`]-byte records (`seq`, a payload
-/// derived from it, newline) to the file `argv[2]`, fsyncs after each, then
-/// prints `ack <seq>`.
-const WRITER: &str = r#"
-import os, sys
-LEN = int(sys.argv[1])
-fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-seq = 0
-while True:
-    seq += 1
-    head = b"%08d " % seq
-    body = (b"%08d" % (seq * 7919 % 100000000)) * LEN
-    rec = head + body[: LEN - len(head) - 1] + b"\n"
-    os.write(fd, rec)
-    os.fsync(fd)
-    sys.stdout.write("ack %d\n" % seq)
-    sys.stdout.flush()
-"#;
-
-/// The record the writer appends as number `seq`.
-fn record(seq: u64) -> Vec<u8> {
-    let head = format!("{seq:08} ");
-    let unit = format!("{:08}", seq * 7919 % 100_000_000);
-    let mut rec = head.into_bytes();
-    let body = unit.repeat(RECORD_LEN);
-    rec.extend_from_slice(&body.as_bytes()[..RECORD_LEN - rec.len() - 1]);
-    rec.push(b'\n');
-    rec
-}
-
-/// Starts heavy unsynced writes (`bulk-<tag>`) and the fsync writer
-/// (`writer-<tag>`, records in `file`) in `session`; returns once at least
-/// [`ACKS_BEFORE_STOP`] records were acknowledged, with the last ack seen.
-async fn write_records(
-    pipe: &Pipe,
-    sub: &mut Subscription,
-    session: &str,
-    tag: &str,
-    file: &str,
-) -> u64 {
-    let writer = format!("writer-{tag}");
-    pipe.call(
-        "spawn",
-        sh(
-            &format!("bulk-{tag}"),
-            session,
-            "while :; do dd if=/dev/zero of=bulk bs=1M count=48 status=none; done",
-        ),
-    )
-    .await
-    .expect("spawn bulk");
-    pipe.call(
-        "spawn",
-        spawn(
-            &writer,
-            session,
-            "python3",
-            &["-c", WRITER, &RECORD_LEN.to_string(), file],
-        ),
-    )
-    .await
-    .expect("spawn writer");
-    let mut acked = 0u64;
-    let mut text = String::new();
-    let deadline = Instant::now() + T;
-    while acked < ACKS_BEFORE_STOP {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let ev = sub
-            .next_matching(left, |v: &Value| {
-                v["id"] == writer.as_str() && (v["type"] == "stdout" || v["type"] == "exit")
-            })
-            .await
-            .unwrap_or_else(|e| panic!("{writer}: {e} after {acked} acks"));
-        assert_eq!(ev["type"], "stdout", "the writer ended early: {ev} {text}");
-        text.push_str(ev["data"].as_str().unwrap_or_default());
-        while let Some(nl) = text.find('\n') {
-            let line: String = text.drain(..=nl).collect();
-            let n: u64 = line
-                .trim()
-                .strip_prefix("ack ")
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("writer said {line:?}"));
-            assert_eq!(n, acked + 1, "acks out of order");
-            acked = n;
-        }
-    }
-    acked
-}
-
-/// Reads `file` in `session` and checks that records 1..=`acked` are all
-/// there, intact; returns the bytes found beyond them.
-async fn check_records(
-    pipe: &Pipe,
-    sub: &mut Subscription,
-    session: &str,
-    id: &str,
-    file: &str,
-    acked: u64,
-) -> usize {
-    let out = run(
-        pipe,
-        sub,
-        sh(id, session, &format!("wc -c < {file} && base64 -w0 {file}")),
-        T,
-    )
-    .await;
-    assert_exit_0("reading the records", &out);
-    let stdout = out.stdout_str();
-    let mut lines = stdout.lines();
-    let size: usize = lines.next().unwrap_or_default().trim().parse().unwrap();
-    let data = base64::Engine::decode(
-        &base64::engine::general_purpose::STANDARD,
-        lines.next().unwrap_or_default(),
-    )
-    .expect("base64 records");
-    assert_eq!(data.len(), size);
-    assert!(
-        data.len() >= acked as usize * RECORD_LEN,
-        "{} bytes hold fewer than the {acked} acknowledged records",
-        data.len()
-    );
-    for seq in 1..=acked {
-        let at = (seq as usize - 1) * RECORD_LEN;
-        assert!(
-            data[at..at + RECORD_LEN] == record(seq)[..],
-            "record {seq} of {acked} acknowledged is damaged"
-        );
-    }
-    data.len() - acked as usize * RECORD_LEN
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_vm_loses_nothing_that_was_fsynced() {
     const PROFILE: &str = "fsync";
@@ -508,7 +374,7 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
     start(&pipe, &helper, "first boot").await;
 
     // stopVM in the middle of the writes.
-    let acked = write_records(&pipe, &mut sub, SESSION, "stop", "records-stop").await;
+    let acked = write_records(&pipe, &mut sub, T, SESSION, "stop", "records-stop").await;
     let stop_sent = Instant::now();
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     eprintln!(
@@ -520,6 +386,7 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
     let beyond = check_records(
         &pipe,
         &mut sub,
+        T,
         SESSION,
         "check-stop",
         "records-stop",
@@ -532,7 +399,7 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
 
     // Harder: QEMU killed outright in the middle of the writes (no
     // power-off, no sync): what was fsynced had reached the disk.
-    let acked = write_records(&pipe, &mut sub, SESSION, "kill", "records-kill").await;
+    let acked = write_records(&pipe, &mut sub, T, SESSION, "kill", "records-kill").await;
     let qemu = support::procfs::children_named(helper.pid(), "qemu");
     assert_eq!(qemu.len(), 1, "QEMU processes of the helper: {qemu:?}");
     // SAFETY: signalling the helper's QEMU child.
@@ -554,6 +421,7 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
     let beyond = check_records(
         &pipe,
         &mut sub,
+        T,
         SESSION,
         "check-kill",
         "records-kill",
@@ -561,7 +429,16 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
     )
     .await;
     // The first file is still whole too.
-    check_records(&pipe, &mut sub, SESSION, "check-stop-2", "records-stop", 1).await;
+    check_records(
+        &pipe,
+        &mut sub,
+        T,
+        SESSION,
+        "check-stop-2",
+        "records-stop",
+        1,
+    )
+    .await;
     eprintln!(
         "data_safety: QEMU killed: all {acked} acknowledged records intact; {beyond} bytes beyond them"
     );

@@ -13,6 +13,8 @@
 //!   (host folders, the default userland);
 //! - [`session_disk`]: the profile's session disk (`sessiondata.img`) seen
 //!   from the host and through the protocol;
+//! - [`fsync_records`]: the data-safety tests' fsync record writer and its
+//!   check;
 //! - [`procfs`]: what `/proc` says about the helper and its children;
 //! - [`netns`]: network namespaces, a veth pair and test servers for the
 //!   egress tests (`egress_netns`, `egress_vm`).
@@ -24,6 +26,7 @@
 // Each test binary uses a different part of the support code.
 #![allow(dead_code)]
 
+pub mod fsync_records;
 pub mod gate;
 pub mod nested;
 pub mod netns;
