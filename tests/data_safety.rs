@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use cowork_helper::client::{Pipe, Subscription, DEFAULT_TIMEOUT};
 use serde_json::json;
-use support::fsync_records::{check_records, write_records};
+use support::fsync_records;
 use support::gate::{qemu_gate, qemu_missing};
 use support::session::{self, assert_exit_0, run, sh, spawn};
 use support::session_disk::{self, disk_info, write_on_disk, GIB};
@@ -366,87 +366,63 @@ async fn stop_vm_loses_nothing_that_was_fsynced() {
         return;
     }
     let t0 = Instant::now();
-    let mut helper = VmHelper::start_qemu("cowork-data-safety-", &[]);
-    let (pipe, mut sub) = connect(&helper, PROFILE).await;
+    let helper = VmHelper::start_qemu("cowork-data-safety-", &[]);
+    let (pipe, sub) = connect(&helper, PROFILE).await;
     pipe.call("createVM", json!({"bundlePath": "", "diskSizeGB": 1}))
         .await
         .expect("createVM");
     start(&pipe, &helper, "first boot").await;
-
-    // stopVM in the middle of the writes.
-    let acked = write_records(&pipe, &mut sub, T, SESSION, "stop", "records-stop").await;
-    let stop_sent = Instant::now();
-    pipe.call("stopVM", json!({})).await.expect("stopVM");
-    eprintln!(
-        "data_safety: {acked} records acknowledged in {:?} when stopVM was sent; stopVM took {:?}",
-        stop_sent - t0,
-        stop_sent.elapsed()
-    );
-    start(&pipe, &helper, "after stopVM").await;
-    let beyond = check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-stop",
-        "records-stop",
-        acked,
-    )
-    .await;
-    eprintln!(
-        "data_safety: stopVM: all {acked} acknowledged records intact; {beyond} bytes beyond them (written after the last ack seen)"
-    );
-
-    // Harder: QEMU killed outright in the middle of the writes (no
-    // power-off, no sync): what was fsynced had reached the disk.
-    let acked = write_records(&pipe, &mut sub, T, SESSION, "kill", "records-kill").await;
-    let qemu = support::procfs::children_named(helper.pid(), "qemu");
-    assert_eq!(qemu.len(), 1, "QEMU processes of the helper: {qemu:?}");
-    // SAFETY: signalling the helper's QEMU child.
-    unsafe { libc::kill(qemu[0] as libc::pid_t, libc::SIGKILL) };
-    let deadline = Instant::now() + T;
-    while pipe.call("isRunning", json!({})).await.unwrap()["running"] == json!(true) {
-        assert!(
-            Instant::now() < deadline,
-            "the helper did not notice QEMU's end"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut rig = QemuRig { helper, pipe, sub };
+    for line in fsync_records::fsync_case(&mut rig, T, SESSION).await {
+        eprintln!("data_safety: {line}");
     }
-    start(&pipe, &helper, "after QEMU was killed").await;
-    let log = helper.log_text();
-    assert!(
-        log.contains(session_disk::NOT_CLEAN),
-        "a killed VM's disk needs its journal replayed: {log}"
-    );
-    let beyond = check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-kill",
-        "records-kill",
-        acked,
-    )
-    .await;
-    // The first file is still whole too.
-    check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-stop-2",
-        "records-stop",
-        1,
-    )
-    .await;
-    eprintln!(
-        "data_safety: QEMU killed: all {acked} acknowledged records intact; {beyond} bytes beyond them"
-    );
-    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    rig.pipe.call("stopVM", json!({})).await.expect("stopVM");
+    let QemuRig {
+        mut helper,
+        pipe,
+        sub,
+    } = rig;
     drop(sub);
     drop(pipe);
     helper.stop_clean(QEMU_VERBOSE_ENV);
     eprintln!("data_safety: fsync case took {:?}", t0.elapsed());
+}
+
+/// The fsync case's VM under `--backend qemu`: killed by killing QEMU.
+struct QemuRig {
+    helper: VmHelper,
+    pipe: Pipe,
+    sub: Subscription,
+}
+
+impl fsync_records::Rig for QemuRig {
+    fn client(&mut self) -> (&Pipe, &mut Subscription) {
+        (&self.pipe, &mut self.sub)
+    }
+
+    fn log(&self) -> String {
+        self.helper.log_text()
+    }
+
+    async fn start(&mut self, what: &str) {
+        start(&self.pipe, &self.helper, what).await;
+    }
+
+    /// SIGKILL to the helper's QEMU; returns once the helper noticed.
+    async fn kill(&mut self) {
+        let qemu = support::procfs::children_named(self.helper.pid(), "qemu");
+        assert_eq!(qemu.len(), 1, "QEMU processes of the helper: {qemu:?}");
+        // SAFETY: signalling the helper's QEMU child.
+        unsafe { libc::kill(qemu[0] as libc::pid_t, libc::SIGKILL) };
+        let deadline = Instant::now() + T;
+        while self.pipe.call("isRunning", json!({})).await.unwrap()["running"] == json!(true) {
+            assert!(
+                Instant::now() < deadline,
+                "the helper did not notice QEMU's end"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 /// The inner test of [`a_full_host_disk_fails_create_vm_and_keeps_the_image`].

@@ -23,11 +23,12 @@
 
 mod support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
-use support::fsync_records::{check_records, write_records};
+use support::fsync_records;
 use support::nested::{self, Mode};
 use support::session;
 use support::session_disk::{self, assert_unlocked};
@@ -117,104 +118,98 @@ fn body() {
     println!("{OK_MARKER}");
 }
 
-/// startVM with a small machine, within [`T`].
-async fn start(pipe: &cowork_helper::client::Pipe, helper: &VmHelper, what: &str) {
-    let t0 = Instant::now();
-    tokio::time::timeout(
-        T,
-        pipe.call("startVM", json!({"memoryGB": 1, "cpuCount": 1})),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("{what}: startVM took over {T:?}\n{}", helper.log_text()))
-    .unwrap_or_else(|e| panic!("{what}: startVM: {e}\n{}", helper.log_text()));
-    println!("{REPORT_PREFIX}{what}: startVM took {:?}", t0.elapsed());
+/// The fsync case's VM under `--backend kvm`: killed by killing the helper
+/// (the VMM is in its process); the next boot is a new helper's, on the
+/// same data directory.
+struct KvmRig {
+    dir: PathBuf,
+    helper: VmHelper,
+    /// Helpers started so far (names their socket and log).
+    helpers: u32,
+    pipe: Pipe,
+    sub: Subscription,
+    /// The logs of the helpers killed so far.
+    earlier_logs: String,
+}
+
+impl KvmRig {
+    async fn new(dir: &Path) -> KvmRig {
+        let helper = VmHelper::start_in(&built_helper(), dir, "helper1", "kvm", LISTEN_LIMIT);
+        let (pipe, sub) = session::client(&helper, PROFILE, ROOT, T).await;
+        KvmRig {
+            dir: dir.to_path_buf(),
+            helper,
+            helpers: 1,
+            pipe,
+            sub,
+            earlier_logs: String::new(),
+        }
+    }
+}
+
+impl fsync_records::Rig for KvmRig {
+    fn client(&mut self) -> (&Pipe, &mut Subscription) {
+        (&self.pipe, &mut self.sub)
+    }
+
+    fn log(&self) -> String {
+        self.helper.log_text()
+    }
+
+    async fn start(&mut self, what: &str) {
+        let t0 = Instant::now();
+        tokio::time::timeout(
+            T,
+            self.pipe
+                .call("startVM", json!({"memoryGB": 1, "cpuCount": 1})),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: startVM took over {T:?}\n{}", self.log()))
+        .unwrap_or_else(|e| panic!("{what}: startVM: {e}\n{}", self.log()));
+        println!("{REPORT_PREFIX}{what}: startVM took {:?}", t0.elapsed());
+    }
+
+    /// SIGKILL to the helper; then a new helper on the same data directory,
+    /// once the image is unlocked (the lock died with the helper).
+    async fn kill(&mut self) {
+        let mut child = self.helper.take_child().expect("the helper runs");
+        child.kill().expect("SIGKILL the helper");
+        child.wait().expect("reap the helper");
+        self.earlier_logs.push_str(&self.helper.log_text());
+        assert_unlocked(&session_disk::image_path(&self.dir, PROFILE, ROOT));
+        self.helpers += 1;
+        let name = format!("helper{}", self.helpers);
+        self.helper = VmHelper::start_in(&built_helper(), &self.dir, &name, "kvm", LISTEN_LIMIT);
+        (self.pipe, self.sub) = session::client(&self.helper, PROFILE, ROOT, T).await;
+    }
 }
 
 async fn body_async() {
-    let exe = built_helper();
     let dir = tempfile::Builder::new()
         .prefix("cowork-data-safety-kvm-")
         .tempdir_in(base_dir())
         .expect("tempdir");
-    let mut helper = VmHelper::start_in(&exe, dir.path(), "first", "kvm", LISTEN_LIMIT);
-    let (pipe, mut sub) = session::client(&helper, PROFILE, ROOT, T).await;
-    pipe.call("createVM", json!({"diskSizeGB": 1}))
+    let mut rig = KvmRig::new(dir.path()).await;
+    rig.pipe
+        .call("createVM", json!({"diskSizeGB": 1}))
         .await
         .expect("createVM");
-    start(&pipe, &helper, "first boot").await;
-
-    // stopVM in the middle of the writes.
-    let acked = write_records(&pipe, &mut sub, T, SESSION, "stop", "records-stop").await;
-    let stop_sent = Instant::now();
-    pipe.call("stopVM", json!({})).await.expect("stopVM");
-    println!(
-        "{REPORT_PREFIX}stopVM after {acked} acknowledged records took {:?}",
-        stop_sent.elapsed()
-    );
-    start(&pipe, &helper, "after stopVM").await;
-    let beyond = check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-stop",
-        "records-stop",
-        acked,
-    )
-    .await;
-    println!(
-        "{REPORT_PREFIX}stopVM: all {acked} acknowledged records intact, {beyond} bytes beyond"
-    );
-
-    // Harder: the helper, and with it the VMM, killed in the middle of the
-    // writes.
-    let acked = write_records(&pipe, &mut sub, T, SESSION, "kill", "records-kill").await;
-    let mut child = helper.take_child().expect("the first helper runs");
-    child.kill().expect("SIGKILL the helper");
-    child.wait().expect("reap the helper");
-    drop(sub);
-    drop(pipe);
-    let first_log = helper.log_text();
-    let disk = session_disk::image_path(dir.path(), PROFILE, ROOT);
-    assert_unlocked(&disk);
-
-    let mut helper = VmHelper::start_in(&exe, dir.path(), "second", "kvm", LISTEN_LIMIT);
-    let (pipe, mut sub) = session::client(&helper, PROFILE, ROOT, T).await;
-    start(&pipe, &helper, "after the helper was killed").await;
-    let log = helper.log_text();
-    assert!(
-        log.contains(session_disk::NOT_CLEAN),
-        "a killed VM's disk needs its journal replayed: {log}"
-    );
-    let beyond = check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-kill",
-        "records-kill",
-        acked,
-    )
-    .await;
-    // The first file is still whole too.
-    check_records(
-        &pipe,
-        &mut sub,
-        T,
-        SESSION,
-        "check-stop-2",
-        "records-stop",
-        1,
-    )
-    .await;
-    println!(
-        "{REPORT_PREFIX}helper killed: all {acked} acknowledged records intact, {beyond} bytes beyond"
-    );
-    pipe.call("stopVM", json!({})).await.expect("stopVM");
+    fsync_records::Rig::start(&mut rig, "first boot").await;
+    for line in fsync_records::fsync_case(&mut rig, T, SESSION).await {
+        println!("{REPORT_PREFIX}{line}");
+    }
+    rig.pipe.call("stopVM", json!({})).await.expect("stopVM");
+    let KvmRig {
+        mut helper,
+        pipe,
+        sub,
+        earlier_logs,
+        ..
+    } = rig;
     drop(sub);
     drop(pipe);
     if std::env::var_os(VERBOSE_ENV).is_some() {
-        eprintln!("---- first helper's log ----\n{first_log}---- end ----");
+        eprintln!("---- the killed helpers' logs ----\n{earlier_logs}---- end ----");
     }
     helper.stop_clean(VERBOSE_ENV);
 }

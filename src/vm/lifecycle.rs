@@ -325,26 +325,37 @@ mod tests {
     use super::*;
     use crate::backend::{BackendKind, VmConfig};
 
-    #[tokio::test]
-    async fn a_stale_machine_end_leaves_the_current_machine_alone() {
-        let tmp = tempfile::tempdir().unwrap();
-        let vm = Vm::new(VmConfig {
+    /// A sandbox-backend VM of a profile under `dir` (nothing started).
+    fn test_vm(dir: &std::path::Path) -> Arc<Vm> {
+        Vm::new(VmConfig {
             backend: BackendKind::Sandbox,
-            profile_dir: tmp.path().join("profile"),
+            profile_dir: dir.join("profile"),
             helper_exe: "/nonexistent/cowork-helper".into(),
             egress: crate::egress::EgressProxy::from_env(),
-        });
-        // A startVM tore machine 6 down and booted machine 7; machine 6's
-        // watcher only then reports its end.
-        let (kill, _kill_rx) = oneshot::channel();
-        let (probe_stop, _probe_rx) = watch::channel(false);
-        *vm.lifecycle.lock().await = Some(Machine {
-            serial: 7,
+        })
+    }
+
+    /// Machine `serial` whose backend task has ended (its kill and probe
+    /// channels lead nowhere).
+    fn ended_machine(serial: u64) -> Machine {
+        let (kill, _) = oneshot::channel();
+        let (probe_stop, _) = watch::channel(false);
+        Machine {
+            serial,
             kill: Some(kill),
             done: tokio::spawn(async {}),
             probe_stop,
             host_paths: HostPaths::Prefix("/".into()),
-        });
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stale_machine_end_leaves_the_current_machine_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = test_vm(tmp.path());
+        // A startVM tore machine 6 down and booted machine 7; machine 6's
+        // watcher only then reports its end.
+        *vm.lifecycle.lock().await = Some(ended_machine(7));
         vm.machine_gone(6, "machine 6 ended").await;
         assert!(
             vm.lifecycle
@@ -372,26 +383,13 @@ mod tests {
         use guest_agent::proto;
 
         let tmp = tempfile::tempdir().unwrap();
-        let vm = Vm::new(VmConfig {
-            backend: BackendKind::Sandbox,
-            profile_dir: tmp.path().join("profile"),
-            helper_exe: "/nonexistent/cowork-helper".into(),
-            egress: crate::egress::EgressProxy::from_env(),
-        });
+        let vm = test_vm(tmp.path());
         let (host, mut agent) = std::os::unix::net::UnixStream::pair().unwrap();
         host.set_nonblocking(true).unwrap();
         let host = tokio::net::UnixStream::from_std(host).unwrap();
         let link = vm.attach(proto::Hello::default(), host);
         vm.running.store(true, Ordering::Release);
-        let (kill, _kill_rx) = oneshot::channel();
-        let (probe_stop, _probe_rx) = watch::channel(false);
-        *vm.lifecycle.lock().await = Some(Machine {
-            serial: 1,
-            kill: Some(kill),
-            done: tokio::spawn(async {}),
-            probe_stop,
-            host_paths: HostPaths::Prefix("/".into()),
-        });
+        *vm.lifecycle.lock().await = Some(ended_machine(1));
         let call = link
             .send(Op::Ping, &[])
             .await

@@ -150,3 +150,65 @@ pub async fn check_records(
     }
     data.len() - acked as usize * RECORD_LEN
 }
+
+/// File of the records written before `stopVM`.
+const STOP_FILE: &str = "records-stop";
+/// File of the records written before the machine is killed.
+const KILL_FILE: &str = "records-kill";
+
+/// A running VM of a backend, for [`fsync_case`]: its client and how it
+/// boots and dies.
+pub trait Rig {
+    /// The client of the profile under test.
+    fn client(&mut self) -> (&Pipe, &mut Subscription);
+    /// Everything the helper (the current one) logged.
+    fn log(&self) -> String;
+    /// startVM that must succeed; `what` names the boot in messages.
+    async fn start(&mut self, what: &str);
+    /// Ends the machine the hard way in the middle of the writes (no
+    /// power-off, no sync) and returns once the next [`Rig::start`] can
+    /// boot the same profile.
+    async fn kill(&mut self);
+}
+
+/// The fsync case on a rig whose VM runs: records until
+/// [`ACKS_BEFORE_STOP`] acks, `stopVM`, boot, every acknowledged record
+/// intact; records again, the machine killed, boot (the journal replayed),
+/// every acknowledged record of both files intact. Each line of `report`
+/// says what was seen; `limit` bounds every step.
+pub async fn fsync_case(rig: &mut impl Rig, limit: Duration, session: &str) -> Vec<String> {
+    let mut report = Vec::new();
+    let (pipe, sub) = rig.client();
+    let acked = write_records(pipe, sub, limit, session, "stop", STOP_FILE).await;
+    let stop_sent = Instant::now();
+    pipe.call("stopVM", serde_json::json!({}))
+        .await
+        .expect("stopVM");
+    report.push(format!(
+        "stopVM after {acked} acknowledged records took {:?}",
+        stop_sent.elapsed()
+    ));
+    rig.start("after stopVM").await;
+    let (pipe, sub) = rig.client();
+    let beyond = check_records(pipe, sub, limit, session, "check-stop", STOP_FILE, acked).await;
+    report.push(format!(
+        "stopVM: all {acked} acknowledged records intact, {beyond} bytes beyond them"
+    ));
+
+    let acked = write_records(pipe, sub, limit, session, "kill", KILL_FILE).await;
+    rig.kill().await;
+    rig.start("after the kill").await;
+    let log = rig.log();
+    assert!(
+        log.contains(super::session_disk::NOT_CLEAN),
+        "a killed VM's disk needs its journal replayed: {log}"
+    );
+    let (pipe, sub) = rig.client();
+    let beyond = check_records(pipe, sub, limit, session, "check-kill", KILL_FILE, acked).await;
+    // The first file is still whole too.
+    check_records(pipe, sub, limit, session, "check-stop-2", STOP_FILE, 1).await;
+    report.push(format!(
+        "killed: all {acked} acknowledged records intact, {beyond} bytes beyond them"
+    ));
+    report
+}
