@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
 use support::gate::{qemu_gate, qemu_missing};
-use support::nested::{self, Mode};
+use support::nested;
 use support::procfs::{children_named, status_kib, thread_names};
 use support::session::{self, assert_exit_0, bash, ok, run, wait_stdout};
 use support::vm_helper::{self, built_helper, VmHelper};
@@ -376,28 +376,9 @@ fn kvm_body() {
 
 #[test]
 fn balloon_kvm() {
-    if std::env::var(INSIDE_ENV).is_ok_and(|v| v == "1") {
-        kvm_body();
-        return;
-    }
-    if let Some(why) = image_missing(&built_helper()) {
-        nested::unavailable(KVM_TEST, &why);
-        return;
-    }
-    let mode = nested::mode();
-    if mode == Mode::Nested {
-        if let Err(missing) = nested::harness_check() {
-            nested::unavailable(
-                KVM_TEST,
-                &format!("the nested-KVM harness is not usable: {missing}"),
-            );
-            return;
-        }
-    }
     let _one = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
-    match mode {
-        Mode::Direct => kvm_body(),
-        Mode::Nested => nested::rerun_test(&nested::Rerun {
+    nested::run_on_linux_kvm(
+        &nested::Rerun {
             test: KVM_TEST,
             inside_env: INSIDE_ENV,
             ok_marker: OK_MARKER,
@@ -406,6 +387,8 @@ fn balloon_kvm() {
             inner_timeout: INNER_TIMEOUT,
             harness_timeout: HARNESS_TIMEOUT,
             attempts: NESTED_ATTEMPTS,
-        }),
-    }
+        },
+        || image_missing(&built_helper()),
+        kvm_body,
+    );
 }

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use support::gate::{qemu_gate, qemu_missing};
-use support::nested::{self, Mode};
+use support::nested;
 use support::vm_helper;
 
 /// Every phase key the JSON must hold (`bench::boot::phases::Phase::ALL`).
@@ -188,36 +188,20 @@ fn bench_boot_qemu_json_and_chart() {
 
 #[test]
 fn bench_boot_kvm_nested() {
-    if std::env::var(INSIDE_ENV).is_ok_and(|v| v == "1") {
-        kvm_body();
-        return;
-    }
-    if let Some(why) = rootfs_missing() {
-        nested::unavailable(KVM_TEST, &why);
-        return;
-    }
-    match nested::mode() {
-        Mode::Direct => kvm_body(),
-        Mode::Nested => {
-            if let Err(missing) = nested::harness_check() {
-                nested::unavailable(
-                    KVM_TEST,
-                    &format!("the nested-KVM harness is not usable: {missing}"),
-                );
-                return;
-            }
-            nested::rerun_test(&nested::Rerun {
-                test: KVM_TEST,
-                inside_env: INSIDE_ENV,
-                ok_marker: OK_MARKER,
-                report_prefix: REPORT_PREFIX,
-                verbose_env: VERBOSE_ENV,
-                inner_timeout: BENCH_LIMIT,
-                harness_timeout: HARNESS_LIMIT,
-                attempts: NESTED_ATTEMPTS,
-            });
-        }
-    }
+    nested::run_on_linux_kvm(
+        &nested::Rerun {
+            test: KVM_TEST,
+            inside_env: INSIDE_ENV,
+            ok_marker: OK_MARKER,
+            report_prefix: REPORT_PREFIX,
+            verbose_env: VERBOSE_ENV,
+            inner_timeout: BENCH_LIMIT,
+            harness_timeout: HARNESS_LIMIT,
+            attempts: NESTED_ATTEMPTS,
+        },
+        rootfs_missing,
+        kvm_body,
+    );
 }
 
 /// `bench boot --backend kvm` where KVM boots Linux (directly, or inside L1).

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
 use support::fsync_records;
-use support::nested::{self, Mode};
+use support::nested;
 use support::session;
 use support::session_disk::{self, assert_unlocked};
 use support::vm_helper::{self, built_helper, VmHelper};
@@ -72,30 +72,8 @@ fn base_dir() -> PathBuf {
 
 #[test]
 fn kvm_stop_and_helper_kill_lose_nothing_that_was_fsynced() {
-    if std::env::var(INSIDE_ENV).is_ok_and(|v| v == "1") {
-        body();
-        return;
-    }
-    match vm_helper::image_for(&built_helper()) {
-        Err(e) => return nested::unavailable(TEST, &format!("no guest image: {e}")),
-        Ok(image) if image.rootfs.is_none() => return nested::unavailable(
-            TEST,
-            "the guest image has no default userland (rootfs.img); build it with scripts/setup.sh",
-        ),
-        Ok(_) => {}
-    }
-    let mode = nested::mode();
-    if mode == Mode::Nested {
-        if let Err(missing) = nested::harness_check() {
-            return nested::unavailable(
-                TEST,
-                &format!("the nested-KVM harness is not usable: {missing}"),
-            );
-        }
-    }
-    match mode {
-        Mode::Direct => body(),
-        Mode::Nested => nested::rerun_test(&nested::Rerun {
+    nested::run_on_linux_kvm(
+        &nested::Rerun {
             test: TEST,
             inside_env: INSIDE_ENV,
             ok_marker: OK_MARKER,
@@ -104,8 +82,19 @@ fn kvm_stop_and_helper_kill_lose_nothing_that_was_fsynced() {
             inner_timeout: INNER_TIMEOUT,
             harness_timeout: HARNESS_TIMEOUT,
             attempts: NESTED_ATTEMPTS,
-        }),
-    }
+        },
+        || {
+            match vm_helper::image_for(&built_helper()) {
+            Err(e) => Some(e),
+            Ok(image) if image.rootfs.is_none() => Some(
+                "the guest image has no default userland (rootfs.img); build it with scripts/setup.sh"
+                    .to_string(),
+            ),
+            Ok(_) => None,
+        }
+        },
+        body,
+    );
 }
 
 fn body() {

@@ -171,52 +171,32 @@ const KVM_VERBOSE_ENV: &str = "COWORK_EGRESS_KVM_VERBOSE";
 /// nested-KVM harness (everything at TCG speed there).
 #[test]
 fn egress_kvm_backend() {
-    const TEST: &str = "egress_kvm_backend";
-    let run_here = || {
-        let out = netns::rerun_in_namespaces("inner_egress_vm", &[(BACKEND_ENV, "kvm")], INNER_OK);
-        report(&out);
-    };
-    if std::env::var(KVM_INSIDE_ENV).is_ok_and(|v| v == "1") {
-        run_here();
-        println!("{INNER_OK}");
-        return;
-    }
-    if let Some(why) = missing() {
-        nested::unavailable(TEST, &why);
-        return;
-    }
-    match vm_helper::image_for(&built_helper()) {
-        Ok(img) if img.rootfs.is_some() => {}
-        Ok(_) | Err(_) => {
-            nested::unavailable(
-                TEST,
-                "no guest image with rootfs.img; build it with scripts/setup.sh",
-            );
-            return;
-        }
-    }
-    match nested::mode() {
-        nested::Mode::Direct => run_here(),
-        nested::Mode::Nested => {
-            if let Err(why) = nested::harness_check() {
-                nested::unavailable(
-                    TEST,
-                    &format!("the nested-KVM harness is not usable: {why}"),
-                );
-                return;
-            }
-            nested::rerun_test(&nested::Rerun {
-                test: TEST,
-                inside_env: KVM_INSIDE_ENV,
-                ok_marker: INNER_OK,
-                report_prefix: "RESULT ",
-                verbose_env: KVM_VERBOSE_ENV,
-                inner_timeout: Duration::from_secs(1500),
-                harness_timeout: Duration::from_secs(1600),
-                attempts: 3,
-            });
-        }
-    }
+    nested::run_on_linux_kvm(
+        &nested::Rerun {
+            test: "egress_kvm_backend",
+            inside_env: KVM_INSIDE_ENV,
+            ok_marker: INNER_OK,
+            report_prefix: "RESULT ",
+            verbose_env: KVM_VERBOSE_ENV,
+            inner_timeout: Duration::from_secs(1500),
+            harness_timeout: Duration::from_secs(1600),
+            attempts: 3,
+        },
+        || {
+            missing().or_else(|| match vm_helper::image_for(&built_helper()) {
+                Ok(img) if img.rootfs.is_some() => None,
+                Ok(_) | Err(_) => {
+                    Some("no guest image with rootfs.img; build it with scripts/setup.sh".into())
+                }
+            })
+        },
+        || {
+            let out =
+                netns::rerun_in_namespaces("inner_egress_vm", &[(BACKEND_ENV, "kvm")], INNER_OK);
+            report(&out);
+            println!("{INNER_OK}");
+        },
+    );
 }
 
 /// Where the helper's files go: inside the nested harness `/` is the

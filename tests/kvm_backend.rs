@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use cowork_helper::backend::image::{self, GuestImage};
 use cowork_helper::client::Pipe;
 use serde_json::json;
-use support::nested::{self, Mode};
+use support::nested;
 use support::procfs::{
     kvm_fds, large_mappings_rss_kib, settled_fd_kinds, status_kib, thread_names,
 };
@@ -147,58 +147,40 @@ fn build_image() -> Result<GuestImage, String> {
     vm_helper::image_for(&helper_exe())
 }
 
-/// How to run, or `None` after a loud skip. Panics when the test is
-/// required and something is missing.
-fn plan() -> Option<Mode> {
-    let unavailable = |reason: String| -> Option<Mode> {
-        nested::unavailable(TEST, &reason);
-        None
-    };
-    let mode = nested::mode();
-    if let Err(why) = vm_helper::image_for(&helper_exe()) {
-        if !nested::nested_tests_required() {
-            return unavailable(format!(
-                "no guest image ({why}); build it with scripts/mkguestimage.sh"
-            ));
-        }
-        if let Err(e) = build_image() {
-            panic!("COWORK_NESTED_TESTS=1, there was no guest image ({why}) and building one failed: {e}");
-        }
+/// Why the test cannot run, if it cannot: no guest image. With
+/// `COWORK_NESTED_TESTS=1` a missing image is built instead (a failed build
+/// fails the test).
+fn image_missing() -> Option<String> {
+    let why = vm_helper::image_for(&helper_exe()).err()?;
+    if !nested::nested_tests_required() {
+        return Some(format!(
+            "no guest image ({why}); build it with scripts/mkguestimage.sh"
+        ));
     }
-    if mode == Mode::Nested {
-        if let Err(missing) = nested::harness_check() {
-            return unavailable(format!("the nested-KVM harness is not usable: {missing}"));
-        }
+    if let Err(e) = build_image() {
+        panic!(
+            "COWORK_NESTED_TESTS=1, there was no guest image ({why}) and building one failed: {e}"
+        );
     }
-    Some(mode)
+    None
 }
 
 #[test]
 fn kvm_backend_end_to_end() {
-    if std::env::var(INSIDE_ENV).is_ok_and(|v| v == "1") {
-        body();
-        return;
-    }
-    match plan() {
-        None => {}
-        Some(Mode::Direct) => body(),
-        Some(Mode::Nested) => nested_run(),
-    }
-}
-
-/// Re-runs this test binary inside the nested harness (in direct mode) and
-/// checks that the body passed there.
-fn nested_run() {
-    nested::rerun_test(&nested::Rerun {
-        test: TEST,
-        inside_env: INSIDE_ENV,
-        ok_marker: OK_MARKER,
-        report_prefix: REPORT_PREFIX,
-        verbose_env: VERBOSE_ENV,
-        inner_timeout: INNER_TIMEOUT,
-        harness_timeout: HARNESS_TIMEOUT,
-        attempts: NESTED_ATTEMPTS,
-    });
+    nested::run_on_linux_kvm(
+        &nested::Rerun {
+            test: TEST,
+            inside_env: INSIDE_ENV,
+            ok_marker: OK_MARKER,
+            report_prefix: REPORT_PREFIX,
+            verbose_env: VERBOSE_ENV,
+            inner_timeout: INNER_TIMEOUT,
+            harness_timeout: HARNESS_TIMEOUT,
+            attempts: NESTED_ATTEMPTS,
+        },
+        image_missing,
+        body,
+    );
 }
 
 /// Threads of `pid` that belong to a running VM.

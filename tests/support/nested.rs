@@ -528,6 +528,35 @@ pub struct Rerun<'a> {
     pub attempts: u32,
 }
 
+/// How a test that needs a KVM able to boot Linux runs: `body` directly
+/// when this is its re-run inside the harness (`spec.inside_env=1`) or when
+/// this host's KVM boots Linux ([`mode`]); otherwise [`rerun_test`] inside
+/// the nested harness. `missing` (why the test cannot run at all) is asked
+/// outside the harness only: a reason, or an unusable harness, is
+/// [`unavailable`] (a loud skip, or a failure under `COWORK_NESTED_TESTS=1`).
+pub fn run_on_linux_kvm(
+    spec: &Rerun<'_>,
+    missing: impl FnOnce() -> Option<String>,
+    body: impl FnOnce(),
+) {
+    if env::var(spec.inside_env).is_ok_and(|v| v == "1") {
+        return body();
+    }
+    if let Some(why) = missing() {
+        return unavailable(spec.test, &why);
+    }
+    match mode() {
+        Mode::Direct => body(),
+        Mode::Nested => match harness_check() {
+            Ok(_) => rerun_test(spec),
+            Err(why) => unavailable(
+                spec.test,
+                &format!("the nested-KVM harness is not usable: {why}"),
+            ),
+        },
+    }
+}
+
 /// Re-runs this test binary's `spec.test` inside the nested harness (in
 /// direct mode, with `spec.inside_env=1`) and checks that it passed there;
 /// retries L1 deaths and failed runs up to `spec.attempts` times (nested
