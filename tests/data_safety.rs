@@ -501,24 +501,43 @@ fn rerun_in_mount_namespace(inner: &str) -> String {
 }
 
 /// A temporary directory for a helper whose data directory (only) is a
-/// tmpfs of [`TMPFS_SIZE`] (in this process's mount namespace).
-fn helper_dir_on_tmpfs() -> tempfile::TempDir {
-    let tmp = tempfile::Builder::new()
-        .prefix("cowork-data-safety-host-")
-        .tempdir()
-        .expect("tempdir");
-    let data = vm_helper::data_dir(tmp.path());
-    std::fs::create_dir_all(&data).unwrap();
-    support::netns::run(&[
-        "mount",
-        "-t",
-        "tmpfs",
-        "-o",
-        &format!("size={TMPFS_SIZE},mode=0700"),
-        "tmpfs",
-        data.to_str().unwrap(),
-    ]);
-    tmp
+/// tmpfs of [`TMPFS_SIZE`] (in this process's mount namespace). Dropping it
+/// unmounts the tmpfs first: a mount point cannot be removed, and the
+/// directory would be left behind on the host.
+struct HelperDirOnTmpfs(tempfile::TempDir);
+
+impl HelperDirOnTmpfs {
+    fn new() -> HelperDirOnTmpfs {
+        let tmp = tempfile::Builder::new()
+            .prefix("cowork-data-safety-host-")
+            .tempdir()
+            .expect("tempdir");
+        let data = vm_helper::data_dir(tmp.path());
+        std::fs::create_dir_all(&data).unwrap();
+        support::netns::run(&[
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={TMPFS_SIZE},mode=0700"),
+            "tmpfs",
+            data.to_str().unwrap(),
+        ]);
+        HelperDirOnTmpfs(tmp)
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for HelperDirOnTmpfs {
+    fn drop(&mut self) {
+        let data = vm_helper::data_dir(self.0.path());
+        if let Err(e) = Command::new("umount").arg(&data).status() {
+            eprintln!("data_safety: cannot unmount {}: {e}", data.display());
+        }
+    }
 }
 
 #[test]
@@ -574,7 +593,7 @@ print("ok")
 async fn inner_host_fills_while_running() {
     const PROFILE: &str = "fills";
     const SESSION: &str = "writer";
-    let tmp = helper_dir_on_tmpfs();
+    let tmp = HelperDirOnTmpfs::new();
     let data = vm_helper::data_dir(tmp.path());
     let mut helper = VmHelper::start_in(
         &built_helper(),
@@ -700,7 +719,7 @@ fn listing(dir: &Path) -> Vec<String> {
 async fn inner_host_full() {
     const OLD: &str = "old";
     const NEW: &str = "new";
-    let tmp = helper_dir_on_tmpfs();
+    let tmp = HelperDirOnTmpfs::new();
     let data = vm_helper::data_dir(tmp.path());
     // Only the data directory is on the tmpfs: the socket and the log are not.
     let mut helper = VmHelper::start_in(
