@@ -282,14 +282,28 @@ mod tests {
         ));
     }
 
-    /// The `VmFlags` of the mapping starting at `addr` in /proc/self/smaps.
+    /// The `VmFlags` of the mapping holding `addr` in /proc/self/smaps. Not
+    /// "starting at": the kernel merges a mapping with a neighbour of the
+    /// same flags, which another test thread may have just made.
     fn vm_flags(addr: usize) -> String {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let head = format!("{addr:x}-");
-        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        let holds = |line: &str| {
+            let range = line.split_whitespace().next().unwrap_or_default();
+            let Some((start, end)) = range.split_once('-') else {
+                return false;
+            };
+            match (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                (Ok(start), Ok(end)) => start <= addr && addr < end,
+                _ => false,
+            }
+        };
+        let mut lines = smaps.lines().skip_while(|l| !holds(l));
         lines
             .find_map(|l| l.strip_prefix("VmFlags:"))
-            .unwrap_or_else(|| panic!("no mapping at {addr:#x}"))
+            .unwrap_or_else(|| panic!("no mapping holds {addr:#x}"))
             .to_string()
     }
 
