@@ -25,7 +25,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use cowork_helper::client::{Pipe, Subscription};
@@ -303,20 +302,6 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
-/// Our guest image with its userland, or why not.
-fn image_missing(exe: &std::path::Path) -> Option<String> {
-    match vm_helper::image_for(exe) {
-        Ok(img) if img.rootfs.is_some() => None,
-        Ok(img) => Some(format!(
-            "the guest image {} has no rootfs.img; build it with scripts/setup.sh",
-            img.dir.display()
-        )),
-        Err(e) => Some(format!(
-            "no guest image ({e}); build it with scripts/mkguestimage.sh"
-        )),
-    }
-}
-
 fn stop(mut helper: VmHelper) {
     if std::env::var_os(VERBOSE_ENV).is_some() {
         eprintln!("---- helper log ----\n{}---- end ----", helper.log_text());
@@ -329,7 +314,10 @@ fn balloon_qemu() {
     if !qemu_gate(
         "balloon_qemu",
         "balloon_qemu",
-        [qemu_missing(), image_missing(&built_helper())],
+        [
+            qemu_missing(),
+            vm_helper::userland_image_missing(&built_helper()),
+        ],
     ) {
         return;
     }
@@ -345,22 +333,12 @@ fn balloon_qemu() {
     });
 }
 
-/// Where the kvm helper's files go: inside the harness `/` is the host's
-/// over virtiofs, so the socket and state stay on the L1 guest's tmpfs.
-fn kvm_base_dir() -> PathBuf {
-    if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-        PathBuf::from("/dev/shm")
-    } else {
-        std::env::temp_dir()
-    }
-}
-
 fn kvm_body() {
     runtime().block_on(async {
         let helper = VmHelper::start_temp(
             &built_helper(),
             "cowork-balloon-kvm-",
-            &kvm_base_dir(),
+            &nested::helper_base_dir(),
             "kvm",
             Duration::from_secs(30),
         );
@@ -388,7 +366,7 @@ fn balloon_kvm() {
             harness_timeout: HARNESS_TIMEOUT,
             attempts: NESTED_ATTEMPTS,
         },
-        || image_missing(&built_helper()),
+        || vm_helper::userland_image_missing(&built_helper()),
         kvm_body,
     );
 }

@@ -61,20 +61,6 @@ fn helper_exe() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
 }
 
-/// Whether the guest image has its userland disk; the reason when not.
-fn rootfs_missing() -> Option<String> {
-    match vm_helper::image_for(&helper_exe()) {
-        Ok(img) if img.rootfs.is_some() => None,
-        Ok(img) => Some(format!(
-            "the guest image {} has no rootfs.img; build it with scripts/setup.sh",
-            img.dir.display()
-        )),
-        Err(e) => Some(format!(
-            "no guest image ({e}); build it with scripts/setup.sh"
-        )),
-    }
-}
-
 /// Runs `bench boot --backend BACKEND -n 1 --warmup 0 --json --chart CHART`
 /// with its temporary files under `tmp`; returns the parsed JSON.
 fn run_bench(backend: &str, tmp: &Path, chart: &Path) -> Value {
@@ -170,7 +156,10 @@ fn bench_boot_qemu_json_and_chart() {
     if !qemu_gate(
         "bench_boot_qemu_json_and_chart",
         "the bench boot QEMU test",
-        [qemu_missing(), rootfs_missing()],
+        [
+            qemu_missing(),
+            vm_helper::userland_image_missing(&helper_exe()),
+        ],
     ) {
         return;
     }
@@ -199,20 +188,14 @@ fn bench_boot_kvm_nested() {
             harness_timeout: HARNESS_LIMIT,
             attempts: NESTED_ATTEMPTS,
         },
-        rootfs_missing,
+        || vm_helper::userland_image_missing(&helper_exe()),
         kvm_body,
     );
 }
 
 /// `bench boot --backend kvm` where KVM boots Linux (directly, or inside L1).
 fn kvm_body() {
-    // Inside the harness `/` is the host's over virtiofs: sockets and state
-    // go to the L1 guest's own tmpfs.
-    let tmp = if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-        tempfile::tempdir_in("/dev/shm").unwrap()
-    } else {
-        tempfile::tempdir().unwrap()
-    };
+    let tmp = tempfile::tempdir_in(nested::helper_base_dir()).unwrap();
     let chart = tmp.path().join("boot.svg");
     let v = run_bench("kvm", tmp.path(), &chart);
     let run = check_report(&v, "kvm", &chart);

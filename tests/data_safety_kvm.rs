@@ -24,7 +24,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::json;
@@ -60,16 +60,6 @@ const ROOT: &str = "/tmp/data-safety-kvm-profile";
 /// The session that writes the records.
 const SESSION: &str = "records";
 
-/// Where the helpers' files go: inside the harness `/` is the host's over
-/// virtiofs, so sockets, logs and the disk image stay on L1's own tmpfs.
-fn base_dir() -> PathBuf {
-    if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-        PathBuf::from("/dev/shm")
-    } else {
-        std::env::temp_dir()
-    }
-}
-
 #[test]
 fn kvm_stop_and_helper_kill_lose_nothing_that_was_fsynced() {
     nested::run_on_linux_kvm(
@@ -83,16 +73,7 @@ fn kvm_stop_and_helper_kill_lose_nothing_that_was_fsynced() {
             harness_timeout: HARNESS_TIMEOUT,
             attempts: NESTED_ATTEMPTS,
         },
-        || {
-            match vm_helper::image_for(&built_helper()) {
-            Err(e) => Some(e),
-            Ok(image) if image.rootfs.is_none() => Some(
-                "the guest image has no default userland (rootfs.img); build it with scripts/setup.sh"
-                    .to_string(),
-            ),
-            Ok(_) => None,
-        }
-        },
+        || vm_helper::userland_image_missing(&built_helper()),
         body,
     );
 }
@@ -146,16 +127,9 @@ impl fsync_records::Rig for KvmRig {
     }
 
     async fn start(&mut self, what: &str) {
-        let t0 = Instant::now();
-        tokio::time::timeout(
-            T,
-            self.pipe
-                .call("startVM", json!({"memoryGB": 1, "cpuCount": 1})),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{what}: startVM took over {T:?}\n{}", self.log()))
-        .unwrap_or_else(|e| panic!("{what}: startVM: {e}\n{}", self.log()));
-        println!("{REPORT_PREFIX}{what}: startVM took {:?}", t0.elapsed());
+        let params = json!({"memoryGB": 1, "cpuCount": 1});
+        let took = session::start_vm(&self.pipe, &self.helper, params, T, what).await;
+        println!("{REPORT_PREFIX}{what}: startVM took {took:?}");
     }
 
     /// SIGKILL to the helper; then a new helper on the same data directory,
@@ -176,7 +150,7 @@ impl fsync_records::Rig for KvmRig {
 async fn body_async() {
     let dir = tempfile::Builder::new()
         .prefix("cowork-data-safety-kvm-")
-        .tempdir_in(base_dir())
+        .tempdir_in(nested::helper_base_dir())
         .expect("tempdir");
     let mut rig = KvmRig::new(dir.path()).await;
     rig.pipe

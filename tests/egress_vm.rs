@@ -147,14 +147,7 @@ fn egress_sandbox_backend() {
 #[test]
 fn egress_qemu_backend() {
     const TEST: &str = "egress_qemu_backend";
-    let no_rootfs = match vm_helper::image_for(&built_helper()) {
-        Ok(img) if img.rootfs.is_some() => None,
-        Ok(img) => Some(format!(
-            "the guest image {} has no rootfs.img; build it with scripts/setup.sh",
-            img.dir.display()
-        )),
-        Err(e) => Some(format!("no guest image ({e})")),
-    };
+    let no_rootfs = vm_helper::userland_image_missing(&built_helper());
     if !qemu_gate(TEST, TEST, [qemu_missing(), no_rootfs, missing()]) {
         return;
     }
@@ -182,14 +175,7 @@ fn egress_kvm_backend() {
             harness_timeout: Duration::from_secs(1600),
             attempts: 3,
         },
-        || {
-            missing().or_else(|| match vm_helper::image_for(&built_helper()) {
-                Ok(img) if img.rootfs.is_some() => None,
-                Ok(_) | Err(_) => {
-                    Some("no guest image with rootfs.img; build it with scripts/setup.sh".into())
-                }
-            })
-        },
+        || missing().or_else(|| vm_helper::userland_image_missing(&built_helper())),
         || {
             let out =
                 netns::rerun_in_namespaces("inner_egress_vm", &[(BACKEND_ENV, "kvm")], INNER_OK);
@@ -197,16 +183,6 @@ fn egress_kvm_backend() {
             println!("{INNER_OK}");
         },
     );
-}
-
-/// Where the helper's files go: inside the nested harness `/` is the
-/// host's over virtiofs, so the socket and state stay on L1's own tmpfs.
-fn helper_base_dir() -> std::path::PathBuf {
-    if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-        "/dev/shm".into()
-    } else {
-        std::env::temp_dir()
-    }
 }
 
 /// Prints the inner run's RESULT lines (what each attempt saw).
@@ -466,7 +442,7 @@ fn inner_egress_vm() {
         let mut helper = VmHelper::start_temp(
             &built_helper(),
             "egress-vm-",
-            &helper_base_dir(),
+            &nested::helper_base_dir(),
             &backend,
             Duration::from_secs(15),
         );

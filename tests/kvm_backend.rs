@@ -119,16 +119,6 @@ fn helper_exe() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper")))
 }
 
-/// Where the helper's files go: inside the harness `/` is the host's over
-/// virtiofs, so the socket and state stay on the L1 guest's own tmpfs.
-fn helper_base_dir() -> PathBuf {
-    if std::env::var_os("COWORK_NESTED_INSIDE").is_some() {
-        PathBuf::from("/dev/shm")
-    } else {
-        std::env::temp_dir()
-    }
-}
-
 /// Builds the guest image with `scripts/mkguestimage.sh` (its default
 /// output is where [`vm_helper::image_for`] looks).
 fn build_image() -> Result<GuestImage, String> {
@@ -257,7 +247,7 @@ async fn body_async() {
     let mut helper = VmHelper::start_temp(
         &helper_exe(),
         "cowork-kvm-e2e-",
-        &helper_base_dir(),
+        &nested::helper_base_dir(),
         "kvm",
         Duration::from_secs(30),
     );

@@ -37,7 +37,7 @@ while True:
 "#;
 
 /// The record the writer appends as number `seq`.
-pub fn record(seq: u64) -> Vec<u8> {
+fn record(seq: u64) -> Vec<u8> {
     let head = format!("{seq:08} ");
     let unit = format!("{:08}", seq * 7919 % 100_000_000);
     let mut rec = head.into_bytes();

@@ -42,6 +42,17 @@ pub fn guest_cache_dir() -> PathBuf {
     repo_root().join("target/guest-cache")
 }
 
+/// Where a VM test's helper keeps its socket and state: inside the harness
+/// (`COWORK_NESTED_INSIDE`) `/` is the host's over virtiofs, so L1's own
+/// tmpfs; elsewhere the system's temporary directory.
+pub fn helper_base_dir() -> PathBuf {
+    if env::var_os("COWORK_NESTED_INSIDE").is_some() {
+        PathBuf::from("/dev/shm")
+    } else {
+        env::temp_dir()
+    }
+}
+
 /// Whether `COWORK_NESTED_TESTS=1`: then missing prerequisites are failures, not skips.
 pub fn nested_tests_required() -> bool {
     env::var("COWORK_NESTED_TESTS").is_ok_and(|v| v == "1")

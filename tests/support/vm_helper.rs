@@ -22,6 +22,21 @@ pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::image::GuestImage
         .map_err(|e| e.to_string())
 }
 
+/// Why the guest image `exe` uses cannot run sessions in its default
+/// userland (no image, or one without `rootfs.img`); `None` when it can.
+pub fn userland_image_missing(exe: &Path) -> Option<String> {
+    match image_for(exe) {
+        Ok(img) if img.rootfs.is_some() => None,
+        Ok(img) => Some(format!(
+            "the guest image {} has no rootfs.img; build it with scripts/setup.sh",
+            img.dir.display()
+        )),
+        Err(e) => Some(format!(
+            "no guest image ({e}); build it with scripts/setup.sh"
+        )),
+    }
+}
+
 /// The helper's data directory (`--data-dir`) when it was started in `dir`.
 pub fn data_dir(dir: &Path) -> PathBuf {
     dir.join("data")

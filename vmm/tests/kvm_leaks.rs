@@ -15,16 +15,16 @@ use vmm::{Config, ExitReason, Vm};
 /// at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-/// The process's open fd numbers.
+/// The process's open fd numbers (the listing's own fd included).
 fn fd_set() -> BTreeSet<i32> {
     std::fs::read_dir("/proc/self/fd")
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect()
+}
+
+fn fds() -> usize {
+    fd_set().len()
 }
 
 /// Whether `fd` is closed on exec, or `None` once it is closed (the
@@ -118,8 +118,9 @@ fn every_fd_of_a_running_vm_is_close_on_exec() {
     let t = std::thread::spawn(move || {
         // Long enough for the vCPU threads and the event loop to be up.
         std::thread::sleep(std::time::Duration::from_millis(300));
-        let open: Vec<(i32, String)> = fd_set()
-            .difference(&before)
+        let new: Vec<i32> = fd_set().difference(&before).copied().collect();
+        let open: Vec<(i32, String)> = new
+            .iter()
             .filter(|&&fd| cloexec(fd) == Some(false))
             .map(|&fd| {
                 let target = std::fs::read_link(format!("/proc/self/fd/{fd}"))
@@ -128,9 +129,8 @@ fn every_fd_of_a_running_vm_is_close_on_exec() {
                 (fd, target)
             })
             .collect();
-        let new = fd_set().difference(&before).count();
         assert!(h.stop());
-        (new, open)
+        (new.len(), open)
     });
     assert_eq!(vm.run().unwrap(), ExitReason::Stopped);
     let (new, inherited) = t.join().unwrap();
