@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::backend::image::ImageSearch;
 use crate::backend::userland::UserlandChoice;
 use crate::backend::BackendKind;
 use crate::daemon::{Daemon, Settings};
@@ -124,8 +125,18 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Report which backends work on this machine and why.
+    /// Report which backends work on this machine and why, and what the
+    /// desktop client needs before it starts this helper.
     Doctor(DoctorArgs),
+    /// Make the desktop client start this helper: keep its official helper
+    /// aside as cowork-linux-helper.official and link ours in its place
+    /// (for clients not installed with our Debian package).
+    Install(InstallArgs),
+    /// Undo `install`: put the official helper back, exactly.
+    Uninstall(InstallArgs),
+    /// The guest userland.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Measure RPC latency, spawn latency and output throughput
     /// (`bench boot`: the guest's boot under the VM backends).
     Bench(BenchArgs),
@@ -255,6 +266,71 @@ pub struct DoctorArgs {
     /// $COWORK_USERLAND, else auto).
     #[arg(long, value_enum)]
     pub userland: Option<UserlandArg>,
+    /// The client's resources directory, holding its cowork-linux-helper
+    /// (default: /usr/lib/claude-desktop/resources).
+    #[arg(long, value_name = "DIR")]
+    pub client_dir: Option<PathBuf>,
+    /// The client's VM bundle directory (default:
+    /// ~/.config/Claude/vm_bundles/claudevm.bundle).
+    #[arg(long, value_name = "DIR")]
+    pub bundle: Option<PathBuf>,
+}
+
+/// `install`'s and `uninstall`'s options.
+#[derive(Debug, Args)]
+pub struct InstallArgs {
+    /// The client's resources directory, holding its cowork-linux-helper.
+    #[arg(long, value_name = "DIR", default_value = crate::install::CLIENT_DIR)]
+    pub client_dir: PathBuf,
+    /// Work on the system under DIR (an image, a chroot): every path is
+    /// taken under it and nothing is reloaded.
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub root: PathBuf,
+    /// Leave the udev rule, the modules-load entry and the AppArmor profile
+    /// alone.
+    #[arg(long)]
+    pub no_system_files: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Build our Debian userland (rootfs.img) for machines without the
+    /// client's bundle: mmdebstrap from the Debian archive, into
+    /// /var/lib/cowork-helper/userland as root, else <data dir>/userland.
+    Build(ImageBuildArgs),
+}
+
+/// `image build`'s options (see [`crate::image_build`]).
+#[derive(Debug, Args)]
+pub struct ImageBuildArgs {
+    /// Where to put rootfs.img (default: /var/lib/cowork-helper/userland as
+    /// root, else the data directory's userland/).
+    #[arg(long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+    /// Build cache (default: $COWORK_GUEST_CACHE, else
+    /// /var/cache/cowork-helper as root, else $XDG_CACHE_HOME/cowork-helper).
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+    /// Debian archive to install from (default: the host's apt sources'
+    /// Debian archive).
+    #[arg(long, value_name = "URI")]
+    pub mirror: Option<String>,
+    /// Build again even when the cache has the image.
+    #[arg(long)]
+    pub refresh: bool,
+}
+
+impl ImageBuildArgs {
+    /// The build's options, with the data directory `data_dir`.
+    pub fn options(&self, data_dir: &std::path::Path) -> crate::image_build::Options {
+        crate::image_build::Options::new(
+            self.output.clone(),
+            self.cache.clone(),
+            self.mirror.clone(),
+            self.refresh,
+            data_dir,
+        )
+    }
 }
 
 impl DoctorArgs {
@@ -293,6 +369,60 @@ pub enum VmCommand {
     },
 }
 
+impl Cli {
+    /// `--data-dir`, else the default, made absolute (the sandbox binds it
+    /// into the guest).
+    pub fn data_dir_or_default(&self) -> PathBuf {
+        let data_dir = self.data_dir.clone().unwrap_or_else(default_data_dir);
+        if data_dir.is_absolute() {
+            return data_dir;
+        }
+        std::env::current_dir()
+            .map(|d| d.join(&data_dir))
+            .unwrap_or(data_dir)
+    }
+
+    /// Where this process looks for the guest image and the userland.
+    pub fn image_search(&self) -> ImageSearch {
+        ImageSearch::from_process(Some(self.data_dir_or_default()))
+    }
+}
+
+/// `install` (`true`) or `uninstall`: prints what was done, or the one
+/// line saying why nothing was.
+fn install_command(a: &InstallArgs, install: bool) -> i32 {
+    use crate::install::{self, system::SystemFiles, Target};
+    let verb = if install { "install" } else { "uninstall" };
+    let exe = match std::env::current_exe().and_then(std::fs::canonicalize) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("cowork-helper {verb}: {}", install::InstallError::OwnExe(e));
+            return 1;
+        }
+    };
+    let target = Target::new(&a.root, Some(&a.client_dir), exe);
+    let files = SystemFiles {
+        write: !a.no_system_files,
+    };
+    let result = if install {
+        install::install(&target, &files)
+    } else {
+        install::uninstall(&target, &files)
+    };
+    match result {
+        Ok(report) => {
+            for line in report.lines {
+                println!("{line}");
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("cowork-helper {verb}: {e}");
+            1
+        }
+    }
+}
+
 /// Rewrites `-socket X` / `-socket=X` to their double-dash forms.
 pub fn normalize_args(args: Vec<String>) -> Vec<String> {
     args.into_iter()
@@ -324,47 +454,6 @@ fn default_data_dir() -> PathBuf {
     PathBuf::from("/var/tmp/cowork-helper")
 }
 
-/// What `doctor` says about the userland the VM backends give sessions.
-fn userland_line(choice: UserlandChoice) -> String {
-    use crate::backend::image::GuestImage;
-    use crate::backend::userland::{self, UserlandKind};
-    let image = match GuestImage::locate(None) {
-        Ok(i) => i,
-        Err(e) => return format!("none: {e}"),
-    };
-    let plan = match userland::plan(choice, &image, None) {
-        Ok(p) => p,
-        Err(e) => return format!("UNUSABLE: {e}"),
-    };
-    let bundle_note = match choice {
-        UserlandChoice::Auto => {
-            "; a client bundle whose rootfs.img validates is preferred when startVM names one"
-        }
-        UserlandChoice::Bundle => {
-            "; forced: the client bundle's rootfs.img, startVM fails without a valid one"
-        }
-        _ => "",
-    };
-    match plan.disks.first() {
-        Some(disk) if disk.kind == UserlandKind::Default => {
-            let size = std::fs::metadata(&disk.path)
-                .map(|m| m.len() >> 20)
-                .unwrap_or(0);
-            format!(
-                "default (Debian, read-only {} of {size} MiB under a tmpfs overlay; sessions as their own users){bundle_note}",
-                disk.path.display()
-            )
-        }
-        _ => format!(
-            "initramfs (busybox only: no bash, python or node){}{bundle_note}",
-            plan.skipped
-                .first()
-                .map(|why| format!("; {why}"))
-                .unwrap_or_default()
-        ),
-    }
-}
-
 /// Resolves `auto` to a concrete backend, with the reason.
 ///
 /// `auto` prefers the in-process VM (`kvm`) when `/dev/kvm` can run Linux
@@ -373,7 +462,7 @@ fn userland_line(choice: UserlandChoice) -> String {
 /// a host like the CI machine (PVM KVM) building the guest image switches
 /// `auto` to QEMU under TCG, which starts in seconds where the sandbox takes
 /// milliseconds; the test suites and `bench` pass `--backend` explicitly.
-pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
+pub fn resolve_backend(choice: BackendChoice, images: &ImageSearch) -> (BackendKind, &'static str) {
     match choice {
         BackendChoice::Sandbox => (BackendKind::Sandbox, "requested with --backend sandbox"),
         BackendChoice::Qemu => (BackendKind::Qemu, "requested with --backend qemu"),
@@ -382,7 +471,7 @@ pub fn resolve_backend(choice: BackendChoice) -> (BackendKind, &'static str) {
             use crate::backend::qemu;
             auto_backend(
                 qemu::find_qemu().is_ok(),
-                crate::backend::image::GuestImage::locate(None).is_ok(),
+                images.locate(None).is_ok(),
                 crate::backend::guest::kvm_for_linux().is_ok(),
             )
         }
@@ -406,7 +495,7 @@ pub fn auto_backend(
         ),
         (_, false, true) => (
             BackendKind::Sandbox,
-            "auto: /dev/kvm can run Linux but no guest image was found (scripts/mkguestimage.sh), so the namespace sandbox",
+            "auto: /dev/kvm can run Linux but no guest image was found (install the cowork-helper package, or scripts/setup.sh in a checkout), so the namespace sandbox",
         ),
         (false, _, false) => (
             BackendKind::Sandbox,
@@ -414,7 +503,7 @@ pub fn auto_backend(
         ),
         (true, false, false) => (
             BackendKind::Sandbox,
-            "auto: no guest image found (scripts/mkguestimage.sh), so the namespace sandbox",
+            "auto: no guest image found (install the cowork-helper package, or scripts/setup.sh in a checkout), so the namespace sandbox",
         ),
     }
 }
@@ -442,7 +531,22 @@ pub fn main(args: Vec<String>) -> i32 {
         }
         Some(Command::Doctor(ref d)) => {
             let (backend, userland) = d.choices(&cli);
-            doctor(backend, userland, cli.seccomp.into())
+            crate::doctor::run(&crate::doctor::Options {
+                backend,
+                userland: userland.into(),
+                seccomp: cli.seccomp.into(),
+                images: cli.image_search(),
+                client_dir: d
+                    .client_dir
+                    .clone()
+                    .unwrap_or_else(|| crate::install::CLIENT_DIR.into()),
+                bundle: d.bundle.clone(),
+            })
+        }
+        Some(Command::Install(ref a)) => install_command(a, true),
+        Some(Command::Uninstall(ref a)) => install_command(a, false),
+        Some(Command::Image(ImageCommand::Build(ref b))) => {
+            crate::image_build::main(&b.options(&cli.data_dir_or_default()))
         }
         Some(Command::Vm(VmCommand::Run {
             kernel,
@@ -466,95 +570,6 @@ pub fn main(args: Vec<String>) -> i32 {
     }
 }
 
-fn doctor(backend: BackendChoice, userland: UserlandArg, seccomp: vmm::seccomp::Mode) -> i32 {
-    // A report for people, often piped into `head` or `grep -q`: a reader
-    // that goes away ends it quietly, as it does any Unix filter, instead of
-    // println! panicking on EPIPE. (Only here: the daemon keeps SIGPIPE
-    // ignored and handles EPIPE on its sockets.)
-    // SAFETY: restoring the default disposition of one signal.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    let (kind, why) = resolve_backend(backend);
-    println!("auto picks: {} ({why})", kind.as_str());
-    println!("userland: {}", userland_line(userland.into()));
-    println!("seccomp: {}", seccomp_line(seccomp));
-    match crate::sandbox::probe() {
-        Ok(()) => {
-            println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
-        }
-        Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
-    }
-    let kvm = crate::backend::kvm::Probe::run();
-    match (&kvm.kvm, &kvm.image) {
-        (Ok(()), Ok(img)) => println!(
-            "kvm: available (in-process VM, guest image {}, kernel {})",
-            img.dir.display(),
-            crate::backend::kvm::kernel_of(img).display()
-        ),
-        _ => {
-            let kvm_why = match vmm::kvm_check::check_capabilities() {
-                Err(e) => Some(format!("/dev/kvm unusable: {e}")),
-                Ok(_) => kvm.kvm.as_ref().err().map(|e| {
-                    format!("/dev/kvm works for small guests (`vm run`) but NOT for Linux: {e}")
-                }),
-            };
-            let missing: Vec<&str> = [
-                kvm_why.as_deref(),
-                kvm.image.as_ref().err().map(String::as_str),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            println!("kvm: UNAVAILABLE: {}", missing.join("; "));
-        }
-    }
-    let probe = crate::backend::qemu::Probe::run();
-    match (&probe.qemu, &probe.image, &probe.accel) {
-        (Ok(q), Ok(img), Ok((accel, why))) => println!(
-            "qemu: available ({}, guest image {}, accel {}: {why})",
-            q.display(),
-            img.dir.display(),
-            accel.as_str()
-        ),
-        _ => {
-            let missing: Vec<&str> = [&probe.qemu.as_ref().err(), &probe.image.as_ref().err()]
-                .into_iter()
-                .flatten()
-                .map(|e| e.as_str())
-                .chain(probe.accel.as_ref().err().map(String::as_str))
-                .collect();
-            println!("qemu: UNAVAILABLE: {}", missing.join("; "));
-        }
-    }
-    0
-}
-
-/// The `doctor` line about seccomp: the mode, and whether this kernel
-/// takes our filters (installed for real on a throwaway thread).
-fn seccomp_line(mode: vmm::seccomp::Mode) -> String {
-    use vmm::seccomp::{Filter, ThreadClass};
-    if mode == vmm::seccomp::Mode::Off {
-        return "off (--seccomp=off or COWORK_SECCOMP=off): the VM backends' device and vCPU threads may make any system call".into();
-    }
-    // One throwaway thread per class: a filter cannot be removed, and none
-    // allows installing another.
-    let check = ThreadClass::ALL.into_iter().try_for_each(|class| {
-        std::thread::spawn(move || -> Result<(), String> {
-            match Filter::new(class, mode).map_err(|e| e.to_string())? {
-                Some(f) => f.install().map_err(|e| e.to_string()),
-                None => Ok(()),
-            }
-        })
-        .join()
-        .unwrap_or_else(|_| Err("checking it failed (a bug)".into()))
-    });
-    match check {
-        Ok(()) => format!(
-            "{mode} (kvm backend: vCPU, VMM event loop, device worker, virtio-fs worker filters; qemu backend: vhost-user filter; this kernel accepts them)"
-        ),
-        Err(e) => format!("{mode}, but UNUSABLE here: {e}"),
-    }
-}
-
 fn serve(cli: Cli) -> i32 {
     crate::logging::init();
     let socket = match cli.socket.clone().map(Ok).unwrap_or_else(default_socket) {
@@ -571,17 +586,10 @@ fn serve(cli: Cli) -> i32 {
             return 1;
         }
     };
-    let (backend, why) = resolve_backend(cli.backend);
-    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
-    // The sandbox binds it into the guest: it must be absolute.
-    let data_dir = if data_dir.is_absolute() {
-        data_dir
-    } else {
-        std::env::current_dir()
-            .map(|d| d.join(&data_dir))
-            .unwrap_or(data_dir)
-    };
+    let (backend, why) = resolve_backend(cli.backend, &cli.image_search());
+    let data_dir = cli.data_dir_or_default();
     let settings = Settings {
+        images: cli.image_search(),
         data_dir,
         backend,
         helper_exe,
@@ -675,14 +683,15 @@ mod tests {
         assert!(auto_backend(false, true, false).1.contains("no QEMU"));
         assert!(auto_backend(true, false, false)
             .1
-            .contains("mkguestimage.sh"));
+            .contains("cowork-helper package"));
         assert!(auto_backend(true, false, true).1.contains("no guest image"));
+        let images = ImageSearch::default();
         assert_eq!(
-            resolve_backend(BackendChoice::Qemu),
+            resolve_backend(BackendChoice::Qemu, &images),
             (BackendKind::Qemu, "requested with --backend qemu")
         );
         assert_eq!(
-            resolve_backend(BackendChoice::Kvm),
+            resolve_backend(BackendChoice::Kvm, &images),
             (BackendKind::Kvm, "requested with --backend kvm")
         );
     }
@@ -715,6 +724,7 @@ mod tests {
             fs_xattr: cli.fs_xattr,
             userland: cli.userland.into(),
             seccomp: cli.seccomp.into(),
+            images: ImageSearch::default(),
         };
         assert!(settings.fs_options().xattr);
     }
@@ -739,6 +749,7 @@ mod tests {
         }
         assert!(Cli::try_parse_from(["h", "--seccomp=maybe"]).is_err());
         // The doctor line installs every class's filter for real.
+        use crate::doctor::seccomp_line;
         assert!(seccomp_line(vmm::seccomp::Mode::On).contains("accepts them"));
         assert!(seccomp_line(vmm::seccomp::Mode::Off).starts_with("off"));
     }

@@ -38,6 +38,8 @@ pub struct Settings {
     /// Seccomp filters of the VM backends' device and vCPU threads
     /// (`--seccomp`).
     pub seccomp: vmm::seccomp::Mode,
+    /// Where the VM backends look for the guest image and the userland.
+    pub images: crate::backend::image::ImageSearch,
 }
 
 impl Settings {
@@ -261,6 +263,7 @@ impl Daemon {
                 tracing::info!(profile = %profile.key, backend = vm.config().backend.as_str(), "startVM");
                 let boot = crate::backend::BootOptions {
                     bundle_path: params.bundle_path.map(Into::into),
+                    images: self.settings.images.clone(),
                     memory_gb: params.memory_gb,
                     cpu_count: params.cpu_count,
                     fs: self.settings.fs_options(),

@@ -71,6 +71,7 @@ fn settings() -> Settings {
         fs_xattr: false,
         userland: Default::default(),
         seccomp: Default::default(),
+        images: Default::default(),
     }
 }
 

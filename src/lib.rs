@@ -8,7 +8,8 @@
 //! Backends ([`backend`]): the namespace sandbox ([`sandbox`]), QEMU
 //! driving our own virtio devices over vhost-user ([`backend::qemu`]), and
 //! the in-process KVM machine of the `vmm` crate ([`backend::kvm`]).
-//! [`cli`] is the command line (serving, `doctor`, `bench`, `vm run`).
+//! [`cli`] is the command line (serving, [`doctor`], `bench`, `vm run`,
+//! [`install`]/`uninstall` at the client's helper path, [`image_build`]).
 //!
 //! Dependencies point one way: [`daemon`] → [`vm`] → [`backend`] (which
 //! never reaches back into [`vm`]); README.md's "Architecture" has the
@@ -19,10 +20,14 @@ pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod daemon;
+pub mod doctor;
 pub mod egress;
 pub mod events;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod hostfs;
+pub mod image_build;
+pub mod install;
 pub mod logging;
 pub mod probe;
 pub mod protocol;

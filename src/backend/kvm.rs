@@ -5,8 +5,7 @@
 //! process in between.
 //!
 //! Boot: the guest image is found exactly like the QEMU backend finds it
-//! ([`GuestImage::locate`]: `startVM.bundlePath`, `$COWORK_GUEST_IMAGE_DIR`,
-//! `guest-image/` next to or above the executable). When the image
+//! ([`ImageSearch`], whose doc is the one list of places). When the image
 //! directory also holds an uncompressed ELF [`VMLINUX`] it is booted
 //! (PVH entry, no decompression), else the image's bzImage `vmlinuz`. The
 //! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
@@ -78,7 +77,7 @@ pub use super::guest::kvm_for_linux;
 use super::guest::{
     agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID, POWEROFF_DEADLINE,
 };
-use super::image::{GuestImage, NoImage};
+use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
 use super::{BootOptions, Booted, HostPaths, Machine};
@@ -189,10 +188,10 @@ pub struct Probe {
 
 impl Probe {
     /// Checks KVM and looks for the guest image.
-    pub fn run() -> Probe {
+    pub fn run(images: &ImageSearch) -> Probe {
         Probe {
             kvm: kvm_for_linux(),
-            image: GuestImage::locate(None).map_err(|e| e.to_string()),
+            image: images.locate(None).map_err(|e| e.to_string()),
         }
     }
 
@@ -282,7 +281,7 @@ async fn start(
     egress: &EgressProxy,
 ) -> Result<Booted, KvmError> {
     kvm_for_linux().map_err(KvmError::Unsuitable)?;
-    let image = GuestImage::locate(opts.bundle_path.as_deref())?;
+    let image = opts.images.locate(opts.bundle_path.as_deref())?;
     let kernel = kernel_of(&image);
     let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
     let host_cpus = sizing::host_cpus();

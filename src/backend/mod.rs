@@ -194,6 +194,8 @@ pub struct Booted {
 pub struct BootOptions {
     /// `startVM.bundlePath`: a directory that may hold a guest image.
     pub bundle_path: Option<PathBuf>,
+    /// Where the guest image and the default userland are looked for.
+    pub images: image::ImageSearch,
     /// `startVM.memoryGB`.
     pub memory_gb: Option<f64>,
     /// `startVM.cpuCount`.

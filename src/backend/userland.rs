@@ -175,7 +175,7 @@ pub enum UserlandError {
     #[error("--userland bundle: {0}")]
     Bundle(String),
     #[error(
-        "--userland default: the guest image {0} has no rootfs.img; build it with scripts/setup.sh"
+        "--userland default: no default userland (the guest image {0} has no rootfs.img, and none was built into a userland directory); build it with `cowork-helper image build` (scripts/setup.sh in a checkout)"
     )]
     NoDefault(PathBuf),
 }
@@ -250,7 +250,7 @@ pub fn plan(
             match default_disk {
                 Some(d) => disks.push(d),
                 None => skipped.push(format!(
-                    "default: the guest image {} has no rootfs.img (scripts/setup.sh builds it)",
+                    "default: the guest image {} has no rootfs.img and no userland was built (`cowork-helper image build` builds one)",
                     image.dir.display()
                 )),
             }

@@ -18,8 +18,14 @@ pub fn built_helper() -> PathBuf {
 
 /// The guest image the helper binary `exe` will use, or why there is none.
 pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::image::GuestImage, String> {
-    cowork_helper::backend::image::GuestImage::locate_for(Some(exe), None)
-        .map_err(|e| e.to_string())
+    use cowork_helper::backend::image::{ImageSearch, IMAGE_DIR_ENV};
+    ImageSearch::new(
+        std::env::var_os(IMAGE_DIR_ENV).map(Into::into),
+        Some(exe.to_path_buf()),
+        None,
+    )
+    .locate(None)
+    .map_err(|e| e.to_string())
 }
 
 /// Why the guest image `exe` uses cannot run sessions in its default

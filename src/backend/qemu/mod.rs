@@ -4,10 +4,10 @@
 //! process (crate `devices`).
 //!
 //! Boot: the guest image (`vmlinuz`, `initramfs`, `image-info`; built by
-//! `scripts/mkguestimage.sh`) is taken from `startVM.bundlePath` when that
-//! directory holds one of ours, else from `$COWORK_GUEST_IMAGE_DIR`, else
-//! from `guest-image/` next to or one level above the helper's executable
-//! (`target/guest-image` for a `target/*/cowork-helper` build). QEMU runs
+//! `scripts/mkguestimage.sh`) is found by [`ImageSearch`] (`startVM.bundlePath`
+//! when that directory holds one of ours, `$COWORK_GUEST_IMAGE_DIR`, a
+//! checkout's `target/guest-image`, the installed system directory, ...;
+//! its doc is the one list of places). QEMU runs
 //! with KVM where `/dev/kvm` can run Linux
 //! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
 //! overrides), on an i440fx `pc` machine with memfd-shared guest memory
@@ -85,7 +85,7 @@ use tokio::process::Command;
 use super::console::Console;
 use super::fsgrants::SharedFolders;
 use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
-use super::image::{GuestImage, NoImage};
+use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
 use super::{BootOptions, Booted, HostPaths, Machine};
@@ -157,10 +157,10 @@ pub struct Probe {
 
 impl Probe {
     /// Looks for QEMU, the guest image and the accelerator.
-    pub fn run() -> Probe {
+    pub fn run(images: &ImageSearch) -> Probe {
         Probe {
             qemu: find_qemu().map_err(|e| e.to_string()),
-            image: GuestImage::locate(None).map_err(|e| e.to_string()),
+            image: images.locate(None).map_err(|e| e.to_string()),
             accel: choose_accel().map_err(|e| e.to_string()),
         }
     }
@@ -183,7 +183,9 @@ pub async fn boot(
 ) -> Result<Booted, String> {
     let plan_parts = (
         find_qemu(),
-        GuestImage::locate(opts.bundle_path.as_deref()).map_err(QemuError::from),
+        opts.images
+            .locate(opts.bundle_path.as_deref())
+            .map_err(QemuError::from),
         choose_accel(),
     );
     let (qemu, image, (accel, accel_why)) = match plan_parts {

@@ -11,13 +11,13 @@
 //! open those).
 
 use std::ffi::OsString;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use super::QemuError;
 use crate::backend::guest::kvm_for_linux;
 use crate::backend::image::GuestImage;
 use crate::backend::userland::RootDisk;
+use crate::hostfs::is_executable;
 
 /// Environment variable naming the QEMU binary (a path or a name in `PATH`).
 pub const QEMU_ENV: &str = "COWORK_QEMU";
@@ -59,15 +59,10 @@ pub fn find_qemu() -> Result<PathBuf, QemuError> {
             )))
         };
     }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
+    crate::hostfs::path_dirs()
         .map(|d| d.join(&wanted))
         .find(|p| is_executable(p))
         .ok_or_else(|| QemuError::NoQemu(format!("{} is not in PATH", wanted.display())))
-}
-
-fn is_executable(p: &Path) -> bool {
-    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// QEMU's accelerator.

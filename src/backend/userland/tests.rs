@@ -252,7 +252,7 @@ fn forced_choices_attach_one_disk_or_fail() {
     assert!(e.to_string().contains("no bundlePath"), "{e}");
     let (_j, bare) = image(false);
     let e = plan(UserlandChoice::Default, &bare, None).unwrap_err();
-    assert!(e.to_string().contains("scripts/setup.sh"), "{e}");
+    assert!(e.to_string().contains("cowork-helper image build"), "{e}");
 }
 
 #[test]
