@@ -88,7 +88,7 @@ fn the_clients_path_runs_this_helper_until_uninstall_puts_the_official_one_back(
     );
 
     // The client's path now runs this helper, under any name.
-    let version = run(&mut Command::new(&path).arg("--version"));
+    let version = run(Command::new(&path).arg("--version"));
     assert!(
         String::from_utf8_lossy(&version.stdout).starts_with("cowork-helper "),
         "{}",
