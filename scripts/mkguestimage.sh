@@ -163,7 +163,7 @@ note "building the initramfs ($KERNEL_VERSION)"
 # set-up (crypto-hmac(sha1), crypto-hmac(sha256) and their -all forms) during inet6_init. Each
 # runs /sbin/modprobe as a usermode helper, which first waits for the initramfs to be unpacked:
 # with busybox's modprobe there the boot thread then waited for four futile modprobe runs as
-# well (~0.12 s of a nested boot); without it the exec fails at once (README "Boot").
+# well (~0.12 s of a nested boot); without it the exec fails at once (docs/boot.md).
 "$SCRIPTS_DIR/mkinitramfs.sh" --output "$output/initramfs" --init "$shipped_agent" \
 	--module-set guest --modules-dir "$MODULES_DIR" --compress none --omit-applet modprobe \
 	"${mkfs_adds[@]}" ||

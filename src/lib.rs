@@ -12,8 +12,8 @@
 //! [`install`]/`uninstall` at the client's helper path, [`image_build`]).
 //!
 //! Dependencies point one way: [`daemon`] → [`vm`] → [`backend`] (which
-//! never reaches back into [`vm`]); README.md's "Architecture" has the
-//! module map.
+//! never reaches back into [`vm`]); docs/architecture.md has the module
+//! map.
 
 pub mod backend;
 pub mod bench;

@@ -14,7 +14,7 @@
 //!   VMM's first `KVM_RUN` and the boot-port marks.
 //!
 //! Only the shape and signs are asserted: timing targets are for the
-//! benchmark itself (README "Boot"), not for tests.
+//! benchmark itself (docs/boot.md), not for tests.
 
 mod support;
 

@@ -19,7 +19,7 @@
 //! Limits: one boot at a time (the numbers are for an otherwise idle
 //! machine; other load shows up in them); the guest image must exist
 //! (`scripts/mkguestimage.sh`); the kvm backend needs a KVM that runs
-//! Linux (here: inside the nested harness, see the README). A run that
+//! Linux (here: inside the nested harness, see docs/testing.md). A run that
 //! fails is reported with the end of its helper log and counted, and makes
 //! the exit status 1; the other runs are still reported.
 
