@@ -20,6 +20,7 @@ use base64::Engine as _;
 use subtle::ConstantTimeEq;
 
 use super::policy::Policy;
+use super::secrets::SpawnSecrets;
 use super::EgressError;
 
 /// Random bytes per credential: 192 bits, above the 128-bit floor.
@@ -63,6 +64,8 @@ pub struct Grant {
     pub session: String,
     /// The spawn's policy.
     pub policy: Arc<Policy>,
+    /// The spawn's credential placeholders (see [`super::secrets`]).
+    pub secrets: SpawnSecrets,
     counter: Arc<AtomicUsize>,
 }
 
@@ -143,6 +146,16 @@ impl CredentialRegistry {
 
     /// Issues a credential for one spawn of `session` under `policy`.
     pub fn issue(&self, session: &str, policy: Policy) -> Result<Credential, EgressError> {
+        self.issue_with_secrets(session, policy, SpawnSecrets::default())
+    }
+
+    /// [`CredentialRegistry::issue`] for a spawn holding `secrets`.
+    pub fn issue_with_secrets(
+        &self,
+        session: &str,
+        policy: Policy,
+        secrets: SpawnSecrets,
+    ) -> Result<Credential, EgressError> {
         let cred = Credential::generate()?;
         let mut inner = self.lock();
         let counter = inner
@@ -155,6 +168,7 @@ impl CredentialRegistry {
             grant: Grant {
                 session: session.to_owned(),
                 policy: Arc::new(policy),
+                secrets,
                 counter,
             },
         });

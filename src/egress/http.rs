@@ -194,16 +194,15 @@ async fn connect(shared: Arc<Shared>, grant: Grant, req: Request<Incoming>) -> R
             return bad_request("CONNECT needs host:port\n");
         }
     };
-    let (mut upstream, slot) = match shared.open(&grant, &host, port).await {
+    let (upstream, slot) = match shared.open(&grant, &host, port).await {
         Ok(v) => v,
         Err(e) => return error_response(&e),
     };
     tokio::spawn(async move {
-        let _slot = slot;
         match hyper::upgrade::on(req).await {
             Ok(upgraded) => {
-                let mut client = TokioIo::new(upgraded);
-                super::relay(&mut client, &mut upstream, &grant.session, &host, port).await;
+                let client = TokioIo::new(upgraded);
+                super::tunnel(shared, grant, host, port, client, upstream, slot).await;
             }
             Err(e) => tracing::debug!(error = %e, "CONNECT upgrade failed"),
         }
@@ -261,7 +260,7 @@ async fn forward(shared: Arc<Shared>, grant: Grant, req: Request<Incoming>) -> R
 }
 
 /// Removes hop-by-hop headers, including those a `Connection` header names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(hyper::header::CONNECTION)
         .iter()

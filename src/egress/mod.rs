@@ -25,7 +25,9 @@ pub mod dial;
 pub mod guard;
 pub mod host;
 pub mod http;
+pub mod intercept;
 pub mod policy;
+pub mod secrets;
 pub mod socks;
 
 use std::net::IpAddr;
@@ -117,6 +119,10 @@ pub enum EgressError {
     Http(String),
     #[error("OS random source failed: {0}")]
     Random(String),
+    #[error(
+        "a credential from the client is empty, too long, or has characters a header cannot carry"
+    )]
+    BadCredential,
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -141,6 +147,9 @@ pub struct ProxyConfig {
     pub max_connections_per_session: usize,
     /// See [`HANDSHAKE_TIMEOUT`].
     pub handshake_timeout: Duration,
+    /// The API hosts whose tunnels are intercepted to swap placeholders
+    /// for real credentials ([`intercept`]); empty: none is.
+    pub api_hosts: Vec<String>,
 }
 
 impl Default for ProxyConfig {
@@ -148,6 +157,7 @@ impl Default for ProxyConfig {
         ProxyConfig {
             max_connections_per_session: MAX_CONNECTIONS_PER_SESSION,
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            api_hosts: intercept::DEFAULT_API_HOSTS.map(String::from).to_vec(),
         }
     }
 }
@@ -165,6 +175,8 @@ pub(crate) struct Shared {
     dialer: EgressDialer,
     pub(crate) config: ProxyConfig,
     log: Mutex<RefusalLog>,
+    /// The API hosts' interception, when there are API hosts.
+    interceptor: Option<Arc<intercept::Interceptor>>,
 }
 
 impl Shared {
@@ -251,8 +263,29 @@ impl std::fmt::Debug for EgressProxy {
 }
 
 impl EgressProxy {
-    /// A proxy dialing through `dialer` (production: [`EgressDialer::from_env`]).
+    /// A proxy dialing through `dialer` (production: [`EgressDialer::from_env`]),
+    /// trusting the host's store for the API hosts' upstream.
     pub fn new(dialer: EgressDialer, config: ProxyConfig) -> Self {
+        Self::with_upstream_roots(dialer, config, intercept::native_roots())
+    }
+
+    /// [`EgressProxy::new`] with the API upstream verified against `roots`.
+    pub fn with_upstream_roots(
+        dialer: EgressDialer,
+        config: ProxyConfig,
+        roots: Result<rustls::RootCertStore, String>,
+    ) -> Self {
+        let interceptor = if config.api_hosts.is_empty() {
+            None
+        } else {
+            match intercept::Interceptor::new(&config.api_hosts, roots) {
+                Ok(i) => Some(Arc::new(i)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot set up the API hosts' interception: sessions' API credentials will be refused");
+                    None
+                }
+            }
+        };
         EgressProxy {
             shared: Arc::new(Shared {
                 registry: CredentialRegistry::new(),
@@ -263,8 +296,23 @@ impl EgressProxy {
                     lines: 0,
                     suppressed: 0,
                 }),
+                interceptor,
             }),
         }
+    }
+
+    /// The CA certificate (PEM) sessions must trust for the API hosts, when
+    /// they are intercepted.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.shared.interceptor.as_deref().map(|i| i.ca_pem())
+    }
+
+    /// The intercepted API hosts.
+    pub fn api_hosts(&self) -> &[String] {
+        self.shared
+            .interceptor
+            .as_deref()
+            .map_or(&[], |i| i.hosts())
     }
 
     /// The production proxy: guard, helper's own upstream proxy settings,
@@ -276,6 +324,19 @@ impl EgressProxy {
     /// Issues a credential for one spawn of `session` under `policy`.
     pub fn issue(&self, session: &str, policy: Policy) -> Result<Credential, EgressError> {
         self.shared.registry.issue(session, policy)
+    }
+
+    /// [`EgressProxy::issue`] for a spawn whose API credentials are the
+    /// placeholders of `secrets`.
+    pub fn issue_with_secrets(
+        &self,
+        session: &str,
+        policy: Policy,
+        secrets: secrets::SpawnSecrets,
+    ) -> Result<Credential, EgressError> {
+        self.shared
+            .registry
+            .issue_with_secrets(session, policy, secrets)
     }
 
     /// Revokes a spawn's credential (call when its process exits).
@@ -347,6 +408,41 @@ impl EgressProxy {
                 tracing::debug!(error = %e, "egress client connection ended with an error");
             }
         });
+    }
+}
+
+/// Carries a tunnel the dialer opened (`upstream`, holding `slot`) for the
+/// client stream `client`: intercepted when it goes to an API host
+/// ([`intercept`]), else relayed as bytes.
+pub(crate) async fn tunnel<C>(
+    shared: Arc<Shared>,
+    grant: Grant,
+    host: Host,
+    port: u16,
+    mut client: C,
+    mut upstream: TcpStream,
+    slot: Slot,
+) where
+    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let intercepted = shared
+        .interceptor
+        .clone()
+        .and_then(|i| i.covers(&host, port).map(|name| (i, name)));
+    match intercepted {
+        Some((interceptor, name)) => {
+            let session = grant.session.clone();
+            if let Err(e) = interceptor
+                .serve(shared, grant, name, client, upstream, slot)
+                .await
+            {
+                tracing::debug!(session, %host, port, error = %e, "intercepted connection ended with an error");
+            }
+        }
+        None => {
+            let _slot = slot;
+            relay(&mut client, &mut upstream, &grant.session, &host, port).await;
+        }
     }
 }
 

@@ -153,7 +153,7 @@ fn reply_for(err: &EgressError) -> Reply {
 /// Serves one SOCKS5 connection whose version byte was already read.
 pub(crate) async fn serve<S>(shared: Arc<Shared>, mut stream: S) -> Result<(), EgressError>
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let handshake = async {
         if !read_methods(&mut stream).await? {
@@ -207,7 +207,7 @@ where
             return Ok(());
         }
     };
-    let (mut upstream, slot) = match shared.open(&grant, &host, port).await {
+    let (upstream, slot) = match shared.open(&grant, &host, port).await {
         Ok(v) => v,
         Err(e) => {
             stream.write_all(&reply(reply_for(&e))).await?;
@@ -215,8 +215,7 @@ where
         }
     };
     stream.write_all(&reply(Reply::Succeeded)).await?;
-    let _slot = slot;
-    super::relay(&mut stream, &mut upstream, &grant.session, &host, port).await;
+    super::tunnel(shared, grant, host, port, stream, upstream, slot).await;
     Ok(())
 }
 

@@ -24,6 +24,7 @@ fn permissive(cap: usize) -> EgressProxy {
         ProxyConfig {
             max_connections_per_session: cap,
             handshake_timeout: SHORT,
+            ..ProxyConfig::default()
         },
     )
 }
