@@ -376,8 +376,8 @@ impl Daemon {
             }
             "addApprovedOauthToken" => {
                 let params: TokenParams = req.params()?;
-                vm.approve_token(params.token);
-                tracing::info!(profile = %profile.key, "oauth token approved");
+                let refreshed = vm.approve_token(params.token);
+                tracing::info!(profile = %profile.key, refreshed_spawns = refreshed, "oauth token approved");
                 Value::Null
             }
             "getNetworkDrives" => json!({ "drives": [] }),

@@ -1,6 +1,9 @@
-//! OAuth tokens: how they reach the process environment, and that none of
-//! them ever appears in the helper's log, read in full after the helper
-//! exited (debug logging on from the start and switched on again at runtime).
+//! OAuth tokens: how they reach the process environment (as placeholders
+//! of their shape, never the real value: the egress proxy swaps them back on
+//! the way to the API hosts), that the session trusts the proxy's CA, and
+//! that none of them ever appears in the helper's log, read in full after
+//! the helper exited (debug logging on from the start and switched on again
+//! at runtime).
 
 mod common;
 
@@ -15,12 +18,33 @@ fn hex_of(var: &str) -> String {
     )
 }
 
-fn hex(s: &str) -> String {
-    s.bytes().map(|b| format!("{b:02x}")).collect()
+fn unhex(h: &str) -> String {
+    let bytes: Vec<u8> = (0..h.len() / 2)
+        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect();
+    String::from_utf8(bytes).expect("utf-8")
+}
+
+/// Asserts `seen` is a placeholder of `real`: its `sk-ant-<kind>-` prefix
+/// (`default_prefix` when it has none), at least its length, nothing of it.
+fn assert_placeholder(seen: &str, real: &str, default_prefix: &str) {
+    let prefix = if real.starts_with("sk-ant-") {
+        &real[..13]
+    } else {
+        default_prefix
+    };
+    assert!(seen.starts_with(prefix), "{seen:?} lacks {prefix}");
+    assert_eq!(seen.len(), real.len().max(prefix.len() + 32), "{seen:?}");
+    assert_ne!(seen, real, "the real value reached the session");
+    let piece = &real[real.len() - 8..];
+    assert!(
+        !seen.contains(piece),
+        "{seen:?} carries part of the real value"
+    );
 }
 
 #[tokio::test]
-async fn oauth_tokens_reach_the_env_and_never_the_log() {
+async fn oauth_tokens_reach_the_env_as_placeholders_and_never_the_log() {
     let mut d = Daemon::start();
     let p = Profile::new(&d, "oauth");
     let pipe = p.pipe(&d).await;
@@ -44,22 +68,56 @@ async fn oauth_tokens_reach_the_env_and_never_the_log() {
         }
         s
     };
-    // The spawn token becomes CLAUDE_CODE_OAUTH_TOKEN.
+    // The spawn token becomes CLAUDE_CODE_OAUTH_TOKEN, as a placeholder;
+    // the session trusts the egress CA through NODE_EXTRA_CA_CERTS.
     let out = run(
         &pipe,
         &mut sub,
         case(
             "t1",
-            hex_of("CLAUDE_CODE_OAUTH_TOKEN"),
+            format!(
+                "{}; echo; echo \"$NODE_EXTRA_CA_CERTS\"; head -n1 \"$NODE_EXTRA_CA_CERTS\"",
+                hex_of("CLAUDE_CODE_OAUTH_TOKEN")
+            ),
             json!({"PATH": "/usr/bin:/bin"}),
             Some(&spawn_tok),
         ),
     )
     .await;
+    let text = out.stdout_str();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_placeholder(&unhex(lines[0]), &spawn_tok, "sk-ant-oat01-");
     assert_eq!(
-        out.stdout_str(),
-        hex(&spawn_tok),
-        "oauthToken → CLAUDE_CODE_OAUTH_TOKEN"
+        lines[1..],
+        ["/run/cowork/egress-ca.pem", "-----BEGIN CERTIFICATE-----"]
+    );
+    // A second spawn of the same token gets another placeholder; the
+    // system bundle holds the CA once (bound over the host's read-only
+    // file, which stays as it was).
+    let out = run(
+        &pipe,
+        &mut sub,
+        case(
+            "t1b",
+            format!(
+                "{}; echo; grep -c 'BEGIN cowork-helper egress CA' /etc/ssl/certs/ca-certificates.crt",
+                hex_of("CLAUDE_CODE_OAUTH_TOKEN")
+            ),
+            json!({}),
+            Some(&spawn_tok),
+        ),
+    )
+    .await;
+    let text = out.stdout_str();
+    let (second, marks) = text.split_once('\n').expect("two lines");
+    assert_placeholder(&unhex(second), &spawn_tok, "sk-ant-oat01-");
+    assert_ne!(unhex(second), unhex(lines[0]), "placeholders are per spawn");
+    assert_eq!(marks.trim(), "1", "{text}");
+    let host_bundle =
+        std::fs::read_to_string("/etc/ssl/certs/ca-certificates.crt").unwrap_or_default();
+    assert!(
+        !host_bundle.contains("cowork-helper egress CA"),
+        "the host's bundle was written"
     );
     // A credential already in env wins; the token is not injected.
     let out = run(
@@ -77,7 +135,10 @@ async fn oauth_tokens_reach_the_env_and_never_the_log() {
         ),
     )
     .await;
-    assert_eq!(out.stdout_str(), format!("unset\n{}", hex(&env_api)));
+    let text = out.stdout_str();
+    let (first, api) = text.split_once('\n').expect("two lines");
+    assert_eq!(first, "unset");
+    assert_placeholder(&unhex(api), &env_api, "sk-ant-api03-");
     let out = run(
         &pipe,
         &mut sub,
@@ -89,19 +150,26 @@ async fn oauth_tokens_reach_the_env_and_never_the_log() {
         ),
     )
     .await;
-    assert_eq!(out.stdout_str(), hex(&env_oauth));
+    assert_placeholder(&unhex(&out.stdout_str()), &env_oauth, "sk-ant-oat01-");
     let out = run(
         &pipe,
         &mut sub,
         case(
             "t4",
-            hex_of("CLAUDE_CODE_OAUTH_TOKEN"),
+            format!(
+                "{}; echo; {}",
+                hex_of("CLAUDE_CODE_OAUTH_TOKEN"),
+                hex_of("ANTHROPIC_AUTH_TOKEN")
+            ),
             json!({"ANTHROPIC_AUTH_TOKEN": env_auth}),
             Some(&spawn_tok),
         ),
     )
     .await;
-    assert_eq!(out.stdout_str(), "unset");
+    let text = out.stdout_str();
+    let (first, auth) = text.split_once('\n').expect("two lines");
+    assert_eq!(first, "unset");
+    assert_placeholder(&unhex(auth), &env_auth, "sk-ant-oat01-");
     // No token anywhere: nothing injected.
     let out = run(
         &pipe,
@@ -129,7 +197,10 @@ async fn oauth_tokens_reach_the_env_and_never_the_log() {
         ),
     )
     .await;
-    assert_eq!(out.stdout_str(), format!("set\n{}", hex(&approved)));
+    let text = out.stdout_str();
+    let (first, tok) = text.split_once('\n').expect("two lines");
+    assert_eq!(first, "set");
+    assert_placeholder(&unhex(tok), &approved, "sk-ant-oat01-");
 
     // The full log, after a clean exit.
     pipe.call("stopVM", Value::Null).await.unwrap();

@@ -46,6 +46,11 @@ pub const EGRESS_PORT: u32 = 51235;
 /// one session processes find in their `*_PROXY` variables.
 pub const GUEST_PROXY_PORT: u16 = 3128;
 
+/// In the guest, the file holding only the host's egress CA (see
+/// [`Op::TrustCa`]); the host names it in every spawn's
+/// `NODE_EXTRA_CA_CERTS`.
+pub const EGRESS_CA_FILE: &str = "/run/cowork/egress-ca.pem";
+
 /// Environment variable through which the sandbox tells its agent where the
 /// host's egress proxy listens: a unix socket path as the agent sees it.
 /// Unset in a VM, where the relay dials vsock [`EGRESS_PORT`].
@@ -458,6 +463,12 @@ pub enum Op {
     /// Kill every process (exit events follow), then answer; the agent then
     /// powers the machine off when it is init, or exits otherwise.
     Shutdown,
+    /// Trust this CA certificate (PEM): the host's egress proxy signs the
+    /// API hosts' certificates with it. Written to [`EGRESS_CA_FILE`] and
+    /// into the userland's system bundle; result `{"bundle": bool,
+    /// "bound": bool, "anchor": bool}`. Sent once after the hello, before
+    /// any spawn; a later one replaces it.
+    TrustCa { pem: String },
 }
 
 /// Messages from host to agent.

@@ -71,7 +71,8 @@ impl Carrier {
     }
 }
 
-/// A real credential value. Never shown, zeroed on drop.
+/// A real credential value. Never shown, zeroed on drop (clones too).
+#[derive(Clone)]
 pub struct RealSecret(Zeroizing<String>);
 
 impl RealSecret {

@@ -15,7 +15,7 @@ use guest_agent::proto::{Hello, Op};
 use tokio::sync::{oneshot, watch};
 
 use super::link::{read_hello, AgentLink};
-use super::{lock, Machine, Vm, VmError, SHUTDOWN_GRACE};
+use super::{lock, Machine, Vm, VmError, CALL_TIMEOUT, SHUTDOWN_GRACE};
 use crate::backend::{HostPaths, Machine as BackendMachine, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
 
@@ -125,6 +125,7 @@ impl Vm {
             "guest agent connected"
         );
         let link = self.attach(hello, stream);
+        self.trust_egress_ca(&link).await;
         self.running.store(true, Ordering::Release);
         self.hub
             .publish(&event::startup_step(step::GUEST_CONNECT, "completed"))
@@ -162,6 +163,29 @@ impl Vm {
             self.publish_sdk_outcome(outcome.is_ok()).await;
         }
         Ok(())
+    }
+
+    /// Has the agent trust the egress proxy's CA, before any spawn: session
+    /// programs then accept the API hosts' intercepted certificates. A
+    /// failure is logged; sessions then cannot reach the API hosts.
+    async fn trust_egress_ca(&self, link: &Arc<AgentLink>) {
+        let Some(pem) = self.cfg.egress.ca_pem() else {
+            return;
+        };
+        let op = Op::TrustCa {
+            pem: pem.to_string(),
+        };
+        match link.call(op, &[], CALL_TIMEOUT).await {
+            Ok((result, _)) => tracing::info!(
+                bundle = result["bundle"].as_bool(),
+                bound = result["bound"].as_bool(),
+                "the guest trusts the egress CA"
+            ),
+            Err(e) => tracing::error!(
+                error = %e,
+                "the guest could not trust the egress CA: sessions cannot reach the API hosts"
+            ),
+        }
     }
 
     /// The agent's stream ended: every process it ran is gone.

@@ -323,6 +323,7 @@ pub(super) fn op_name(op: &Op) -> &'static str {
         Op::DeleteSessionDirs { .. } => "deleteSessionDirs",
         Op::PruneSessionCaches { .. } => "pruneSessionCaches",
         Op::Shutdown => "shutdown",
+        Op::TrustCa { .. } => "trustCa",
     }
 }
 

@@ -31,7 +31,7 @@ mod storage;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use guest_agent::proto;
@@ -115,6 +115,9 @@ pub struct Vm {
     procs: Mutex<Procs>,
     sdk: Mutex<Option<(String, String)>>,
     approved_token: Mutex<Option<proto::Secret>>,
+    /// The real OAuth tokens of spawns that may still use them, refreshed
+    /// by [`Vm::approve_token`].
+    oauth_cells: Mutex<Vec<Weak<std::sync::RwLock<crate::egress::secrets::RealSecret>>>>,
     last_activity: Mutex<Instant>,
 }
 
@@ -129,6 +132,7 @@ impl Vm {
             procs: Mutex::new(Procs::default()),
             sdk: Mutex::new(None),
             approved_token: Mutex::new(None),
+            oauth_cells: Mutex::new(Vec::new()),
             last_activity: Mutex::new(Instant::now()),
         })
     }
@@ -165,8 +169,32 @@ impl Vm {
         }
     }
 
-    /// Remembers a token approved by the client (never logged).
-    pub fn approve_token(&self, token: String) {
+    /// Remembers a token approved by the client (never logged) for later
+    /// spawns, and makes it the real token of every running spawn's
+    /// placeholder (the CLI cannot refresh a token it got from its
+    /// environment). Returns how many running spawns got it.
+    pub fn approve_token(&self, token: String) -> usize {
+        use crate::egress::secrets::{RealSecret, SecretCell};
+        let mut refreshed = 0;
+        if let Ok(secret) = RealSecret::new(token.clone()) {
+            let cells: Vec<SecretCell> = {
+                let mut weak = lock(&self.oauth_cells);
+                weak.retain(|w| w.strong_count() > 0);
+                weak.iter().filter_map(SecretCell::upgrade).collect()
+            };
+            for cell in &cells {
+                cell.set(secret.clone());
+                refreshed += 1;
+            }
+        }
         *lock(&self.approved_token) = Some(proto::Secret(token));
+        refreshed
+    }
+
+    /// Keeps a weak handle on a spawn's OAuth token cell for refreshes.
+    fn track_oauth_cell(&self, cell: &crate::egress::secrets::SecretCell) {
+        let mut weak = lock(&self.oauth_cells);
+        weak.retain(|w| w.strong_count() > 0);
+        weak.push(cell.downgrade());
     }
 }

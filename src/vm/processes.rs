@@ -14,6 +14,14 @@
 //! the machine is torn down. Neither the credential nor the URL is ever
 //! logged (the spec's `Debug` shows environment names only).
 //!
+//! Credentials: the real values of `spawn.oauthToken` (or the approved
+//! token) and of the credential variables of `env` never reach the agent:
+//! [`substitute_credentials`] replaces each with a placeholder and binds
+//! it to the spawn's proxy credential, and the proxy writes the real value
+//! into requests to the API hosts (see [`crate::egress::secrets`]). The
+//! spawn's `NODE_EXTRA_CA_CERTS` names the proxy's CA, which the agent
+//! trusts after the hello.
+//!
 //! Limits: at most [`MAX_PROCESSES`] processes run per profile (spawn
 //! beyond it fails with [`VmError::TooManyProcesses`];
 //! [`MAX_PROCESSES_ENV`] overrides the number); exited records are kept
@@ -33,6 +41,7 @@ use serde_json::{json, Value};
 
 use super::{lock, Vm, VmError, CALL_TIMEOUT};
 use crate::backend::HostPaths;
+use crate::egress::secrets::{Carrier, RealSecret, SecretCell, SpawnSecrets, Substituter};
 use crate::egress::{self, Credential, EgressProxy, Policy, GUEST_PROXY_PORT};
 use crate::events;
 use crate::protocol::event;
@@ -70,13 +79,21 @@ pub(super) struct SpawnEgress {
 }
 
 impl SpawnEgress {
-    /// Issues a credential for one spawn of `session` under `policy`.
-    fn issue(proxy: &EgressProxy, session: &str, policy: Policy) -> Result<Self, VmError> {
-        let cred = proxy.issue(session, policy).map_err(|e| {
-            VmError::Agent(format!(
-                "cannot issue the process's network credential: {e}"
-            ))
-        })?;
+    /// Issues a credential for one spawn of `session` under `policy`, its
+    /// API credentials being the placeholders of `secrets`.
+    fn issue(
+        proxy: &EgressProxy,
+        session: &str,
+        policy: Policy,
+        secrets: SpawnSecrets,
+    ) -> Result<Self, VmError> {
+        let cred = proxy
+            .issue_with_secrets(session, policy, secrets)
+            .map_err(|e| {
+                VmError::Agent(format!(
+                    "cannot issue the process's network credential: {e}"
+                ))
+            })?;
         Ok(SpawnEgress {
             proxy: proxy.clone(),
             cred,
@@ -99,6 +116,43 @@ impl std::fmt::Debug for SpawnEgress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("SpawnEgress(<redacted>)")
     }
+}
+
+/// The variable naming extra CAs for Node and Bun (the Claude Code CLI).
+pub const NODE_EXTRA_CA_CERTS: &str = "NODE_EXTRA_CA_CERTS";
+
+/// Replaces the real credentials of `spec` (its `oauth_token` and the
+/// non-empty credential variables of its `env`) with placeholders; returns
+/// the spawn's substitutions. Every OAuth token's cell goes to
+/// `track_oauth`, so a later `addApprovedOauthToken` reaches it.
+pub(crate) fn substitute_credentials(
+    spec: &mut proto::SpawnSpec,
+    track_oauth: &mut dyn FnMut(&SecretCell),
+) -> Result<SpawnSecrets, VmError> {
+    let mut subs = Substituter::default();
+    let bad = |e: egress::EgressError| VmError::Invalid(format!("spawn: {e}"));
+    if let Some(token) = spec.oauth_token.take() {
+        let cell = SecretCell::new(RealSecret::new(token.0.clone()).map_err(bad)?);
+        track_oauth(&cell);
+        let placeholder = subs
+            .substitute(Carrier::Bearer, &token.0, cell)
+            .map_err(bad)?;
+        spec.oauth_token = Some(proto::Secret(placeholder));
+    }
+    for var in proto::CREDENTIAL_VARS {
+        let Some(value) = spec.env.get_mut(var).filter(|v| !v.is_empty()) else {
+            continue;
+        };
+        let Some(carrier) = Carrier::of_var(var) else {
+            continue;
+        };
+        let cell = SecretCell::new(RealSecret::new(value.clone()).map_err(bad)?);
+        if var == "CLAUDE_CODE_OAUTH_TOKEN" {
+            track_oauth(&cell);
+        }
+        *value = subs.substitute(carrier, value, cell).map_err(bad)?;
+    }
+    Ok(subs.finish())
 }
 
 /// A process as the host knows it.
@@ -374,15 +428,21 @@ impl Vm {
         if spec.oauth_token.is_none() {
             spec.oauth_token = lock(&self.approved_token).clone();
         }
+        let secrets = substitute_credentials(&mut spec, &mut |cell| self.track_oauth_cell(cell))?;
         // Revoked by the record (dropped on every path that does not start
         // the process).
         let grant = SpawnEgress::issue(
             &self.cfg.egress,
             &spec.name,
             Policy::from_allowed_domains(spec.allowed_domains.as_deref()),
+            secrets,
         )?;
         let url = grant.url(&spec.name);
         apply_proxy_env(&mut spec.env, &url);
+        if self.cfg.egress.ca_pem().is_some() {
+            spec.env
+                .insert(NODE_EXTRA_CA_CERTS.into(), proto::EGRESS_CA_FILE.into());
+        }
         spec.egress_proxy = Some(proto::Secret(url));
         {
             let mut procs = lock(&self.procs);

@@ -107,6 +107,8 @@ pub struct Config {
     /// Act as the VM's init (see [`crate::agent::init::run_machine_init`]).
     pub init: bool,
     pub sdk_target: PathBuf,
+    /// The root below which `TrustCa` writes (`/`; tests move it).
+    pub trust_root: PathBuf,
 }
 
 impl Default for Config {
@@ -123,6 +125,7 @@ impl Default for Config {
             init_mounts: false,
             init: false,
             sdk_target: DEFAULT_SDK_TARGET.into(),
+            trust_root: "/".into(),
         }
     }
 }
@@ -164,6 +167,7 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
             "--private-path" => cfg.private_paths.push(value(&mut it)?.into()),
             "--cgroup-root" => cfg.cgroup_root = Some(value(&mut it)?.into()),
             "--sdk-target" => cfg.sdk_target = value(&mut it)?.into(),
+            "--trust-root" => cfg.trust_root = value(&mut it)?.into(),
             "--drop-caps" => cfg.drop_caps = flag(&inline)?,
             "--init-mounts" => cfg.init_mounts = flag(&inline)?,
             "--init" => cfg.init = flag(&inline)?,

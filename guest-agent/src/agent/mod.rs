@@ -60,6 +60,7 @@ pub mod power;
 pub mod process;
 pub mod reaper;
 pub mod sessiondisk;
+pub mod trust;
 pub mod userland;
 pub mod users;
 
@@ -693,6 +694,22 @@ impl Agent {
                     )
                     .map(|v| (v, Vec::new()))
                     .map_err(|e| e.to_string())
+                });
+            }
+            Op::TrustCa { pem } => {
+                let root = self.config.trust_root.clone();
+                self.in_background(id, move || {
+                    let done = trust::trust_ca(&root, &pem).map_err(|e| e.to_string())?;
+                    tracing::info!(
+                        bundle = done.bundle,
+                        bound = done.bound,
+                        anchor = done.anchor,
+                        "egress CA trusted"
+                    );
+                    Ok((
+                        json!({"bundle": done.bundle, "bound": done.bound, "anchor": done.anchor}),
+                        Vec::new(),
+                    ))
                 });
             }
             Op::Shutdown => {
