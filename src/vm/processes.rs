@@ -664,7 +664,13 @@ mod tests {
     }
 
     fn issue(proxy: &EgressProxy, session: &str) -> (SpawnEgress, Credential) {
-        let grant = SpawnEgress::issue(proxy, session, Policy::Unrestricted).unwrap();
+        let grant = SpawnEgress::issue(
+            proxy,
+            session,
+            Policy::Unrestricted,
+            SpawnSecrets::default(),
+        )
+        .unwrap();
         let cred = grant.cred.clone();
         (grant, cred)
     }
