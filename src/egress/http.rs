@@ -92,6 +92,8 @@ fn bad_request(body: &'static str) -> Response<Body> {
 fn error_response(err: &EgressError) -> Response<Body> {
     match err {
         EgressError::NotAllowed { .. }
+        | EgressError::ApiHostPort { .. }
+        | EgressError::ApiHostSni { .. }
         | EgressError::Forbidden { .. }
         | EgressError::BadHost(_) => text(StatusCode::FORBIDDEN, BLOCKED, BLOCKED_BODY),
         EgressError::AtCapacity { .. } => text(

@@ -88,6 +88,10 @@ pub enum EgressError {
     BadPattern(String),
     #[error("{host}:{port} is not in the session's allowedDomains")]
     NotAllowed { host: String, port: u16 },
+    #[error("{host} is an API host: it is reached on port 443 only, through the credential guard (asked for port {port})")]
+    ApiHostPort { host: String, port: u16 },
+    #[error("this tunnel's TLS names the API host {sni}: the API hosts are reached by name only")]
+    ApiHostSni { sni: String },
     #[error("{host} is refused: {addr} is a {}", why.as_str())]
     Forbidden {
         host: String,
@@ -133,6 +137,8 @@ impl EgressError {
         matches!(
             self,
             EgressError::NotAllowed { .. }
+                | EgressError::ApiHostPort { .. }
+                | EgressError::ApiHostSni { .. }
                 | EgressError::Forbidden { .. }
                 | EgressError::BadHost(_)
                 | EgressError::AtCapacity { .. }
@@ -211,6 +217,21 @@ impl Shared {
         host: &Host,
         port: u16,
     ) -> Result<(TcpStream, Slot), EgressError> {
+        if let Some(i) = &self.interceptor {
+            if i.is_api_host(host) && port != intercept::rules::HTTPS_PORT {
+                let e = EgressError::ApiHostPort {
+                    host: host.to_string(),
+                    port,
+                };
+                self.log_refusal(
+                    Some(&grant.session),
+                    &host.to_string(),
+                    port,
+                    &e.to_string(),
+                );
+                return Err(e);
+            }
+        }
         let cap = self.config.max_connections_per_session;
         let Some(slot) = grant.acquire_slot(cap) else {
             let e = EgressError::AtCapacity {
@@ -441,6 +462,22 @@ pub(crate) async fn tunnel<C>(
         }
         None => {
             let _slot = slot;
+            if let Some(interceptor) = &shared.interceptor {
+                // A tunnel to an address or another name whose TLS names an
+                // API host would carry credentials past the guard.
+                match intercept::guard_relayed(interceptor, &mut client, &mut upstream).await {
+                    Ok(()) => {}
+                    Err(e) => {
+                        shared.log_refusal(
+                            Some(&grant.session),
+                            &host.to_string(),
+                            port,
+                            &e.to_string(),
+                        );
+                        return;
+                    }
+                }
+            }
             relay(&mut client, &mut upstream, &grant.session, &host, port).await;
         }
     }

@@ -158,6 +158,12 @@ impl Interceptor {
         self.ca.hosts()
     }
 
+    /// Whether `host` is one of the API hosts (any port).
+    pub fn is_api_host(&self, host: &Host) -> bool {
+        host.name()
+            .is_some_and(|n| self.ca.hosts().iter().any(|h| h.eq_ignore_ascii_case(n)))
+    }
+
     /// The intercepted host a tunnel to `host:port` is for, if any.
     pub fn covers(&self, host: &Host, port: u16) -> Option<String> {
         let name = host.name()?.to_ascii_lowercase();
@@ -228,6 +234,68 @@ impl Interceptor {
             .await
             .map_err(|source| InterceptError::Http { host, source })
     }
+}
+
+/// Most bytes read looking for a TLS ClientHello in a relayed tunnel.
+const MAX_SNIFF: usize = 64 * 1024;
+/// A TLS handshake record's first byte.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// Before a tunnel is relayed as bytes: when the client speaks first and
+/// its first bytes are a TLS ClientHello naming an API host, refuse (the
+/// API hosts are reached by name, through the guard); else pass what was
+/// read on to `upstream`. A server that speaks first skips the check.
+pub(crate) async fn guard_relayed<C>(
+    interceptor: &Interceptor,
+    client: &mut C,
+    upstream: &mut TcpStream,
+) -> Result<(), super::EgressError>
+where
+    C: AsyncRead + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::with_capacity(4096);
+    let mut acceptor = rustls::server::Acceptor::default();
+    let mut probe = [0u8; 1];
+    loop {
+        let mut chunk = [0u8; 4096];
+        let n = tokio::select! {
+            n = client.read(&mut chunk) => n?,
+            // The server speaks first (SSH, SMTP...): nothing to look at.
+            // (A peek, not `readable()`: readiness left over from the
+            // dialer's own reads would end the wait at once.)
+            r = upstream.peek(&mut probe), if buf.is_empty() => { r?; break; }
+        };
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf[0] != TLS_HANDSHAKE || buf.len() > MAX_SNIFF {
+            break;
+        }
+        let mut rd: &[u8] = &chunk[..n];
+        if acceptor.read_tls(&mut rd).is_err() {
+            break;
+        }
+        match acceptor.accept() {
+            Ok(Some(accepted)) => {
+                let sni = accepted
+                    .client_hello()
+                    .server_name()
+                    .map(str::to_ascii_lowercase);
+                if let Some(sni) = sni.filter(|s| interceptor.is_api_host(&Host::Name(s.clone()))) {
+                    return Err(super::EgressError::ApiHostSni { sni });
+                }
+                break;
+            }
+            Ok(None) => continue,
+            Err(_) => break,
+        }
+    }
+    if !buf.is_empty() {
+        upstream.write_all(&buf).await?;
+    }
+    Ok(())
 }
 
 /// The host's trust store for the upstream side.

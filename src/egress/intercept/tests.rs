@@ -601,3 +601,73 @@ async fn streamed_answers_pass_through_unbuffered() {
         .to_bytes();
     assert_eq!(rest, Bytes::from_static(b"event: last\n\n"));
 }
+
+#[tokio::test]
+async fn the_api_host_is_reached_by_name_on_443_only() {
+    let r = rig(false).await;
+    let (cred, _ph) = spawn_credential(&r.proxy, &r.cell);
+    // Another name (or an address) whose TLS names the API host: refused
+    // before a byte reaches the upstream.
+    let e = guest(r.addr, &cred, "other.example:443", API, &r.up.ca)
+        .await
+        .err();
+    assert!(
+        e.is_some(),
+        "a relayed tunnel naming the API host in its SNI must not work"
+    );
+    // Another port of the API host: refused at CONNECT.
+    let head = guest(r.addr, &cred, "api.anthropic.com:80", API, &r.up.ca)
+        .await
+        .err()
+        .unwrap();
+    assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+    assert!(r.up.seen.lock().unwrap().is_empty());
+    assert!(
+        !r.corporate_targets
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|t| t.ends_with(":80")),
+        "port 80 was never dialled"
+    );
+}
+
+#[tokio::test]
+async fn relayed_tunnels_where_the_server_speaks_first_are_not_held_up() {
+    // An SSH-like server: banner first, then echo.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(b"SSH-2.0-test\r\n").await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = s.read(&mut buf).await.unwrap();
+        s.write_all(&buf[..n]).await.unwrap();
+    });
+    let (corporate, _) = corporate_proxy(server).await;
+    let (_, unrelated) = test_ca();
+    let (proxy, addr) = helper_proxy(corporate, roots_of(&unrelated)).await;
+    let cred = proxy.issue("s", Policy::Unrestricted).unwrap();
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("s:{}", cred.expose()));
+    tcp.write_all(
+        format!("CONNECT git.example:22 HTTP/1.1\r\nProxy-Authorization: Basic {auth}\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert!(read_head(&mut tcp).await.starts_with("HTTP/1.1 200"));
+    let mut banner = [0u8; 14];
+    tokio::time::timeout(T, tcp.read_exact(&mut banner))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&banner, b"SSH-2.0-test\r\n");
+    tcp.write_all(b"hello").await.unwrap();
+    let mut echo = [0u8; 5];
+    tokio::time::timeout(T, tcp.read_exact(&mut echo))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&echo, b"hello");
+}
