@@ -119,6 +119,19 @@ pub struct Cli {
     /// warning), `log` only has the kernel log what they would refuse.
     #[arg(long, env = vmm::seccomp::SECCOMP_ENV, value_enum, default_value = "on")]
     pub seccomp: SeccompArg,
+    /// An API host whose TLS the egress proxy terminates to put the real
+    /// credential in place of a session's placeholder (repeat for a
+    /// gateway such as your ANTHROPIC_BASE_URL's host; the environment
+    /// takes a comma-separated list). Default: api.anthropic.com.
+    #[arg(
+        long = "api-host",
+        env = "COWORK_API_HOSTS",
+        value_name = "HOST",
+        value_delimiter = ',',
+        default_values_t = crate::egress::intercept::DEFAULT_API_HOSTS.map(String::from),
+        value_parser = parse_api_host
+    )]
+    pub api_hosts: Vec<String>,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -423,6 +436,16 @@ fn install_command(a: &InstallArgs, install: bool) -> i32 {
     }
 }
 
+/// An `--api-host` value: a DNS name (no port, no address), lower-cased.
+fn parse_api_host(text: &str) -> Result<String, String> {
+    match crate::egress::Host::parse(text.trim()) {
+        Ok(crate::egress::Host::Name(n)) if n.contains('.') => Ok(n),
+        _ => Err(format!(
+            "{text:?} is not a host name (like api.anthropic.com; no port, no address)"
+        )),
+    }
+}
+
 /// Rewrites `-socket X` / `-socket=X` to their double-dash forms.
 pub fn normalize_args(args: Vec<String>) -> Vec<String> {
     args.into_iter()
@@ -590,6 +613,7 @@ fn serve(cli: Cli) -> i32 {
     let data_dir = cli.data_dir_or_default();
     let settings = Settings {
         images: cli.image_search(),
+        api_hosts: cli.api_hosts.clone(),
         data_dir,
         backend,
         helper_exe,
@@ -633,6 +657,7 @@ fn serve(cli: Cli) -> i32 {
             backend = backend.as_str(),
             reason = why,
             data_dir = %settings.data_dir.display(),
+            api_hosts = %settings.api_hosts.join(","),
             version = env!("CARGO_PKG_VERSION"),
             "listening"
         );
@@ -697,6 +722,29 @@ mod tests {
     }
 
     #[test]
+    fn api_hosts_default_to_anthropics_and_take_names_only() {
+        if std::env::var_os("COWORK_API_HOSTS").is_none() {
+            let cli = Cli::try_parse_from(["h", "--socket", "/x"]).unwrap();
+            assert_eq!(cli.api_hosts, ["api.anthropic.com"]);
+        }
+        let cli = Cli::try_parse_from([
+            "h",
+            "--api-host",
+            "api.anthropic.com",
+            "--api-host",
+            "LLM.Corp.Example.",
+        ])
+        .unwrap();
+        assert_eq!(cli.api_hosts, ["api.anthropic.com", "llm.corp.example"]);
+        for bad in ["10.0.0.1", "gateway:8443", "localhost", "a b"] {
+            assert!(
+                Cli::try_parse_from(["h", "--api-host", bad]).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn go_style_socket_flags() {
         let a = |v: &[&str]| normalize_args(v.iter().map(|s| s.to_string()).collect());
         assert_eq!(a(&["h", "-socket", "/x"]), ["h", "--socket", "/x"]);
@@ -725,6 +773,7 @@ mod tests {
             userland: cli.userland.into(),
             seccomp: cli.seccomp.into(),
             images: ImageSearch::default(),
+            api_hosts: cli.api_hosts.clone(),
         };
         assert!(settings.fs_options().xattr);
     }

@@ -40,6 +40,9 @@ pub struct Settings {
     pub seccomp: vmm::seccomp::Mode,
     /// Where the VM backends look for the guest image and the userland.
     pub images: crate::backend::image::ImageSearch,
+    /// The API hosts whose credentials the egress proxy swaps in
+    /// (`--api-host`; see [`crate::egress::intercept`]).
+    pub api_hosts: Vec<String>,
 }
 
 impl Settings {
@@ -107,12 +110,19 @@ pub fn profile_key(name: Option<&str>, root: Option<&str>) -> String {
 
 impl Daemon {
     pub fn new(settings: Settings) -> Arc<Daemon> {
+        let egress = crate::egress::EgressProxy::new(
+            crate::egress::EgressDialer::from_env(),
+            crate::egress::ProxyConfig {
+                api_hosts: settings.api_hosts.clone(),
+                ..Default::default()
+            },
+        );
         Arc::new(Daemon {
             settings,
             profiles: Mutex::new(HashMap::new()),
             last_configured: Mutex::new(None),
             connections: AtomicUsize::new(0),
-            egress: crate::egress::EgressProxy::from_env(),
+            egress,
         })
     }
 

@@ -72,6 +72,7 @@ fn settings() -> Settings {
         userland: Default::default(),
         seccomp: Default::default(),
         images: Default::default(),
+        api_hosts: Vec::new(),
     }
 }
 
