@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::{json, Value};
-use support::gate::{qemu_gate, qemu_missing, qemu_tests_required, QEMU_TESTS_ENV};
+use support::claude_cli;
+use support::gate::{qemu_gate, qemu_missing};
 use support::procfs::{children_named, status_kib};
 use support::session::{self, assert_exit_0, bash, ok, rel, run};
 use support::session_checks;
@@ -44,10 +45,6 @@ const T: Duration = Duration::from_secs(120);
 const CLI_LIMIT: Duration = Duration::from_secs(300);
 /// One VM at a time: TCG is CPU heavy and the machine is shared.
 static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// Our guest image's rootfs.img, when the test may run; panics when it
 /// must run but cannot.
@@ -105,48 +102,13 @@ fn qemu_rss_mib(helper_pid: u32) -> Option<u64> {
     Some(status_kib(qemu, "VmRSS")? / 1024)
 }
 
-/// The Claude Code CLI from npm (cached by the script), or why not.
-fn claude_cli() -> Result<(PathBuf, String), String> {
-    let out = Command::new(repo().join("scripts/fetch-claude-cli.sh"))
-        .arg("--quiet")
-        .output()
-        .map_err(|e| format!("cannot run scripts/fetch-claude-cli.sh: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "scripts/fetch-claude-cli.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let var = |k: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(k))
-            .map(str::to_string)
-            .ok_or_else(|| format!("fetch-claude-cli.sh printed no {k}: {text}"))
-    };
-    Ok((
-        PathBuf::from(var("CLAUDE_CLI=")?),
-        var("CLAUDE_CLI_VERSION=")?,
-    ))
-}
-
 /// `installSdk` of the real CLI, laid out as the client does
 /// (`<sdk>/<version>/claude`), then `claude --version` in a session.
 async fn real_cli(pipe: &Pipe, sub: &mut Subscription, host_dir: &Path) {
-    let (cli, version) = match claude_cli() {
-        Ok(c) => c,
-        Err(why) => {
-            assert!(
-                !qemu_tests_required(),
-                "{QEMU_TESTS_ENV}=1 but the CLI is unavailable: {why}"
-            );
-            eprintln!(
-                "\n====================================================\n\
-                 SKIPPED the real-CLI check: {why}\n\
-                 ====================================================\n"
-            );
-            return;
-        }
+    let Some(claude_cli::ClaudeCli { path: cli, version }) =
+        claude_cli::fetch_or_skip("the real-CLI check")
+    else {
+        return;
     };
     let sdk = host_dir.join("sdk");
     let dir = sdk.join(&version);

@@ -17,7 +17,9 @@
 //!   check;
 //! - [`procfs`]: what `/proc` says about the helper and its children;
 //! - [`netns`]: network namespaces, a veth pair and test servers for the
-//!   egress tests (`egress_netns`, `egress_vm`).
+//!   egress tests (`egress_netns`, `egress_vm`);
+//! - [`claude_cli`]: the real Claude Code CLI, fetched and cached by
+//!   `scripts/fetch-claude-cli.sh`, or a loud skip.
 //!
 //! It is test code: every failure panics with what was seen. The sandbox
 //! protocol tests use `tests/common` instead (many helpers at once, logs in
@@ -26,6 +28,7 @@
 // Each test binary uses a different part of the support code.
 #![allow(dead_code)]
 
+pub mod claude_cli;
 pub mod fsync_records;
 pub mod gate;
 pub mod nested;
