@@ -1,6 +1,6 @@
 //! Support code of the VM test suites (`qemu_e2e`, `qemu_disk`,
-//! `qemu_userland`, `kvm_backend`, `nested_boot`, `egress_netns`, `egress_vm`), included with `mod
-//! support;`. Each module has one concern:
+//! `qemu_userland`, `kvm_backend`, `nested_boot`, `egress_netns`, `egress_vm`, `mock_api_cli`),
+//! included with `mod support;`. Each module has one concern:
 //!
 //! - [`gate`]: whether a QEMU suite may run here (a loud skip, or a failure
 //!   under `COWORK_QEMU_TESTS=1`);
@@ -18,6 +18,8 @@
 //! - [`procfs`]: what `/proc` says about the helper and its children;
 //! - [`netns`]: network namespaces, a veth pair and test servers for the
 //!   egress tests (`egress_netns`, `egress_vm`);
+//! - [`mock_api`]: a mock of the Anthropic API over TLS, with a test CA, that
+//!   the real CLI completes a turn against, recording every request;
 //! - [`claude_cli`]: the real Claude Code CLI, fetched and cached by
 //!   `scripts/fetch-claude-cli.sh`, or a loud skip.
 //!
@@ -31,6 +33,7 @@
 pub mod claude_cli;
 pub mod fsync_records;
 pub mod gate;
+pub mod mock_api;
 pub mod nested;
 pub mod netns;
 pub mod procfs;
