@@ -309,7 +309,7 @@ pub struct InstallArgs {
 pub enum ImageCommand {
     /// Build our Debian userland (rootfs.img) for machines without the
     /// client's bundle: mmdebstrap from the Debian archive, into
-    /// /var/lib/cowork-helper/userland as root, else <data dir>/userland.
+    /// /var/lib/cowork-helper/userland as root, else the data directory's userland/.
     Build(ImageBuildArgs),
 }
 
