@@ -232,7 +232,7 @@ pub async fn serve(
         }
     }
     tracing::info!("shutting down");
-    daemon.stop_all().await;
+    daemon.shut_down().await;
 }
 
 /// Stops VMs that no client has used for `limit`.
