@@ -7,6 +7,12 @@
 //! Each command shows only its own options: serving's (`--socket`,
 //! `--data-dir`, ...) belong to the top level, `doctor` takes the two it
 //! explains (`--backend`, `--userland`), `bench` and `vm run` take theirs.
+//!
+//! Serving ends on SIGTERM, SIGINT, or the client going away (its end of
+//! our stdin closing, see [`crate::shutdown`]): the socket is removed, every
+//! VM stopped (killed past [`crate::daemon::SHUTDOWN_BUDGET`]) and the
+//! helper exits 0 within [`EXIT_LIMIT`].
+//!
 //! Limits: serving options given after a subcommand are refused, not ignored.
 
 use std::path::PathBuf;
@@ -21,6 +27,23 @@ use crate::daemon::{Daemon, Settings};
 
 /// Socket file name inside `$XDG_RUNTIME_DIR`, as the client expects it.
 pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
+
+/// How soon the helper has exited, at most, after the event that starts
+/// its shutdown (SIGTERM, SIGINT, the client closing its stdin): the
+/// client's next helper needs the socket and the VM's session disk.
+pub const EXIT_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long the runtime gets to end its remaining tasks once the VMs are
+/// stopped.
+const RUNTIME_EXIT: Duration = Duration::from_millis(500);
+
+const _: () = assert!(
+    crate::daemon::SHUTDOWN_BUDGET.as_millis()
+        + crate::daemon::KILL_GRACE.as_millis()
+        + RUNTIME_EXIT.as_millis()
+        < EXIT_LIMIT.as_millis(),
+    "the shutdown's parts must fit in EXIT_LIMIT"
+);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
@@ -643,7 +666,16 @@ fn serve(cli: Cli) -> i32 {
             return 1;
         }
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
+        // Armed first: a SIGTERM that arrives while binding is handled too.
+        let shutdown = match crate::shutdown::Shutdown::arm() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("{e}");
+                eprintln!("cowork-helper: {e}");
+                return 1;
+            }
+        };
         let listener = match crate::server::bind(&socket).await {
             Ok(l) => l,
             Err(e) => {
@@ -663,27 +695,23 @@ fn serve(cli: Cli) -> i32 {
         );
         let daemon = Daemon::new(settings);
         let idle = (cli.idle_timeout > 0).then(|| Duration::from_secs(cli.idle_timeout));
-        crate::server::serve(listener, daemon, idle, shutdown_signal()).await;
+        let trigger =
+            crate::server::serve(&listener, daemon.clone(), idle, shutdown.requested()).await;
+        let began = std::time::Instant::now();
+        tracing::info!("{trigger}; shutting down");
+        // The socket goes first, while it is surely still ours: nothing new
+        // connects to a helper that is going away, and the next helper can
+        // bind at once.
         let _ = std::fs::remove_file(&socket);
-        tracing::info!("bye");
+        drop(listener);
+        daemon.shut_down().await;
+        tracing::info!(ms = began.elapsed().as_millis() as u64, "bye");
         0
-    })
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers the process still dies on SIGTERM; just never resolve.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
+    });
+    // Tasks still running (connections, a VM abandoned at the deadline)
+    // must not hold up the exit.
+    runtime.shutdown_timeout(RUNTIME_EXIT);
+    code
 }
 
 #[cfg(test)]

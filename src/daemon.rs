@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use base64::Engine;
 use guest_agent::proto::{Op, Secret, SpawnSpec};
@@ -24,6 +25,18 @@ use crate::vm::{SpawnRequest, Vm};
 
 /// Name of the profile used before any `configure`.
 pub const DEFAULT_PROFILE: &str = "default";
+
+/// How long the helper's shutdown (SIGTERM, SIGINT, the client closing the
+/// helper's stdin) gives its VMs to stop cleanly: the agent ends the
+/// sessions, the guest remounts its session disk read-only and powers off
+/// (about 1-3 s under QEMU TCG). A machine still running then is killed.
+pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(6);
+
+/// How long the shutdown then waits for the killed machines to be reaped
+/// before the helper exits without them (they end with its process: QEMU
+/// and the sandbox by their parent-death signal, the kvm VM with the
+/// process).
+pub const KILL_GRACE: Duration = Duration::from_secs(2);
 
 /// Static daemon settings from the command line.
 #[derive(Clone, Debug)]
@@ -177,12 +190,49 @@ impl Daemon {
         profile
     }
 
-    /// Stops every VM (daemon shutdown, idle policy).
-    pub async fn stop_all(&self) {
+    /// Stops every VM for the helper's exit, all at once: no VM starts
+    /// from now on; each running machine stops as with `stopVM` (the agent
+    /// ends its sessions, the guest settles its session disk and powers
+    /// off), and one still running after [`SHUTDOWN_BUDGET`] is killed (one
+    /// log line says so). Returns within [`SHUTDOWN_BUDGET`] +
+    /// [`KILL_GRACE`].
+    pub async fn shut_down(&self) {
+        let deadline = Instant::now() + SHUTDOWN_BUDGET;
+        let mut stops = tokio::task::JoinSet::new();
         for p in self.all_profiles() {
-            if p.vm.is_running() {
-                if let Err(e) = p.vm.stop().await {
-                    tracing::warn!(profile = %p.key, error = %e, "stopping vm failed");
+            stops.spawn(async move {
+                let outcome = p.vm.shut_down(deadline).await;
+                (p, outcome)
+            });
+        }
+        let budget_spent = tokio::time::sleep_until(deadline.into());
+        let give_up = tokio::time::sleep_until((deadline + KILL_GRACE).into());
+        tokio::pin!(budget_spent, give_up);
+        let mut killing = false;
+        loop {
+            tokio::select! {
+                joined = stops.join_next() => match joined {
+                    None => return,
+                    Some(Ok((p, Err(e)))) => {
+                        tracing::warn!(profile = %p.key, error = %e, "stopping vm failed")
+                    }
+                    Some(Ok((_, Ok(())))) => {}
+                    Some(Err(e)) => tracing::warn!(error = %e, "stopping a vm failed (a bug)"),
+                },
+                _ = &mut budget_spent, if !killing => {
+                    killing = true;
+                    tracing::warn!(
+                        vms = stops.len(),
+                        budget_s = SHUTDOWN_BUDGET.as_secs(),
+                        "shutdown budget spent: killing the VMs that have not stopped"
+                    );
+                }
+                _ = &mut give_up => {
+                    tracing::warn!(
+                        vms = stops.len(),
+                        "VMs still not reaped after the kill; exiting without them (they end with the helper)"
+                    );
+                    return;
                 }
             }
         }

@@ -9,7 +9,8 @@
 //! driving our own virtio devices over vhost-user ([`backend::qemu`]), and
 //! the in-process KVM machine of the `vmm` crate ([`backend::kvm`]).
 //! [`cli`] is the command line (serving, [`doctor`], `bench`, `vm run`,
-//! [`install`]/`uninstall` at the client's helper path, [`image_build`]).
+//! [`install`]/`uninstall` at the client's helper path, [`image_build`]);
+//! [`shutdown`] says when serving ends (a signal, or the client gone).
 //!
 //! Dependencies point one way: [`daemon`] → [`vm`] → [`backend`] (which
 //! never reaches back into [`vm`]); docs/architecture.md has the module
@@ -33,5 +34,6 @@ pub mod probe;
 pub mod protocol;
 pub mod sandbox;
 pub mod server;
+pub mod shutdown;
 pub mod utf8;
 pub mod vm;

@@ -187,13 +187,16 @@ pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
 
 use std::os::unix::fs::DirBuilderExt;
 
-/// Serves until `shutdown` resolves; then stops every VM.
-pub async fn serve(
-    listener: UnixListener,
+/// Serves until `shutdown` resolves, and returns what it resolved to. The
+/// caller then removes the socket, closes `listener` and stops the VMs
+/// ([`Daemon::shut_down`]); connections already open are served until the
+/// process exits.
+pub async fn serve<T>(
+    listener: &UnixListener,
     daemon: Arc<Daemon>,
     idle_timeout: Option<Duration>,
-    shutdown: impl std::future::Future<Output = ()>,
-) {
+    shutdown: impl std::future::Future<Output = T>,
+) -> T {
     let uid = unsafe { libc::geteuid() };
     let cap = connection_cap();
     if let Some(limit) = idle_timeout {
@@ -228,11 +231,9 @@ pub async fn serve(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
-            _ = &mut shutdown => break,
+            trigger = &mut shutdown => return trigger,
         }
     }
-    tracing::info!("shutting down");
-    daemon.stop_all().await;
 }
 
 /// Stops VMs that no client has used for `limit`.

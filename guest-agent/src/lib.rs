@@ -7,7 +7,8 @@
 //!   ([`framing`]), the message types ([`proto`]), signal and name rules
 //!   ([`signal`], [`names`]), the boot milestone values the agent writes to
 //!   our VMM ([`milestone`]), and the ext superblock fields both sides read
-//!   from disks ([`extfs`]).
+//!   from disks ([`extfs`]), and the log writer that keeps each event on
+//!   one line ([`logline`]).
 //! * **Host-or-guest services**: the session-disk [`janitor`], which the
 //!   agent serves and the host runs itself when no agent runs, over the
 //!   system-call wrappers (`sys`, crate-internal) and this process's mount
@@ -27,6 +28,7 @@ pub mod framing;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod janitor;
+pub mod logline;
 pub mod milestone;
 pub mod mounttable;
 pub mod names;

@@ -43,9 +43,10 @@
 //! boot-timing port are logged with the run's end.
 //!
 //! Stop: the controller first asks the agent to shut down (the agent powers
-//! the guest off through ACPI S5, which ends the run); [`KvmMachine::kill`]
-//! gives the guest [`POWEROFF_DEADLINE`] for that, then stops the VM from
-//! the host ([`vmm::StopHandle`]) and joins the thread.
+//! the guest off through ACPI S5, which ends the run); [`KvmMachine::kill_by`]
+//! gives the guest [`POWEROFF_DEADLINE`](super::guest::POWEROFF_DEADLINE) for that (less when the helper is
+//! exiting), then stops the VM from the host ([`vmm::StopHandle`]) and
+//! joins the thread.
 //!
 //! Limits: x86_64 hosts with hardware virtualisation only; no network
 //! besides vsock (the egress proxy is the only way out); guest
@@ -74,9 +75,7 @@ use tokio::sync::oneshot;
 use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 pub use super::guest::kvm_for_linux;
-use super::guest::{
-    agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID, POWEROFF_DEADLINE,
-};
+use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
@@ -421,16 +420,18 @@ impl KvmMachine {
 
     /// Ends the VM: when the agent had connected, the guest is expected to
     /// power off (the controller asked the agent to shut down) and gets
-    /// [`POWEROFF_DEADLINE`]; then the host stops it. Idempotent.
-    pub async fn kill(&mut self) {
+    /// until `poweroff_by` (the controller's
+    /// [`POWEROFF_DEADLINE`](super::guest::POWEROFF_DEADLINE), or the
+    /// helper's shutdown deadline); then the host stops it. Idempotent.
+    pub async fn kill_by(&mut self, poweroff_by: Instant) {
         if self.ended.is_none() {
             let started = Instant::now();
             let mut how = None;
             if self.connected.load(Ordering::Acquire) {
-                match tokio::time::timeout(POWEROFF_DEADLINE, &mut self.outcome).await {
+                match tokio::time::timeout_at(poweroff_by.into(), &mut self.outcome).await {
                     Ok(outcome) => how = Some(outcome),
                     Err(_) => tracing::warn!(
-                        deadline_s = POWEROFF_DEADLINE.as_secs(),
+                        waited_ms = started.elapsed().as_millis() as u64,
                         "guest did not power off in time; stopping the VM"
                     ),
                 }

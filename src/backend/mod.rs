@@ -169,12 +169,14 @@ impl Machine {
         }
     }
 
-    /// Ends the machine now and reaps it; idempotent.
-    pub async fn kill(&mut self) {
+    /// Ends the machine and reaps it; idempotent. A VM guest told to power
+    /// off gets until `poweroff_by` to do so before it is killed; a sandbox
+    /// is killed at once.
+    pub async fn kill_by(&mut self, poweroff_by: std::time::Instant) {
         match self {
             Self::Sandbox(s) => s.kill().await,
-            Self::Qemu(q) => q.kill().await,
-            Self::Kvm(k) => k.kill().await,
+            Self::Qemu(q) => q.kill_by(poweroff_by).await,
+            Self::Kvm(k) => k.kill_by(poweroff_by).await,
         }
     }
 }

@@ -5,7 +5,10 @@
 //! processes, then the machine is killed).
 //!
 //! Limits: the agent must say hello within [`HELLO_TIMEOUT`]; `stopVM`
-//! gives the agent [`super::SHUTDOWN_GRACE`] before the machine is killed.
+//! gives the agent [`super::SHUTDOWN_GRACE`] to end its processes and the
+//! guest [`POWEROFF_DEADLINE`] to power off before the machine is killed.
+//! The helper's own shutdown ([`Vm::shut_down`]) gives both no more than
+//! its deadline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,6 +19,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::link::{read_hello, AgentLink};
 use super::{lock, Machine, Vm, VmError, CALL_TIMEOUT, SHUTDOWN_GRACE};
+use crate::backend::guest::POWEROFF_DEADLINE;
 use crate::backend::{HostPaths, Machine as BackendMachine, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
 
@@ -29,12 +33,17 @@ impl Vm {
         boot: crate::backend::BootOptions,
     ) -> Result<(), VmError> {
         let mut lifecycle = self.lifecycle.lock().await;
+        // Checked under the lock `shut_down` takes after setting it: a
+        // start either finishes before the shutdown stops it, or refuses.
+        if self.closing.load(Ordering::Acquire) {
+            return Err(VmError::ShuttingDown);
+        }
         if lifecycle.is_some() && self.is_guest_connected() {
             return Ok(());
         }
         if let Some(old) = lifecycle.take() {
             // A machine whose agent is gone: clear it before booting anew.
-            self.teardown(old).await;
+            self.teardown(old, Instant::now() + POWEROFF_DEADLINE).await;
         }
         let began = Instant::now();
         self.hub
@@ -107,7 +116,8 @@ impl Vm {
                     .publish(&event::startup_step(step::GUEST_CONNECT, "failed"))
                     .await;
                 tracing::error!(error = %e, "guest agent did not connect");
-                self.teardown(machine).await;
+                self.teardown(machine, Instant::now() + POWEROFF_DEADLINE)
+                    .await;
                 return Err(e);
             }
         };
@@ -243,14 +253,16 @@ impl Vm {
             // The agent died with its machine even if no backend closed
             // the link yet: its processes end now (fatal error and exit),
             // not when (or if) the stream reports it.
-            self.teardown(m).await;
+            self.teardown(m, Instant::now() + POWEROFF_DEADLINE).await;
         }
     }
 
-    async fn teardown(&self, mut m: Machine) {
+    /// Ends machine `m` (the guest may power off until `poweroff_by`, then
+    /// it is killed) and accounts for everything that ran in it.
+    async fn teardown(&self, mut m: Machine, poweroff_by: Instant) {
         let _ = m.probe_stop.send(true);
         if let Some(kill) = m.kill.take() {
-            let _ = kill.send(());
+            let _ = kill.send(poweroff_by);
         }
         let _ = (&mut m.done).await;
         if let Some(link) = self.link() {
@@ -270,20 +282,46 @@ impl Vm {
         self.running.store(false, Ordering::Release);
     }
 
-    /// Stops the VM: processes end (exit events delivered), then the machine.
+    /// Stops the VM (`stopVM`, the idle policy): processes end (exit
+    /// events delivered), then the machine.
     pub async fn stop(&self) -> Result<(), VmError> {
         let mut lifecycle = self.lifecycle.lock().await;
+        let deadline = Instant::now() + SHUTDOWN_GRACE + POWEROFF_DEADLINE;
+        self.stop_locked(&mut lifecycle, deadline).await;
+        Ok(())
+    }
+
+    /// Stops the VM for the helper's exit, by `deadline`: no machine starts
+    /// from now on, a start in progress is waited for (until `deadline`,
+    /// else [`VmError::StillStarting`]), and the running machine stops as
+    /// in [`Vm::stop`], killed at `deadline` if it has not powered off.
+    pub async fn shut_down(&self, deadline: Instant) -> Result<(), VmError> {
+        self.closing.store(true, Ordering::Release);
+        let mut lifecycle = tokio::time::timeout_at(deadline.into(), self.lifecycle.lock())
+            .await
+            .map_err(|_| VmError::StillStarting)?;
+        self.stop_locked(&mut lifecycle, deadline).await;
+        Ok(())
+    }
+
+    /// Stops the machine in `lifecycle`, if any: the agent gets up to
+    /// [`SHUTDOWN_GRACE`] to end its processes and the guest up to
+    /// [`POWEROFF_DEADLINE`] to power off, neither past `deadline`; then
+    /// the machine is killed.
+    async fn stop_locked(&self, lifecycle: &mut Option<Machine>, deadline: Instant) {
         let Some(machine) = lifecycle.take() else {
-            return Ok(());
+            return;
         };
+        let left = || deadline.saturating_duration_since(Instant::now());
         if let Some(link) = self.link() {
-            if let Err(e) = link.call(Op::Shutdown, &[], SHUTDOWN_GRACE).await {
+            let grace = SHUTDOWN_GRACE.min(left());
+            if let Err(e) = link.call(Op::Shutdown, &[], grace).await {
                 tracing::warn!(error = %e, "agent shutdown did not complete; killing the VM");
             }
         }
-        self.teardown(machine).await;
+        let poweroff_by = deadline.min(Instant::now() + POWEROFF_DEADLINE);
+        self.teardown(machine, poweroff_by).await;
         tracing::info!("vm stopped");
-        Ok(())
     }
 
     pub(super) async fn current_host_paths(&self) -> Result<HostPaths, VmError> {
@@ -329,17 +367,20 @@ fn check_userland(
 }
 
 /// Owns the machine until it ends or is killed; reports how it ended.
+/// `kill` brings the instant until which the guest may power off by
+/// itself (a dropped sender: [`POWEROFF_DEADLINE`] from then).
 async fn run_machine(
     mut machine: BackendMachine,
-    kill: oneshot::Receiver<()>,
+    kill: oneshot::Receiver<Instant>,
     gone: oneshot::Sender<String>,
 ) {
     tokio::select! {
         how = machine.wait() => {
             let _ = gone.send(how);
         }
-        _ = kill => {
-            machine.kill().await;
+        by = kill => {
+            let poweroff_by = by.unwrap_or_else(|_| Instant::now() + POWEROFF_DEADLINE);
+            machine.kill_by(poweroff_by).await;
         }
     }
 }
@@ -391,6 +432,54 @@ mod tests {
         );
         vm.machine_gone(7, "machine 7 ended").await;
         assert!(vm.lifecycle.lock().await.is_none());
+    }
+
+    /// The helper's shutdown with an agent that answers nothing and a
+    /// deadline shorter than the agent's usual grace: the shutdown request
+    /// gets only what is left, the machine is told to be gone by the
+    /// deadline, and no machine starts afterwards.
+    #[tokio::test]
+    async fn a_shutdown_keeps_to_its_deadline_and_refuses_later_starts() {
+        use std::time::Duration;
+
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = test_vm(tmp.path());
+        // The agent's end stays open and silent.
+        let (host, _agent) = std::os::unix::net::UnixStream::pair().unwrap();
+        host.set_nonblocking(true).unwrap();
+        let host = tokio::net::UnixStream::from_std(host).unwrap();
+        vm.attach(guest_agent::proto::Hello::default(), host);
+        vm.running.store(true, Ordering::Release);
+        let (kill, killed) = oneshot::channel::<Instant>();
+        let (told, poweroff_by) = oneshot::channel();
+        let (probe_stop, _) = watch::channel(false);
+        *vm.lifecycle.lock().await = Some(Machine {
+            serial: 1,
+            kill: Some(kill),
+            done: tokio::spawn(async move {
+                if let Ok(by) = killed.await {
+                    let _ = told.send(by);
+                }
+            }),
+            probe_stop,
+            host_paths: HostPaths::Prefix("/".into()),
+        });
+
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_millis(300);
+        vm.shut_down(deadline).await.expect("shut down");
+        let took = t0.elapsed();
+        assert!(
+            took < SHUTDOWN_GRACE,
+            "the shutdown waited the agent's whole grace: {took:?}"
+        );
+        let by = poweroff_by.await.expect("the machine was ended");
+        assert!(by <= deadline, "the machine may outlive the deadline");
+        assert!(!vm.is_running() && vm.lifecycle.lock().await.is_none());
+        assert!(matches!(
+            vm.start(None, Default::default()).await,
+            Err(VmError::ShuttingDown)
+        ));
     }
 
     /// The agent answers a request and its machine ends at once, before

@@ -74,6 +74,10 @@ pub enum VmError {
     Busy { op: &'static str, limit: usize },
     #[error("spawn refused: this VM already runs {limit} processes (the helper's limit per profile); wait for one to exit or kill one")]
     TooManyProcesses { limit: usize },
+    #[error("the helper is shutting down (SIGTERM, SIGINT, or the client closed its stdin): startVM refused; the client starts a new helper")]
+    ShuttingDown,
+    #[error("the VM was still starting when the helper's shutdown deadline passed; it ends with the helper")]
+    StillStarting,
     #[error("{0}")]
     Agent(String),
     #[error("{0}")]
@@ -99,7 +103,9 @@ struct Machine {
     /// Which boot this is (unique in the process): the watcher of a machine
     /// that ended acts only while that machine is still the current one.
     serial: u64,
-    kill: Option<oneshot::Sender<()>>,
+    /// Ends the machine: the guest may power off until the instant sent,
+    /// then it is killed.
+    kill: Option<oneshot::Sender<Instant>>,
     done: tokio::task::JoinHandle<()>,
     probe_stop: watch::Sender<bool>,
     host_paths: HostPaths,
@@ -112,6 +118,8 @@ pub struct Vm {
     lifecycle: tokio::sync::Mutex<Option<Machine>>,
     link: RwLock<Option<Arc<AgentLink>>>,
     running: AtomicBool,
+    /// Set by [`Vm::shut_down`]: the helper is exiting, no machine starts.
+    closing: AtomicBool,
     procs: Mutex<Procs>,
     sdk: Mutex<Option<(String, String)>>,
     approved_token: Mutex<Option<proto::Secret>>,
@@ -129,6 +137,7 @@ impl Vm {
             lifecycle: tokio::sync::Mutex::new(None),
             link: RwLock::new(None),
             running: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
             procs: Mutex::new(Procs::default()),
             sdk: Mutex::new(None),
             approved_token: Mutex::new(None),

@@ -368,8 +368,9 @@ fn start_egress(config: &Config) -> (egress::Spawns, egress::EgressGate) {
     (spawns, ready)
 }
 
-/// Logging to stderr, one line per event, filtered by `COWORK_LOG`, in the
-/// short form of [`logfmt`].
+/// Logging to stderr, one line per event (control characters escaped, see
+/// [`crate::logline`]), filtered by `COWORK_LOG`, in the short form of
+/// [`logfmt`].
 fn init_logging() {
     use tracing_subscriber::filter::Targets;
     use tracing_subscriber::prelude::*;
@@ -382,7 +383,7 @@ fn init_logging() {
         _ => (default, None),
     };
     let layer = tracing_subscriber::fmt::layer()
-        .with_writer(io::stderr)
+        .with_writer(crate::logline::OneLine::new(io::stderr))
         .with_ansi(false)
         .with_timer(logfmt::BootClock)
         .with_target(false);

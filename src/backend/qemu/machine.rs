@@ -111,15 +111,21 @@ impl QemuMachine {
     /// power off (the controller asked the agent to shut down) and gets
     /// [`POWEROFF_DEADLINE`]; then QEMU is killed. Idempotent.
     pub async fn kill(&mut self) {
+        self.kill_by(Instant::now() + POWEROFF_DEADLINE).await
+    }
+
+    /// [`QemuMachine::kill`], the guest's power-off awaited until
+    /// `poweroff_by`.
+    pub async fn kill_by(&mut self, poweroff_by: Instant) {
         if self.ended.is_none() {
             let started = Instant::now();
             let mut status = None;
             if self.connected.load(Ordering::Acquire) {
-                match tokio::time::timeout(POWEROFF_DEADLINE, self.child.wait()).await {
+                match tokio::time::timeout_at(poweroff_by.into(), self.child.wait()).await {
                     Ok(Ok(st)) => status = Some(st),
                     Ok(Err(e)) => tracing::warn!(error = %e, "cannot wait for QEMU"),
                     Err(_) => tracing::warn!(
-                        deadline_s = POWEROFF_DEADLINE.as_secs(),
+                        waited_ms = started.elapsed().as_millis() as u64,
                         "guest did not power off in time; killing QEMU"
                     ),
                 }

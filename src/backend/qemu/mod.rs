@@ -51,7 +51,7 @@
 //! the agent to shut down (the agent powers the guest off);
 //! [`QemuMachine::kill`] then gives QEMU
 //! [`POWEROFF_DEADLINE`](super::guest::POWEROFF_DEADLINE) to exit before
-//! killing it.
+//! killing it ([`QemuMachine::kill_by`]: less when the helper is exiting).
 //!
 //! Limits: x86_64 guests only; no network besides vsock (the egress proxy
 //! is the only way out). Files in shared folders are
