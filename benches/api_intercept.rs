@@ -4,10 +4,11 @@
 //! proxy's memory while 20 intercepted answers stream at once.
 //!
 //! Run with `cargo bench --bench api_intercept` (without `--bench`, a short
-//! smoke run). Everything is on loopback: an upstream TLS server (a test
-//! CA's certificate for both names) stands in for the API, reached through
-//! a CONNECT forwarder standing in for a corporate proxy (the helper's own
-//! `HTTPS_PROXY`), so no name is resolved. The proxy runs in a child
+//! smoke run). Everything is on loopback (`tests/support/tls_upstream.rs`):
+//! an upstream TLS server (a test CA's certificate for both names) stands
+//! in for the API, reached through a CONNECT forwarder standing in for a
+//! corporate proxy (the helper's own `HTTPS_PROXY`), so no name is
+//! resolved. The proxy runs in a child
 //! process (this binary again, under [`CHILD_ENV`]) so that its resident
 //! memory is its own.
 //!
@@ -19,30 +20,27 @@
 //! - memory: the proxy's VmRSS before and with [`STREAMS`] intercepted
 //!   answers held open (each upstream answer sends one event, then waits).
 
+// The bench uses the rig's upstream and proxy, not its request records.
+#[allow(dead_code)]
+#[path = "../tests/support/tls_upstream.rs"]
+mod tls_upstream;
+
 use std::io::BufRead;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use bytes::Bytes;
 use cowork_helper::egress::secrets::{Carrier, RealSecret, SecretCell, Substituter};
-use cowork_helper::egress::{
-    AddressGuard, EgressDialer, EgressProxy, NoProxy, Policy, ProxyConfig, UpstreamProxy,
-};
+use cowork_helper::egress::Policy;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Frame;
-use hyper_util::rt::TokioIo;
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use rustls::pki_types::CertificateDer;
+use tls_upstream::{forwarder, helper_proxy, pem_certs, upstream, API, OTHER};
+use tokio::net::TcpListener;
 
 /// Set in the child that runs the proxy: `<upstream CA PEM file>
 /// <forwarder address>`.
 const CHILD_ENV: &str = "COWORK_API_BENCH_PROXY_CHILD";
-const API: &str = "api.anthropic.com";
-const OTHER: &str = "other.example";
 /// The real token the child's proxy swaps in.
 const REAL: &str = "sk-ant-oat01-bench-real-token-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789ab";
 /// Rounds of each measurement (full run, smoke run).
@@ -53,138 +51,6 @@ const STREAMS: usize = 20;
 /// The request body size.
 const BODY: usize = 2048;
 
-/// A response body fed frame by frame.
-struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
-
-impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// The stand-in API: `/hold` answers one event and then holds the stream.
-async fn upstream() -> (SocketAddr, CertificateDer<'static>, String) {
-    let mut ca_params = CertificateParams::default();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_key = KeyPair::generate().expect("key");
-    let ca = ca_params.self_signed(&ca_key).expect("ca");
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().expect("key");
-    let leaf = CertificateParams::new(vec![API.to_string(), OTHER.to_string()])
-        .expect("params")
-        .signed_by(&key, &issuer)
-        .expect("leaf");
-    let mut config = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![leaf.der().clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .expect("config");
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
-            // As a real server does: no Nagle delay between a head and its body.
-            let _ = tcp.set_nodelay(true);
-            let acceptor = acceptor.clone();
-            tokio::spawn(async move {
-                let Ok(tls) = acceptor.accept(tcp).await else {
-                    return;
-                };
-                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                let service = hyper::service::service_fn(
-                    |req: hyper::Request<hyper::body::Incoming>| async move {
-                        let hold = req.uri().path() == "/hold";
-                        let _ = req.into_body().collect().await;
-                        let (tx, rx) = tokio::sync::mpsc::channel(2);
-                        tokio::spawn(async move {
-                            let _ = tx
-                                .send(Bytes::from_static(b"event: message_start\ndata: {}\n\n"))
-                                .await;
-                            if hold {
-                                tx.closed().await;
-                            } else {
-                                let _ = tx
-                                    .send(Bytes::from_static(b"event: message_stop\ndata: {}\n\n"))
-                                    .await;
-                            }
-                        });
-                        Ok::<_, std::convert::Infallible>(
-                            hyper::Response::builder()
-                                .header("content-type", "text/event-stream")
-                                .body(ChannelBody(rx))
-                                .expect("response"),
-                        )
-                    },
-                );
-                let io = TokioIo::new(tls);
-                if h2 {
-                    let _ = hyper::server::conn::http2::Builder::new(
-                        hyper_util::rt::TokioExecutor::new(),
-                    )
-                    .serve_connection(io, service)
-                    .await;
-                } else {
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(io, service)
-                        .await;
-                }
-            });
-        }
-    });
-    (addr, ca.der().clone(), ca.pem())
-}
-
-/// The stand-in corporate proxy: every CONNECT goes to `to`.
-async fn forwarder(to: SocketAddr) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut c, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                if read_head(&mut c).await.is_empty() {
-                    return;
-                }
-                let Ok(mut up) = TcpStream::connect(to).await else {
-                    return;
-                };
-                let _ = up.set_nodelay(true);
-                let _ = c.set_nodelay(true);
-                if c.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.is_ok() {
-                    let _ = tokio::io::copy_bidirectional(&mut c, &mut up).await;
-                }
-            });
-        }
-    });
-    addr
-}
-
-async fn read_head(s: &mut TcpStream) -> String {
-    let mut buf = Vec::new();
-    let mut b = [0u8; 1];
-    while !buf.ends_with(b"\r\n\r\n") {
-        match s.read(&mut b).await {
-            Ok(1) => buf.push(b[0]),
-            _ => return String::new(),
-        }
-    }
-    String::from_utf8_lossy(&buf).into_owned()
-}
-
 /// The child: the helper's proxy, trusting the upstream CA, dialling
 /// through the forwarder; prints its address and a spawn's credentials.
 fn child(ca_file: &str, forwarder: &str) {
@@ -194,17 +60,12 @@ fn child(ca_file: &str, forwarder: &str) {
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let pem = std::fs::read(ca_file).expect("CA file");
+        let pem = std::fs::read_to_string(ca_file).expect("CA file");
         let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls_pemfile_certs(&pem) {
+        for cert in pem_certs(&pem) {
             roots.add(cert).expect("root");
         }
-        let upstream = UpstreamProxy::parse(&format!("http://{forwarder}")).expect("forwarder");
-        let proxy = EgressProxy::with_upstream_roots(
-            EgressDialer::new(AddressGuard::new(), Some(upstream), NoProxy::default()),
-            ProxyConfig::default(),
-            Ok(roots),
-        );
+        let proxy = helper_proxy(forwarder.parse().expect("forwarder"), roots);
         let cell = SecretCell::new(RealSecret::new(REAL.into()).expect("secret"));
         let mut subs = Substituter::default();
         let placeholder = subs
@@ -225,23 +86,6 @@ fn child(ca_file: &str, forwarder: &str) {
     });
 }
 
-/// The certificates of a PEM text (base64 between the markers).
-fn rustls_pemfile_certs(pem: &[u8]) -> Vec<CertificateDer<'static>> {
-    let text = String::from_utf8_lossy(pem);
-    text.split("-----BEGIN CERTIFICATE-----")
-        .skip(1)
-        .filter_map(|b| b.split("-----END CERTIFICATE-----").next())
-        .map(|b| {
-            let b64: String = b.split_whitespace().collect();
-            CertificateDer::from(
-                base64::engine::general_purpose::STANDARD
-                    .decode(b64)
-                    .expect("base64"),
-            )
-        })
-        .collect()
-}
-
 /// Where the child proxy is and what a spawn holds.
 struct Proxy {
     addr: SocketAddr,
@@ -255,36 +99,9 @@ type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 /// CONNECT `target` through the proxy, TLS for `name` trusting `ca`.
 async fn open(p: &Proxy, target: &str, name: &str, ca: &CertificateDer<'static>) -> Sender {
-    let mut tcp = TcpStream::connect(p.addr).await.expect("proxy");
-    tcp.set_nodelay(true).expect("nodelay");
-    tcp.write_all(
-        format!(
-            "CONNECT {target} HTTP/1.1\r\nProxy-Authorization: Basic {}\r\n\r\n",
-            p.auth
-        )
-        .as_bytes(),
-    )
-    .await
-    .expect("CONNECT");
-    let head = read_head(&mut tcp).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca.clone()).expect("root");
-    let mut config = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(ServerName::try_from(name.to_string()).expect("name"), tcp)
+    tls_upstream::guest(p.addr, &p.auth, target, name, ca)
         .await
-        .expect("TLS");
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-        .await
-        .expect("h1");
-    tokio::spawn(conn);
-    sender
+        .expect("a connection through the proxy")
 }
 
 fn request(p: &Proxy, host: &str, path: &str) -> hyper::Request<Full<Bytes>> {
@@ -340,11 +157,12 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let (up, up_ca, up_ca_pem) = upstream().await;
-        let fwd = forwarder(up).await;
+        let up = upstream(true).await;
+        let up_ca = up.ca.clone();
+        let (fwd, _) = forwarder(up.addr).await;
         let dir = tempfile::tempdir().expect("tempdir");
         let ca_file = dir.path().join("upstream-ca.pem");
-        std::fs::write(&ca_file, up_ca_pem).expect("CA file");
+        std::fs::write(&ca_file, &up.ca_pem).expect("CA file");
         let exe = std::env::current_exe().expect("exe");
         let mut child = std::process::Command::new(exe)
             .env(CHILD_ENV, format!("{} {fwd}", ca_file.display()))
@@ -370,7 +188,7 @@ fn main() {
             addr,
             auth: base64::engine::general_purpose::STANDARD.encode(format!("bench:{cred}")),
             placeholder,
-            ca: rustls_pemfile_certs(pem.as_bytes()).pop().expect("helper CA"),
+            ca: pem_certs(&pem).pop().expect("helper CA"),
             pid: child.id(),
         };
         println!("api_intercept bench: {requests} requests, {connections} connections per path, loopback");

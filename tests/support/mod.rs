@@ -40,4 +40,5 @@ pub mod procfs;
 pub mod session;
 pub mod session_checks;
 pub mod session_disk;
+pub mod tls_upstream;
 pub mod vm_helper;

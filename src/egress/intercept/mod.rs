@@ -25,6 +25,9 @@
 //! Every other host stays end-to-end TLS: those tunnels are relayed as
 //! bytes, and a placeholder sent there stays a placeholder.
 //!
+//! Tests: `tests/egress_intercept.rs` (through the proxy's real faces to a
+//! loopback TLS upstream) and `tests/credentials_e2e.rs` (the real CLI).
+//!
 //! Limits: one upstream connection per intercepted guest connection;
 //! WebSocket upgrades to the API hosts are refused; a guest that pins
 //! certificates cannot talk to the API hosts through us.
@@ -543,6 +546,3 @@ impl Connection {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;
