@@ -11,7 +11,7 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 SCRIPTS_DIR="$COWORK_REPO_ROOT/scripts"
-PACKAGING_DIR="$COWORK_REPO_ROOT/packaging/deb"
+PACKAGING_DIR="$COWORK_REPO_ROOT/packaging"
 
 PACKAGE=cowork-helper
 CLIENT_HELPER=usr/lib/claude-desktop/resources/cowork-linux-helper
@@ -45,7 +45,8 @@ The package holds:
   /usr/share/doc/cowork-helper/copyright
 
 Depends: is computed with dpkg-shlibdeps; Recommends: names what the client's own support
-check looks for (QEMU, OVMF, virtiofsd) and what 'image build' needs (mmdebstrap, uidmap).
+check looks for (QEMU, OVMF, virtiofsd) and what 'image build' needs (mmdebstrap,
+debian-archive-keyring, uidmap).
 
 Options:
   --helper PATH    package this helper binary instead of running
@@ -202,9 +203,14 @@ install -d "$root/$(dirname "$CLIENT_HELPER")"
 ln -s ../../../bin/cowork-helper "$root/$CLIENT_HELPER"
 [[ "$(readlink -m "$root/$CLIENT_HELPER")" == "$root/usr/bin/cowork-helper" ]] ||
 	die "the client helper symlink does not resolve to /usr/bin/cowork-helper (a bug)"
+# The texts are packaging/'s, shared with `cowork-helper install`.
 install -D -m 0644 "$PACKAGING_DIR/70-cowork-helper.rules" "$root/usr/lib/udev/rules.d/70-cowork-helper.rules"
 install -D -m 0644 "$PACKAGING_DIR/modules-load.conf" "$root/usr/lib/modules-load.d/cowork-helper.conf"
-install -D -m 0644 "$PACKAGING_DIR/apparmor-profile" "$root/usr/share/cowork-helper/apparmor/cowork-helper"
+install -d "$root/usr/share/cowork-helper/apparmor"
+sed 's|@HELPER@|/usr/bin/cowork-helper|g' "$PACKAGING_DIR/apparmor.in" \
+	>"$root/usr/share/cowork-helper/apparmor/cowork-helper"
+grep -q '^profile cowork-helper /usr/bin/cowork-helper ' "$root/usr/share/cowork-helper/apparmor/cowork-helper" ||
+	die "$PACKAGING_DIR/apparmor.in gave no profile attached to /usr/bin/cowork-helper"
 
 # --- copyright -------------------------------------------------------------------------------
 # The initramfs carries Debian's busybox-static and mke2fs with the libraries it loads, the
@@ -290,7 +296,7 @@ Architecture: $arch
 Maintainer: $maintainer
 Installed-Size: $installed_size
 Depends: $depends
-Recommends: $qemu_pkg, $firmware_pkg, virtiofsd | qemu-system-common, mmdebstrap, uidmap
+Recommends: $qemu_pkg, $firmware_pkg, virtiofsd | qemu-system-common, mmdebstrap, debian-archive-keyring, uidmap
 Enhances: claude-desktop
 Section: utils
 Priority: optional
@@ -298,7 +304,8 @@ Description: microVM helper for Claude desktop's Cowork sessions on Linux
  cowork-helper runs the Cowork sessions of the Claude desktop app in a Linux guest under
  its own in-process KVM machine, under QEMU, or in a namespace sandbox. The guest kernel
  and initramfs are included; the Debian userland is not: the client's bundle is used, or
- 'cowork-helper image build' makes one (with mmdebstrap and uidmap).
+ 'cowork-helper image build' makes one (with mmdebstrap, debian-archive-keyring and
+ uidmap).
  .
  The package puts the helper where the client starts it
  (/usr/lib/claude-desktop/resources/cowork-linux-helper): the client's own helper is
@@ -314,10 +321,10 @@ Description: microVM helper for Claude desktop's Cowork sessions on Linux
 CONTROL
 
 for script in preinst postinst postrm; do
-	install -m 0755 "$PACKAGING_DIR/$script" "$root/DEBIAN/$script"
+	install -m 0755 "$PACKAGING_DIR/deb/$script" "$root/DEBIAN/$script"
 done
 # postinst installs or removes the AppArmor profile when AppArmor 4 comes or goes after us.
-install -m 0644 "$PACKAGING_DIR/triggers" "$root/DEBIAN/triggers"
+install -m 0644 "$PACKAGING_DIR/deb/triggers" "$root/DEBIAN/triggers"
 (cd "$root" && find usr -type f -print0 | LC_ALL=C sort -z | xargs -0 md5sum) >"$root/DEBIAN/md5sums"
 chmod 0644 "$root/DEBIAN/control" "$root/DEBIAN/md5sums"
 find "$root" -type d -exec chmod 0755 {} +

@@ -16,20 +16,23 @@
 //!   keeps ours in place with the new official helper aside; an upgrade and
 //!   a reinstall of ours keep one diversion; purge brings the official
 //!   helper back and leaves no diversion and no file of ours;
-//! - ours first, then the client; the client removed and installed again;
-//!   ours removed (the diversion goes), purged (nothing more happens) and
-//!   installed again;
+//! - ours first (`cowork-helper install`/`uninstall` then leave the path to
+//!   the package and say so), then the client; the client removed and
+//!   installed again; ours removed (the diversion goes), purged (nothing
+//!   more happens) and installed again;
 //! - a foreign file and a dangling symlink at the client's path: kept aside
 //!   and restored; the `.official` name taken, or a local diversion: one
 //!   clear line and nothing changed; an unpack that fails after preinst
-//!   diverted (a file conflict): `postrm abort-install` undoes it; the layout
-//!   `cowork-helper install` leaves is taken over cleanly;
+//!   diverted (a file conflict): `postrm abort-install` undoes it; the
+//!   layouts `cowork-helper install` leaves (a symlink or a copy) are taken
+//!   over cleanly;
 //! - Debian 13 (trixie): installs; AppArmor 4 installed after us gets the
 //!   profile (a dpkg trigger), which parses.
 //!
-//! Two checks wait for work landing on main (the packaged image lookup with
-//! `doctor`'s `guest image:` line, the stdin end-of-file shutdown): they are
-//! made in passing and reported at the end, after every other check.
+//! Two checks were written before the work they check landed on main (the
+//! packaged image lookup with `doctor`'s `guest image:` line, the stdin
+//! end-of-file shutdown): they are made in passing and reported at the end
+//! of their case, after every other check.
 //!
 //! The package: `$COWORK_TEST_DEB` when set (CI builds the release `.deb`
 //! once), else `scripts/build-deb.sh --helper <this build's helper>`; the
@@ -432,13 +435,17 @@ fn assert_recommends_resolve(r: &DebRoot, deb: &Path) {
     };
     assert_eq!(
         recommends,
-        format!("{qemu}, {firmware}, virtiofsd | qemu-system-common, mmdebstrap, uidmap")
+        format!(
+            "{qemu}, {firmware}, virtiofsd | qemu-system-common, mmdebstrap, \
+             debian-archive-keyring, uidmap"
+        )
     );
     let inside = r.copy_in(deb);
     let mut argv = APT.to_vec();
     argv.extend(["-s", "install", &inside]);
     let sim = r.ok(&argv);
     let installs = |pkg: &str| sim.lines().any(|l| l.starts_with(&format!("Inst {pkg} ")));
+    // debian-archive-keyring is there already on Debian (apt depends on it).
     for pkg in [qemu, firmware, "mmdebstrap", "uidmap", PACKAGE] {
         assert!(
             installs(pkg),
@@ -694,8 +701,8 @@ fn client_first_then_ours_upgrades_and_purge() {
         "postinst should install the AppArmor profile where abi/4.0 exists"
     );
 
-    // Two checks of what is being built on main meanwhile (the image lookup
-    // and `doctor`'s line, the stdin end-of-file shutdown): their failures
+    // Two checks of work that lands on main on its own (the image lookup
+    // with `doctor`'s line, the stdin end-of-file shutdown): their failures
     // are reported at the end, after every other check ran.
     let mut pending = Vec::new();
     // doctor through the client's path finds the packaged guest image.
@@ -787,6 +794,30 @@ fn ours_first_then_the_client_remove_purge_and_again() {
         !present(&r.path("/etc/apparmor.d/cowork-helper")),
         "the AppArmor profile must not be installed without AppArmor 4 (abi/4.0)"
     );
+
+    // `cowork-helper install` (for systems without the package) leaves the
+    // packaged path alone and says the package manages it.
+    let run = r.run(&["/usr/bin/cowork-helper", "install"]);
+    assert!(
+        format!("{}{}", run.stdout, run.stderr).contains("Debian package"),
+        "cowork-helper install should say the package manages the path: {}",
+        run.output()
+    );
+    let run = r.run(&["/usr/bin/cowork-helper", "uninstall"]);
+    assert!(
+        !run.success() && run.stderr.contains("apt remove"),
+        "cowork-helper uninstall should refuse and point at apt: {}",
+        run.output()
+    );
+    assert_ours_at_path(&r);
+    assert_one_diversion(&r);
+    assert!(!present(&r.path(OFFICIAL)), "install made {OFFICIAL}");
+    for p in [
+        "/etc/udev/rules.d/70-cowork-helper.rules",
+        "/etc/modules-load.d/cowork-helper.conf",
+    ] {
+        assert!(!present(&r.path(p)), "install wrote {p} beside the package");
+    }
 
     // The client comes after ours: its helper lands aside.
     dpkg_i(&r, &client_deb("1.0"));
@@ -959,16 +990,24 @@ fn refusals_and_failed_unpacks_leave_nothing_half_done() {
     r.ok(&["dpkg", "-P", "other-helper"]);
 
     // What `cowork-helper install` leaves: the official helper at .official
-    // and a symlink to a cowork-helper at the path. Taken over cleanly.
-    fs::rename(r.path(CLIENT_HELPER), r.path(OFFICIAL)).unwrap();
-    std::os::unix::fs::symlink("/usr/local/bin/cowork-helper", r.path(CLIENT_HELPER)).unwrap();
-    apt_install(&r, &d.ours);
-    assert_ours_at_path(&r);
-    assert_official_at(&r, OFFICIAL, "1.0");
-    assert_one_diversion(&r);
-    purge_and_check_nothing_left(&r);
-    assert_official_at(&r, CLIENT_HELPER, "1.0");
-    assert_audit_clean(&r);
+    // and cowork-helper at the path, a symlink to it or a copy of it. Taken
+    // over cleanly either way.
+    for layout in ["symlink", "copy"] {
+        fs::rename(r.path(CLIENT_HELPER), r.path(OFFICIAL)).unwrap();
+        if layout == "symlink" {
+            std::os::unix::fs::symlink("/usr/local/bin/cowork-helper", r.path(CLIENT_HELPER))
+                .unwrap();
+        } else {
+            fs::copy(env!("CARGO_BIN_EXE_cowork-helper"), r.path(CLIENT_HELPER)).unwrap();
+        }
+        apt_install(&r, &d.ours);
+        assert_ours_at_path(&r);
+        assert_official_at(&r, OFFICIAL, "1.0");
+        assert_one_diversion(&r);
+        purge_and_check_nothing_left(&r);
+        assert_official_at(&r, CLIENT_HELPER, "1.0");
+        assert_audit_clean(&r);
+    }
 }
 
 #[test]
