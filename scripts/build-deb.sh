@@ -225,11 +225,16 @@ for pkg in busybox-static e2fsprogs; do
 done
 mke2fs_bin="$(PATH="$PATH:/usr/sbin:/sbin" command -v mke2fs || true)"
 if [[ -n "$mke2fs_bin" ]] && command -v ldd >/dev/null 2>&1; then
+	# The libraries and the loader, as mkguestimage.sh copies them. dpkg knows a library by
+	# the path its package ships (/lib/... on a merged-/usr system), so ask for both names.
 	while read -r lib; do
-		pkg="$(dpkg-query -S "$(readlink -f "$lib")" 2>/dev/null | head -n1 | cut -d: -f1)" ||
-			pkg=""
+		pkg=""
+		for name in "$lib" "$(readlink -f "$lib")"; do
+			pkg="$(dpkg-query -S "$name" 2>/dev/null | head -n1 | cut -d: -f1)" || pkg=""
+			[[ -z "$pkg" ]] || break
+		done
 		[[ -z "$pkg" ]] || guest_sources+=("$(source_of "$pkg")")
-	done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p')
+	done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\(\/[^ ]*\) (0x.*/\1/p')
 fi
 install -d "$root/usr/share/doc/$PACKAGE"
 {
@@ -249,9 +254,14 @@ License: GPL-2 and LGPL-2.1+
 Comment: vmlinuz and vmlinux are Debian's Linux kernel ${kernel_version:-(version in image-info)}
  (linux-image-${kernel_version:-*}, source package linux). The initramfs holds the
  cowork-helper guest agent (Apache-2.0), Debian's busybox-static, and e2fsprogs' mke2fs with
- the shared libraries it loads, built from these Debian source packages:
+ the shared libraries it loads, built from these Debian source packages (as installed on
+ the build host; their copyright files name every licence: mostly GPL-2, LGPL-2.1+, BSD):
 COPYRIGHT
-	printf '%s\n' "${guest_sources[@]}" | sort -u | sed 's/^/ /'
+	if ((${#guest_sources[@]})); then
+		printf '%s\n' "${guest_sources[@]}" | sort -u | sed 's/^/ /'
+	else
+		echo " (not found in this build host's dpkg database: busybox-static, e2fsprogs)"
+	fi
 	cat <<COPYRIGHT
  Their source code is in the Debian archive (https://deb.debian.org, and
  https://snapshot.debian.org for every version ever published).
