@@ -50,7 +50,9 @@ packages=(
 	lz4                         # fetch-kernel.sh: the Debian kernel's payload is LZ4 (vmlinux)
 	e2fsprogs                   # mke2fs for the guest image; e2fsck/debugfs in the disk tests
 	git tar                     # real programs the virtio-fs tests run over /dev/fuse
-	mmdebstrap                  # mkrootfs.sh: the Debian userland of the guest image
+	dpkg-dev                    # build-deb.sh: dpkg-shlibdeps computes the package's Depends
+	mmdebstrap                  # mkrootfs.sh: the Debian userland of the guest image;
+	                            # tests/package_deb.rs: the throwaway roots it installs into
 	uidmap                      # newuidmap/newgidmap: mmdebstrap's rootless (unshare) mode
 	debian-archive-keyring      # verifies the Debian archive mmdebstrap installs from
 	fdisk                       # sfdisk: the client-style GPT bundle of tests/qemu_userland.rs

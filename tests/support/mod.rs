@@ -16,6 +16,8 @@
 //! - [`fsync_records`]: the data-safety tests' fsync record writer and its
 //!   check;
 //! - [`procfs`]: what `/proc` says about the helper and its children;
+//! - [`debroot`]: throwaway Debian roots for the package tests
+//!   (`package_deb`), and their `COWORK_PACKAGE_TESTS` gate;
 //! - [`netns`]: network namespaces, a veth pair and test servers for the
 //!   egress tests (`egress_netns`, `egress_vm`);
 //! - [`mock_api`]: a mock of the Anthropic API over TLS, with a test CA, that
@@ -31,6 +33,7 @@
 #![allow(dead_code)]
 
 pub mod claude_cli;
+pub mod debroot;
 pub mod fsync_records;
 pub mod gate;
 pub mod mock_api;
