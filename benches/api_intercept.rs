@@ -116,6 +116,8 @@ fn request(p: &Proxy, host: &str, path: &str) -> hyper::Request<Full<Bytes>> {
 /// One request and its whole answer.
 async fn once(s: &mut Sender, req: hyper::Request<Full<Bytes>>) -> Duration {
     let t = Instant::now();
+    // The connection may still be finishing the previous exchange.
+    s.ready().await.expect("connection ready");
     let resp = s.send_request(req).await.expect("answer");
     assert_eq!(resp.status(), 200);
     resp.into_body().collect().await.expect("body");

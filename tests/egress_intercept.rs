@@ -104,6 +104,16 @@ async fn rig(h2: bool) -> Rig {
     }
 }
 
+/// Sends `req` once the connection is ready (it may still be finishing the
+/// previous exchange).
+async fn send(
+    g: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    req: Request<Full<Bytes>>,
+) -> Result<hyper::Response<hyper::body::Incoming>, hyper::Error> {
+    g.ready().await?;
+    g.send_request(req).await
+}
+
 async fn body_text(resp: hyper::Response<hyper::body::Incoming>) -> String {
     String::from_utf8(
         resp.into_body()
@@ -128,15 +138,18 @@ async fn the_placeholder_becomes_the_real_token_in_authorization_only() {
         let bearer = format!("Bearer {ph}");
         let resp = tokio::time::timeout(
             T,
-            g.send_request(request(
-                &format!("/v1/messages?echo={ph}"),
-                &[
-                    ("authorization", &bearer),
-                    ("x-echo", &ph),
-                    ("anthropic-beta", "oauth-2025-04-20"),
-                ],
-                &format!("{{\"content\":\"{ph}\"}}"),
-            )),
+            send(
+                &mut g,
+                request(
+                    &format!("/v1/messages?echo={ph}"),
+                    &[
+                        ("authorization", &bearer),
+                        ("x-echo", &ph),
+                        ("anthropic-beta", "oauth-2025-04-20"),
+                    ],
+                    &format!("{{\"content\":\"{ph}\"}}"),
+                ),
+            ),
         )
         .await
         .unwrap()
@@ -173,10 +186,12 @@ async fn the_placeholder_becomes_the_real_token_in_authorization_only() {
         // A refreshed token (addApprovedOauthToken) is used from the next request on.
         r.cell
             .set(RealSecret::new("sk-ant-oat01-REFRESHED".into()).unwrap());
-        let resp = g
-            .send_request(request("/v1/messages", &[("authorization", &bearer)], "{}"))
-            .await
-            .unwrap();
+        let resp = send(
+            &mut g,
+            request("/v1/messages", &[("authorization", &bearer)], "{}"),
+        )
+        .await
+        .unwrap();
         assert_eq!(resp.status(), 200);
         let _ = body_text(resp).await;
         let seen = r.up.seen.lock().unwrap().clone();
@@ -201,10 +216,12 @@ async fn other_credentials_never_leave_and_get_a_local_401() {
         format!("Bearer {other_ph}"),
         "Bearer sk-ant-api03-attackers-own".to_string(),
     ] {
-        let resp = g
-            .send_request(request("/v1/files", &[("authorization", &auth)], "x"))
-            .await
-            .unwrap();
+        let resp = send(
+            &mut g,
+            request("/v1/files", &[("authorization", &auth)], "x"),
+        )
+        .await
+        .unwrap();
         assert_eq!(resp.status(), 401);
         let text = body_text(resp).await;
         assert!(
@@ -216,10 +233,12 @@ async fn other_credentials_never_leave_and_get_a_local_401() {
             "{text}"
         );
     }
-    let resp = g
-        .send_request(request("/api/oauth/claude_cli/create_api_key", &[], ""))
-        .await
-        .unwrap();
+    let resp = send(
+        &mut g,
+        request("/api/oauth/claude_cli/create_api_key", &[], ""),
+    )
+    .await
+    .unwrap();
     assert_eq!(resp.status(), 403);
     let _ = body_text(resp).await;
     assert!(
@@ -249,7 +268,7 @@ async fn sni_and_host_must_name_the_connect_target() {
     );
     req.headers_mut()
         .insert("host", "other.example".parse().unwrap());
-    let resp = g.send_request(req).await.unwrap();
+    let resp = send(&mut g, req).await.unwrap();
     assert_eq!(resp.status(), 421);
     assert!(r.up.seen.lock().unwrap().is_empty());
 }
@@ -272,7 +291,7 @@ async fn other_hosts_stay_end_to_end_and_keep_the_placeholder() {
     let mut req = request("/echo", &[("authorization", &format!("Bearer {ph}"))], "{}");
     req.headers_mut()
         .insert("host", "other.example".parse().unwrap());
-    let resp = g.send_request(req).await.unwrap();
+    let resp = send(&mut g, req).await.unwrap();
     assert_eq!(resp.status(), 200);
     let _ = body_text(resp).await;
     let seen = r.up.seen.lock().unwrap().clone();
@@ -302,14 +321,16 @@ async fn an_untrusted_upstream_is_refused_not_bypassed() {
     let mut g = guest_as(addr, &cred, "api.anthropic.com:443", API, &ca)
         .await
         .unwrap();
-    let resp = g
-        .send_request(request(
+    let resp = send(
+        &mut g,
+        request(
             "/v1/messages",
             &[("authorization", &format!("Bearer {ph}"))],
             "{}",
-        ))
-        .await
-        .unwrap();
+        ),
+    )
+    .await
+    .unwrap();
     assert_eq!(resp.status(), 502);
     let text = body_text(resp).await;
     assert!(!text.contains(REAL), "{text}");
@@ -327,14 +348,16 @@ async fn streamed_answers_pass_through_unbuffered() {
     let mut g = guest_as(r.addr, &cred, "api.anthropic.com:443", API, &ca)
         .await
         .unwrap();
-    let resp = g
-        .send_request(request(
+    let resp = send(
+        &mut g,
+        request(
             "/stream",
             &[("authorization", &format!("Bearer {ph}"))],
             "{}",
-        ))
-        .await
-        .unwrap();
+        ),
+    )
+    .await
+    .unwrap();
     let mut body = resp.into_body();
     // The first event arrives while the upstream still holds the rest.
     let first = tokio::time::timeout(T, body.frame())
