@@ -13,7 +13,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::machine::{Config, ExitReason, Vm, VmError};
+use crate::exit::ExitReason;
+use crate::machine::{Config, Vm, VmError};
 use crate::memory::Backing;
 
 /// Errors of the benchmark.

@@ -18,8 +18,9 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::exit::ExitReason;
 use crate::kvm_check;
-use crate::machine::{Config, ExitReason, Timeline, Vm, DEFAULT_CMDLINE};
+use crate::machine::{Config, Timeline, Vm, DEFAULT_CMDLINE};
 
 /// Arguments of `vm run`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,13 +4,13 @@
 //! command line, memory, vCPUs, virtio-mmio devices) into a KVM VM with an
 //! in-kernel irqchip and PIT, ACPI and MP tables, a COM1 UART, an i8042 for
 //! reset, a boot-timing port and the ACPI sleep registers;
-//! [`machine::Vm::run`] runs it to an [`machine::ExitReason`].
+//! [`machine::Vm::run`] runs it to an [`ExitReason`].
 //! [`cli::vm_run`] is the `cowork-helper vm run` command, [`mod@bench`] the
 //! boot benchmark, and [`kvm_check::linux_capable`] tells whether this
 //! host's KVM can boot Linux at all.
 //!
 //! Module map: [`layout`] (addresses), [`memory`], [`boot`], [`cpuid`],
-//! [`acpi`], [`mptable`], [`devices`], [`bus`], [`vcpu`], [`machine`], [`seccomp`] (per-thread
+//! [`acpi`], [`mptable`], [`devices`], [`exit`] (why a VM stops), [`bus`], [`vcpu`], [`machine`], [`seccomp`] (per-thread
 //! system call filters), [`threadfs`] (a thread's own umask),
 //! [`virtio`] (transport, separate work).
 
@@ -21,6 +21,7 @@ pub mod bus;
 pub mod cli;
 pub mod cpuid;
 pub mod devices;
+pub mod exit;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kvm_check;
@@ -34,4 +35,5 @@ pub mod threadfs;
 pub mod vcpu;
 pub mod virtio;
 
-pub use machine::{Config, ExitReason, StopHandle, Vm, VmError};
+pub use exit::ExitReason;
+pub use machine::{Config, StopHandle, Vm, VmError};

@@ -39,26 +39,12 @@ use crate::devices::acpi_pm::AcpiPm;
 use crate::devices::boot_timer::{BootMark, BootTimer};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{Serial, SerialSink};
-use crate::devices::ExitSignal;
+use crate::exit::{ExitReason, ExitSignal};
 use crate::memory::{self, Backing, GuestMemory, GuestRam};
 use crate::seccomp::{self, Filter, ThreadClass};
 use crate::vcpu::{VcpuShared, VcpuThread};
 use crate::virtio::{MmioTransport, VirtioDevice};
 use crate::{cpuid, kvm_check, layout, mptable};
-
-/// Why [`Vm::run`] returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExitReason {
-    /// The guest reset the machine (i8042 reset command, KVM reset event).
-    Reset,
-    /// The guest powered off (ACPI S5, KVM shutdown event).
-    Shutdown,
-    /// The guest failed: triple fault, KVM internal/emulation error, failed
-    /// VM entry, crash event. The message says which and on which vCPU.
-    GuestError(String),
-    /// The host stopped the VM through a [`StopHandle`].
-    Stopped,
-}
 
 /// What to boot and how.
 pub struct Config {
@@ -165,6 +151,8 @@ pub enum VmError {
     /// Device creation.
     #[error(transparent)]
     Device(#[from] crate::devices::DeviceError),
+    #[error(transparent)]
+    Exit(#[from] crate::exit::ExitError),
     /// Bus layout.
     #[error(transparent)]
     Bus(#[from] crate::bus::BusError),

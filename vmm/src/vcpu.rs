@@ -23,8 +23,7 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::bus::Bus;
-use crate::devices::ExitSignal;
-use crate::machine::ExitReason;
+use crate::exit::{ExitReason, ExitSignal};
 use crate::seccomp::Filter;
 
 /// Errors of vCPU thread management.

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
-use super::ExitSignal;
 use crate::bus::MmioDevice;
+use crate::exit::ExitReason;
+use crate::exit::ExitSignal;
 use crate::layout;
-use crate::machine::ExitReason;
 
 /// Offset of the control register in the block (status is at +1,
 /// [`layout::ACPI_SLEEP_STATUS_PORT`]).

@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use vm_superio::{I8042Device, Trigger};
 
-use super::ExitSignal;
 use crate::bus::MmioDevice;
-use crate::machine::ExitReason;
+use crate::exit::ExitReason;
+use crate::exit::ExitSignal;
 
 /// Trigger that turns the CPU-reset command into a VM exit.
 pub struct ResetTrigger(Arc<ExitSignal>);

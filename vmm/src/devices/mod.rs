@@ -11,12 +11,6 @@ pub mod boot_timer;
 pub mod i8042;
 pub mod serial;
 
-use std::sync::{Arc, Mutex};
-
-use vmm_sys_util::eventfd::EventFd;
-
-use crate::machine::ExitReason;
-
 /// Errors creating devices.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
@@ -28,54 +22,4 @@ pub enum DeviceError {
         /// Cause.
         source: std::io::Error,
     },
-}
-
-/// A one-shot "the VM should stop" signal: the first reason wins and the
-/// eventfd wakes the VMM event loop.
-#[derive(Debug)]
-pub struct ExitSignal {
-    reason: Mutex<Option<ExitReason>>,
-    evt: EventFd,
-}
-
-impl ExitSignal {
-    /// A new, unsignalled exit signal.
-    pub fn new() -> Result<Arc<Self>, DeviceError> {
-        let evt = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
-            DeviceError::EventFd {
-                what: "the VM exit signal",
-                source,
-            }
-        })?;
-        Ok(Arc::new(Self {
-            reason: Mutex::new(None),
-            evt,
-        }))
-    }
-
-    /// Records `reason` unless one was recorded already, and wakes the loop.
-    pub fn request(&self, reason: ExitReason) {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        if r.is_none() {
-            tracing::debug!(?reason, "VM exit requested");
-            *r = Some(reason);
-        }
-        drop(r);
-        if let Err(e) = self.evt.write(1) {
-            tracing::error!("cannot signal VM exit: {e}");
-        }
-    }
-
-    /// The recorded reason, if any.
-    pub fn reason(&self) -> Option<ExitReason> {
-        self.reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// The eventfd the event loop waits on.
-    pub fn eventfd(&self) -> &EventFd {
-        &self.evt
-    }
 }
