@@ -26,9 +26,9 @@ fn needs_escape(c: char) -> bool {
     c.is_control() || c == '\u{2028}' || c == '\u{2029}'
 }
 
-/// One event's text as one line: its final newline dropped, every
-/// character of the rest that [`needs_escape`] written escaped, and one
-/// newline added.
+/// One event's text as one line: its final newline dropped, every control
+/// character and Unicode line or paragraph separator of the rest written
+/// escaped, and one newline added.
 pub fn one_line(event: &str) -> String {
     let body = event.strip_suffix('\n').unwrap_or(event);
     let mut line = String::with_capacity(body.len() + 1);
