@@ -7,7 +7,7 @@
 //! or hit no device are reported to the caller (which logs them and, for
 //! reads, returns all-ones like an unclaimed bus) — never a panic.
 //!
-//! The device side is the [`MmioDevice`] trait. It takes `&self` because
+//! The device side is the [`BusDevice`] trait. It takes `&self` because
 //! several vCPU threads dispatch concurrently; devices use interior
 //! mutability. The virtio-mmio transport in [`crate::virtio`] implements it,
 //! and so do the legacy port-I/O devices (the PIO bus uses the same trait:
@@ -22,7 +22,7 @@ use std::sync::Arc;
 /// Implementations must treat every offset and width as guest-controlled: no
 /// panics, ignore what they do not understand, and fill reads they cannot
 /// serve (e.g. with zeroes).
-pub trait MmioDevice: Send + Sync {
+pub trait BusDevice: Send + Sync {
     /// Guest read at `offset`: fill `data`.
     fn read(&self, offset: u64, data: &mut [u8]);
     /// Guest write at `offset` of `data`.
@@ -68,7 +68,7 @@ pub enum BusError {
 struct Entry {
     base: u64,
     len: u64,
-    dev: Arc<dyn MmioDevice>,
+    dev: Arc<dyn BusDevice>,
 }
 
 /// An immutable-after-build address → device map (sorted by base).
@@ -97,12 +97,7 @@ impl Bus {
     }
 
     /// Claims `[base, base + len)` for `dev`.
-    pub fn insert(
-        &mut self,
-        dev: Arc<dyn MmioDevice>,
-        base: u64,
-        len: u64,
-    ) -> Result<(), BusError> {
+    pub fn insert(&mut self, dev: Arc<dyn BusDevice>, base: u64, len: u64) -> Result<(), BusError> {
         if len == 0 || base.checked_add(len).is_none() {
             return Err(BusError::InvalidRange { base, len });
         }
@@ -134,7 +129,7 @@ impl Bus {
 
     /// Finds the device whose range contains the whole `[addr, addr + size)`,
     /// returning it with the offset into its range.
-    fn resolve(&self, addr: u64, size: usize) -> Result<(&Arc<dyn MmioDevice>, u64), BusError> {
+    fn resolve(&self, addr: u64, size: usize) -> Result<(&Arc<dyn BusDevice>, u64), BusError> {
         let unclaimed = BusError::Unclaimed { addr, size };
         // Last entry whose base is <= addr.
         let idx = self.entries.partition_point(|e| e.base <= addr);
@@ -181,7 +176,7 @@ mod tests {
 
     #[derive(Default)]
     struct Rec(Mutex<Vec<(char, u64, usize)>>);
-    impl MmioDevice for Rec {
+    impl BusDevice for Rec {
         fn read(&self, offset: u64, data: &mut [u8]) {
             self.0.lock().unwrap().push(('r', offset, data.len()));
             data.fill(offset as u8);
@@ -226,7 +221,7 @@ mod tests {
 
     #[test]
     fn rejects_overlap_and_bad_ranges() {
-        let d: Arc<dyn MmioDevice> = Arc::new(Rec::default());
+        let d: Arc<dyn BusDevice> = Arc::new(Rec::default());
         let mut bus = Bus::new();
         bus.insert(d.clone(), 0x1000, 0x100).unwrap();
         assert!(matches!(

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::bus::MmioDevice;
+use crate::bus::BusDevice;
 use crate::exit::ExitReason;
 use crate::exit::ExitSignal;
 use crate::layout;
@@ -32,7 +32,7 @@ impl AcpiPm {
     }
 }
 
-impl MmioDevice for AcpiPm {
+impl BusDevice for AcpiPm {
     fn read(&self, _offset: u64, data: &mut [u8]) {
         // Status: never "woken" (WAK_STS clear); control reads as zero.
         data.fill(0);

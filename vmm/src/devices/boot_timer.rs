@@ -10,7 +10,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::bus::MmioDevice;
+use crate::bus::BusDevice;
 
 /// Most milestones kept.
 pub const MAX_RECORDS: usize = 256;
@@ -61,7 +61,7 @@ impl BootTimer {
     }
 }
 
-impl MmioDevice for BootTimer {
+impl BusDevice for BootTimer {
     fn read(&self, _offset: u64, data: &mut [u8]) {
         data.fill(0);
     }

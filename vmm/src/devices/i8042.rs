@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use vm_superio::{I8042Device, Trigger};
 
-use crate::bus::MmioDevice;
+use crate::bus::BusDevice;
 use crate::exit::ExitReason;
 use crate::exit::ExitSignal;
 
@@ -33,7 +33,7 @@ impl I8042 {
     }
 }
 
-impl MmioDevice for I8042 {
+impl BusDevice for I8042 {
     fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {

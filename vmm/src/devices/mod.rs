@@ -2,7 +2,7 @@
 //! (vm-superio), the i8042 controller (reset only), the boot-timing port,
 //! and the ACPI sleep control/status registers (power off).
 //!
-//! All of them implement [`crate::bus::MmioDevice`] (the bus trait is shared
+//! All of them implement [`crate::bus::BusDevice`] (the bus trait is shared
 //! between MMIO and port I/O) and treat every access as guest-controlled:
 //! unexpected widths or offsets are ignored, reads return zeroes.
 

@@ -14,7 +14,7 @@ use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::DeviceError;
-use crate::bus::MmioDevice;
+use crate::bus::BusDevice;
 
 /// Where the guest's serial output goes.
 pub type SerialSink = Box<dyn Write + Send>;
@@ -113,7 +113,7 @@ impl Serial {
     }
 }
 
-impl MmioDevice for Serial {
+impl BusDevice for Serial {
     fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {

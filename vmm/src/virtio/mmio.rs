@@ -1,7 +1,7 @@
 //! The virtio-mmio transport, register layout version 2 (virtio 1.2 §4.2.2).
 //!
 //! [`MmioTransport`] wraps one [`VirtioDevice`] and serves the guest's MMIO
-//! accesses to its register window (it implements [`crate::bus::MmioDevice`]).
+//! accesses to its register window (it implements [`crate::bus::BusDevice`]).
 //! It owns feature negotiation, queue setup, the device status state machine,
 //! the interrupt-status register and the device's notification and interrupt
 //! eventfds:
@@ -1011,7 +1011,7 @@ fn ring_in_memory(mem: &GuestMemoryMmap, addr: GuestAddress, len: u64) -> bool {
     }
 }
 
-impl crate::bus::MmioDevice for MmioTransport {
+impl crate::bus::BusDevice for MmioTransport {
     fn read(&self, offset: u64, data: &mut [u8]) {
         MmioTransport::read(self, offset, data)
     }
