@@ -1,16 +1,19 @@
-//! One cgroup v2 child per spawned process, for accounting and OOM reports.
+//! One cgroup child per spawned process, for accounting and OOM reports.
 //!
-//! With `--cgroup-root DIR`, when `DIR` is a writable cgroup2 directory,
-//! each process gets `DIR/proc-<n>` and joins it before exec (see
-//! [`super::child`]). After the process is gone, `oom_kill` of the cgroup's
-//! `memory.events` becomes the exit event's `oomKillCount`, and the cgroup is
-//! removed. The agent tries to enable the memory controller for the children
-//! (`+memory` in `DIR/cgroup.subtree_control`); without it there is no
-//! `memory.events` and `oomKillCount` is omitted.
+//! With `--cgroup-root DIR`, when `DIR` is a writable cgroup2 directory or a
+//! directory of a cgroup v1 memory hierarchy (the sandbox backend on a
+//! hybrid host), each process gets `DIR/proc-<n>` and joins it before exec
+//! (see [`super::child`]). After the process is gone, `oom_kill` of the
+//! cgroup's `memory.events` (v2) or `memory.oom_control` (v1) becomes the
+//! exit event's `oomKillCount`, and the cgroup is removed. In v2 the agent
+//! tries to enable the memory controller for the children (`+memory` in
+//! `DIR/cgroup.subtree_control`); without it there is no `memory.events`
+//! and `oomKillCount` is omitted.
 //!
 //! Limits: a cgroup that still holds processes (a daemonized grandchild)
 //! cannot be removed; it is retried on later exits and at shutdown, when
-//! the agent also writes `cgroup.kill` (kernel 5.14+).
+//! the agent also writes `cgroup.kill` (v2, kernel 5.14+). In v1 only the
+//! memory hierarchy is split per process.
 
 use std::fs;
 use std::io;
@@ -24,13 +27,16 @@ use crate::sys;
 /// Errors of cgroup handling.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
-    #[error("{path} is not a cgroup2 directory")]
+    #[error("{path} is neither a cgroup2 directory nor one of a cgroup v1 memory hierarchy")]
     NotCgroup2 { path: PathBuf },
     #[error("{path} is not writable: {source}")]
     NotWritable { path: PathBuf, source: io::Error },
     #[error("cannot create cgroup {path}: {source}")]
     Create { path: PathBuf, source: io::Error },
 }
+
+/// `statfs` magic of a cgroup v1 hierarchy.
+const CGROUP_V1_MAGIC: u64 = 0x0027_e0eb;
 
 /// The cgroup root of the agent; cheap to clone.
 #[derive(Clone, Debug)]
@@ -53,7 +59,8 @@ impl Cgroups {
     pub fn open(root: &Path) -> Result<Cgroups, CgroupError> {
         let magic =
             sys::fs_magic(root).map_err(|_| CgroupError::NotCgroup2 { path: root.into() })?;
-        if magic != libc::CGROUP2_SUPER_MAGIC as u64 {
+        let v1_memory = magic == CGROUP_V1_MAGIC && root.join("memory.oom_control").exists();
+        if magic != libc::CGROUP2_SUPER_MAGIC as u64 && !v1_memory {
             return Err(CgroupError::NotCgroup2 { path: root.into() });
         }
         let c = sys::cstring(root).map_err(|e| CgroupError::NotWritable {
@@ -67,8 +74,10 @@ impl Cgroups {
                 source: io::Error::last_os_error(),
             });
         }
-        if let Err(e) = fs::write(root.join("cgroup.subtree_control"), "+memory") {
-            tracing::debug!(error = %e, "memory controller not enabled for process cgroups");
+        if !v1_memory {
+            if let Err(e) = fs::write(root.join("cgroup.subtree_control"), "+memory") {
+                tracing::debug!(error = %e, "memory controller not enabled for process cgroups");
+            }
         }
         Ok(Cgroups {
             root: Arc::new(root.into()),
@@ -98,6 +107,7 @@ impl Cgroups {
     /// a later attempt), and retries earlier leftovers.
     pub fn finish(&self, cg: ProcCgroup) -> Option<u64> {
         let ooms = fs::read_to_string(cg.path.join("memory.events"))
+            .or_else(|_| fs::read_to_string(cg.path.join("memory.oom_control")))
             .ok()
             .and_then(|s| parse_oom_kills(&s));
         let mut stale = self.stale.lock().unwrap_or_else(|p| p.into_inner());
@@ -122,7 +132,8 @@ impl Cgroups {
     }
 }
 
-/// The `oom_kill` count of a `memory.events` file.
+/// The `oom_kill` count of a `memory.events` (v2) or `memory.oom_control`
+/// (v1) file.
 pub fn parse_oom_kills(events: &str) -> Option<u64> {
     events.lines().find_map(|line| {
         let mut it = line.split_whitespace();
@@ -140,6 +151,9 @@ mod tests {
         assert_eq!(parse_oom_kills(text), Some(2));
         assert_eq!(parse_oom_kills("low 0\n"), None);
         assert_eq!(parse_oom_kills("oom_kill x\n"), None);
+        // cgroup v1's memory.oom_control.
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n";
+        assert_eq!(parse_oom_kills(v1), Some(1));
     }
 
     #[test]

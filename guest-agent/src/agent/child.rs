@@ -8,7 +8,9 @@
 //! spawn's error.
 //!
 //! Steps, in order:
-//! 1. join the process's own cgroup (write `0` to a pre-opened `cgroup.procs`);
+//! 1. join the process's own cgroup (write `0` to a pre-opened `cgroup.procs`)
+//!    and raise its `oom_score_adj` (best effort: a failure leaves the
+//!    inherited value);
 //! 2. with private paths: `unshare(CLONE_NEWNS)`, make `/` recursively a
 //!    slave (so later session mounts still propagate in, nothing propagates
 //!    out), and detach each private path; a path that does not exist is
@@ -72,6 +74,8 @@ struct CapData {
 pub struct ChildSetup {
     /// `cgroup.procs` of the process's cgroup, opened for writing.
     pub cgroup_procs: Option<OwnedFd>,
+    /// The text written to `/proc/self/oom_score_adj` (a decimal number).
+    pub oom_score_adj: Option<Vec<u8>>,
     /// Paths to hide (detach) in the child's own mount namespace.
     pub private_paths: Vec<CString>,
     /// Drop every capability before exec.
@@ -106,6 +110,19 @@ impl ChildSetup {
             let n = unsafe { libc::write(fd.as_raw_fd(), b"0".as_ptr().cast(), 1) };
             if n != 1 {
                 return Err(io::Error::last_os_error());
+            }
+        }
+        if let Some(adj) = &self.oom_score_adj {
+            // SAFETY: open/write/close with a static path and a prepared buffer.
+            unsafe {
+                let fd = libc::open(
+                    c"/proc/self/oom_score_adj".as_ptr(),
+                    libc::O_WRONLY | libc::O_CLOEXEC,
+                );
+                if fd >= 0 {
+                    libc::write(fd, adj.as_ptr().cast(), adj.len());
+                    libc::close(fd);
+                }
             }
         }
         if !self.private_paths.is_empty() {
@@ -305,6 +322,27 @@ mod tests {
         // SAFETY: `apply` only makes raw syscalls on prepared data.
         unsafe { cmd.pre_exec(move || setup.apply()) };
         cmd.output().unwrap()
+    }
+
+    #[test]
+    fn the_oom_score_adjustment_is_raised_before_exec() {
+        let setup = ChildSetup {
+            oom_score_adj: Some(b"500".to_vec()),
+            ..ChildSetup::default()
+        };
+        let mut cmd = Command::new("cat");
+        cmd.arg("/proc/self/oom_score_adj");
+        // SAFETY: `apply` only makes raw syscalls on prepared data.
+        unsafe { cmd.pre_exec(move || setup.apply()) };
+        let out = cmd.output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "500");
+        // Without it, the parent's value is inherited.
+        let own = std::fs::read_to_string("/proc/self/oom_score_adj").unwrap();
+        let out = Command::new("cat")
+            .arg("/proc/self/oom_score_adj")
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), own);
     }
 
     #[test]

@@ -14,7 +14,11 @@ usage: cowork-guest-agent [options]
   --sessions-root DIR   where session directories live (default /sessions)
   --private-path PATH   hide PATH from spawned processes (repeatable)
   --drop-caps           spawned processes run without any capability
-  --cgroup-root DIR     give each process its own cgroup below DIR (cgroup2)
+  --cgroup-root DIR     give each process its own cgroup below DIR (cgroup2, or
+                        a cgroup v1 memory hierarchy)
+  --oom-score-adj N     spawned processes get this OOM score adjustment
+                        (raising it needs no privilege: the OOM killer then
+                        picks them before the agent)
   --init-mounts         mount proc, sysfs, devtmpfs, cgroup2, devpts and tmpfs if missing
   --init                run as the VM's init (PID 1 only): mounts, kernel modules,
                         clock, loopback; power off when done. Implied for PID 1
@@ -31,6 +35,10 @@ pub const DEFAULT_SESSIONS_ROOT: &str = "/sessions";
 /// Default install location of the CLI binary.
 pub const DEFAULT_SDK_TARGET: &str = "/usr/local/bin/claude";
 
+/// The kernel's range of `oom_score_adj`.
+const OOM_SCORE_ADJ_MIN: i32 = -1000;
+const OOM_SCORE_ADJ_MAX: i32 = 1000;
+
 /// Errors of option parsing.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CliError {
@@ -42,6 +50,8 @@ pub enum CliError {
     UnexpectedValue(String),
     #[error("invalid --connect {0:?}: expected fd:N, unix:/path or vsock:CID:PORT")]
     Connect(String),
+    #[error("invalid --oom-score-adj {0:?}: expected a whole number from -1000 to 1000")]
+    OomScoreAdj(String),
 }
 
 /// Where the host is.
@@ -103,6 +113,8 @@ pub struct Config {
     pub private_paths: Vec<PathBuf>,
     pub drop_caps: bool,
     pub cgroup_root: Option<PathBuf>,
+    /// `oom_score_adj` of spawned processes.
+    pub oom_score_adj: Option<i32>,
     pub init_mounts: bool,
     /// Act as the VM's init (see [`crate::agent::init::run_machine_init`]).
     pub init: bool,
@@ -122,6 +134,7 @@ impl Default for Config {
             private_paths: Vec::new(),
             drop_caps: false,
             cgroup_root: None,
+            oom_score_adj: None,
             init_mounts: false,
             init: false,
             sdk_target: DEFAULT_SDK_TARGET.into(),
@@ -166,6 +179,15 @@ pub fn parse(args: &[String]) -> Result<Command, CliError> {
             "--sessions-root" => cfg.sessions_root = value(&mut it)?.into(),
             "--private-path" => cfg.private_paths.push(value(&mut it)?.into()),
             "--cgroup-root" => cfg.cgroup_root = Some(value(&mut it)?.into()),
+            "--oom-score-adj" => {
+                let v = value(&mut it)?;
+                cfg.oom_score_adj = Some(
+                    v.parse::<i32>()
+                        .ok()
+                        .filter(|n| (OOM_SCORE_ADJ_MIN..=OOM_SCORE_ADJ_MAX).contains(n))
+                        .ok_or(CliError::OomScoreAdj(v))?,
+                );
+            }
             "--sdk-target" => cfg.sdk_target = value(&mut it)?.into(),
             "--trust-root" => cfg.trust_root = value(&mut it)?.into(),
             "--drop-caps" => cfg.drop_caps = flag(&inline)?,
@@ -216,6 +238,7 @@ mod tests {
             "--drop-caps",
             "--cgroup-root",
             "/sys/fs/cgroup/x",
+            "--oom-score-adj=500",
             "--init-mounts",
             "--init",
             "--sdk-target",
@@ -232,7 +255,14 @@ mod tests {
         );
         assert!(cfg.drop_caps && cfg.init_mounts && cfg.init);
         assert_eq!(cfg.cgroup_root, Some("/sys/fs/cgroup/x".into()));
+        assert_eq!(cfg.oom_score_adj, Some(500));
         assert_eq!(cfg.sdk_target, PathBuf::from("/opt/claude"));
+        for bad in ["1001", "-1001", "x", ""] {
+            assert_eq!(
+                parse(&args(&["--oom-score-adj", bad])),
+                Err(CliError::OomScoreAdj(bad.to_string()))
+            );
+        }
     }
 
     #[test]

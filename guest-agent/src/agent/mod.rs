@@ -482,6 +482,7 @@ impl Agent {
                 private_paths,
                 drop_caps: config.drop_caps,
                 cgroups,
+                oom_score_adj: config.oom_score_adj,
                 skel_dir: Some(PathBuf::from(users::ETC_DIR).join(users::SKEL_SUBDIR)),
                 users: session_users(&config),
                 shell: users::bash().map(String::from),

@@ -139,6 +139,8 @@ pub struct ProcessConfig {
     pub private_paths: Vec<CString>,
     pub drop_caps: bool,
     pub cgroups: Option<Cgroups>,
+    /// `oom_score_adj` of spawned processes (`--oom-score-adj`).
+    pub oom_score_adj: Option<i32>,
     /// Copied into every new home (`/etc/skel`).
     pub skel_dir: Option<PathBuf>,
     /// Per-session users: each session's processes run as its own user
@@ -413,6 +415,10 @@ impl Processes {
         };
         let setup = ChildSetup {
             cgroup_procs,
+            oom_score_adj: self
+                .cfg
+                .oom_score_adj
+                .map(|adj| adj.to_string().into_bytes()),
             private_paths: self.cfg.private_paths.clone(),
             drop_caps: self.cfg.drop_caps && !as_root,
             user: home.user.as_ref().map(|u| Credentials {

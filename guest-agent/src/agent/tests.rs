@@ -1032,6 +1032,90 @@ async fn each_process_gets_its_own_cgroup() {
     std::fs::remove_dir(&cg_root).expect("process cgroups were cleaned up");
 }
 
+/// This process's own directory in a cgroup v1 memory hierarchy where it
+/// may create cgroups (a hybrid host, as root).
+fn writable_v1_memory() -> Option<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|l| {
+        let mut p = l.splitn(3, ':');
+        let (_, ctrls, path) = (p.next()?, p.next()?, p.next()?);
+        ctrls
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| path.to_string())
+    })?;
+    for line in info.lines() {
+        let (left, right) = line.split_once(" - ")?;
+        let mut r = right.split(' ');
+        if r.next() == Some("cgroup")
+            && r.nth(1)
+                .is_some_and(|o| o.split(',').any(|c| c == "memory"))
+        {
+            let dir = PathBuf::from(left.split(' ').nth(4)?).join(path.trim_start_matches('/'));
+            let probe = dir.join(format!("ga-probe-{}", std::process::id()));
+            if std::fs::create_dir(&probe).is_ok() {
+                let _ = std::fs::remove_dir(&probe);
+                return Some(dir);
+            }
+        }
+    }
+    None
+}
+
+#[tokio::test]
+async fn a_v1_memory_hierarchy_gives_each_process_a_cgroup_and_an_oom_count() {
+    let root = tempfile::tempdir().unwrap();
+    let Some(own) = writable_v1_memory() else {
+        eprintln!("SKIPPED: no writable cgroup v1 memory hierarchy on this machine");
+        return;
+    };
+    let cg_root = own.join(format!("ga-test-v1-{}", std::process::id()));
+    std::fs::create_dir(&cg_root).unwrap();
+    // Small enough for a quick OOM kill of the hog below.
+    std::fs::write(
+        cg_root.join("memory.limit_in_bytes"),
+        (64u64 << 20).to_string(),
+    )
+    .unwrap();
+    let mut cfg = config(root.path());
+    cfg.cgroup_root = Some(cg_root.clone());
+    let mut agent = start(cfg).await;
+    let out = agent
+        .client
+        .run(spec("cg", "s", &["cat", "/proc/self/cgroup"]))
+        .await;
+    let line = out
+        .stdout()
+        .lines()
+        .find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|c| c.split(',').any(|c| c == "memory"))
+        })
+        .map(String::from)
+        .unwrap();
+    let leaf = format!("ga-test-v1-{}/proc-", std::process::id());
+    assert!(
+        line.contains(&leaf),
+        "process not in its own cgroup: {line}"
+    );
+    assert_eq!(out.oom_kill_count, Some(0), "memory.oom_control is read");
+    let hog = agent
+        .client
+        .run(spec(
+            "hog",
+            "s",
+            &["perl", "-e", "my @a; while (1) { push @a, 'x' x 1048576 }"],
+        ))
+        .await;
+    assert_eq!(hog.oom_kill_count, Some(1), "the OOM kill is counted");
+    agent.client.close_write();
+    agent.client.drain().await;
+    agent.join();
+    std::fs::remove_dir(&cg_root).expect("process cgroups were cleaned up");
+}
+
 // ---------------------------------------------------------------------------
 // Tests inside user + mount (+ pid) namespaces.
 // ---------------------------------------------------------------------------
