@@ -235,6 +235,11 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 // Sessions' only way out: the daemon's proxy on the sandbox's
                 // own unix socket, which ends with the sandbox.
                 egress: Some(cfg.egress.clone()),
+                // Bounded like a VM of the size the client asked for.
+                limits: Some(crate::sandbox::limits::Limits::for_request(
+                    opts.memory_gb,
+                    opts.cpu_count,
+                )),
             };
             let (sandbox, stream) = Sandbox::start(sandbox_cfg)
                 .await

@@ -3,10 +3,12 @@
 //! Runs single-threaded, before any runtime exists, with the agent link on fd
 //! [`AGENT_FD`] and the status pipe on fd [`STATUS_FD`]:
 //!
-//! 1. arms `PR_SET_PDEATHSIG` (the daemon's death kills it);
+//! 1. arms `PR_SET_PDEATHSIG` (the daemon's death kills it) and joins the
+//!    sandbox's cgroup ([`super::cgroup`]; in a systemd scope, its leaf);
 //! 2. enters a new user namespace — always, also as root, so the sandbox's
 //!    root has no power over the host — mapping only the caller's uid and gid
-//!    onto themselves;
+//!    onto themselves, and sets the resource limits standing in for a
+//!    missing cgroup ([`super::limits::Rlimits`]);
 //! 3. enters new mount, pid, ipc and uts namespaces, names the host
 //!    [`HOSTNAME`], makes every mount private;
 //! 4. enters a new network namespace (owned by the new user namespace),
@@ -18,7 +20,9 @@
 //!    capabilities the agent needs for its bind mounts and its relay, DNS stub
 //!    and capture, and executes the agent (this same executable, through an
 //!    fd opened before `pivot_root`), telling it where the egress socket is
-//!    ([`EGRESS_SOCKET_ENV`]) and to hide [`EGRESS_DIR`] from what it spawns.
+//!    ([`EGRESS_SOCKET_ENV`]), to hide [`EGRESS_DIR`] from what it spawns,
+//!    where to give each session a cgroup (`--cgroup-root`, under
+//!    [`HOST_ROOT`]) and which `--oom-score-adj` the sessions get.
 //!
 //! Each step that fails is reported on the status pipe ([`super::wire`]) and
 //! on stderr, and the init exits with [`SETUP_FAILED_STATUS`].
@@ -31,10 +35,12 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 use guest_agent::proto::EGRESS_SOCKET_ENV;
 
+use super::cgroup;
 use super::check::{LOOPBACK, UNSHARE_NET};
+use super::limits::Rlimits;
 use super::rootfs;
 use super::sys::{self, CStringArray};
-use super::wire::{Context, ExecSpec, Failure, InitSpec, Report, Stage};
+use super::wire::{CgroupSpec, Context, ExecSpec, Failure, InitSpec, Report, Stage};
 use super::{
     AGENT_FD, EGRESS_DIR, EGRESS_SOCKET_NAME, HOST_ROOT, INIT_SUBCOMMAND, SETUP_FAILED_STATUS,
     STATUS_FD,
@@ -166,12 +172,18 @@ fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
         });
     }
 
+    // Before anything else runs: whatever the sandbox starts is inside.
+    let agent_cgroup = join_cgroup(spec.cgroup.as_ref())?;
+
     // SAFETY: getuid/getgid cannot fail.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     sys::unshare(libc::CLONE_NEWUSER).context(Stage::UserNamespace, || {
         "unshare(CLONE_NEWUSER)".to_string()
     })?;
     write_id_maps(uid, gid)?;
+    // After entering the user namespace: RLIMIT_NPROC then counts the
+    // processes of the sandbox's namespace, not all of the user's.
+    set_rlimits(&spec.rlimits)?;
     sys::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS)
         .context(Stage::Namespaces, || {
             "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)".to_string()
@@ -207,7 +219,14 @@ fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
     }
     if pid == 0 {
         drop(alive_w);
-        let failure = match pid1(&spec, uid, alive_r, &blocked, reporter) {
+        let failure = match pid1(
+            &spec,
+            agent_cgroup.as_deref(),
+            uid,
+            alive_r,
+            &blocked,
+            reporter,
+        ) {
             Err(f) => f,
             Ok(never) => match never {},
         };
@@ -267,9 +286,99 @@ fn write_id_maps(uid: libc::uid_t, gid: libc::gid_t) -> Result<(), Failure> {
         .context(Stage::IdMap, || format!("write /proc/self/gid_map ({gid})"))
 }
 
+/// Joins the sandbox's cgroup (`spec`); returns the host directory under
+/// which the agent gives each session a cgroup.
+fn join_cgroup(spec: Option<&CgroupSpec>) -> Result<Option<String>, Failure> {
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    for procs in &spec.join {
+        write_existing(Path::new(procs), "0").context(Stage::Limits, || {
+            format!("join the sandbox's cgroup (write to {procs})")
+        })?;
+    }
+    let Some(mount) = &spec.leaf_under_own else {
+        return Ok(spec.agent_root.clone());
+    };
+    // A systemd scope: move into its leaf, so the scope can give the
+    // memory controller to the sessions' cgroups.
+    let own = fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|t| cgroup::parse_proc_cgroup(&t).v2)
+        .ok_or_else(|| Failure {
+            stage: Stage::Limits,
+            what: "find the sandbox's scope in /proc/self/cgroup (no cgroup v2 line)".to_string(),
+            errno: None,
+        })?;
+    let dir = Path::new(mount).join(own.trim_start_matches('/'));
+    let leaf = dir.join(cgroup::INIT_LEAF);
+    match fs::create_dir(&leaf) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(Failure::new(
+                Stage::Limits,
+                format!("create the cgroup {}", leaf.display()),
+                &e,
+            ))
+        }
+        _ => {}
+    }
+    write_existing(&leaf.join("cgroup.procs"), "0").context(Stage::Limits, || {
+        format!("move into the cgroup {}", leaf.display())
+    })?;
+    Ok(Some(dir.to_string_lossy().into_owned()))
+}
+
+/// Writes `value` to an existing file (a cgroup control file: never created).
+fn write_existing(path: &Path, value: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(path)?
+        .write_all(value.as_bytes())
+}
+
+/// Sets the stand-in resource limits (soft and hard: nothing inside may
+/// raise them again).
+fn set_rlimits(r: &Rlimits) -> Result<(), Failure> {
+    let set = |resource, value: u64, name: &str| {
+        let lim = libc::rlimit {
+            rlim_cur: value,
+            rlim_max: value,
+        };
+        // SAFETY: setrlimit with a valid struct.
+        sys::cvt(unsafe { libc::setrlimit(resource, &lim) })
+            .map(drop)
+            .context(Stage::Limits, || format!("set {name} to {value}"))
+    };
+    if let Some(n) = r.nproc {
+        set(libc::RLIMIT_NPROC, n, "RLIMIT_NPROC")?;
+    }
+    if let Some(d) = r.data {
+        set(libc::RLIMIT_DATA, d, "RLIMIT_DATA")?;
+    }
+    Ok(())
+}
+
+/// The agent's arguments for its limits: the cgroup root under which it
+/// gives each session a cgroup (a host directory, seen under
+/// [`HOST_ROOT`]) and the sessions' OOM score adjustment.
+fn limit_args(agent_cgroup: Option<&str>, oom_score_adj: Option<i32>) -> Vec<String> {
+    let mut args = Vec::new();
+    if let Some(root) = agent_cgroup {
+        args.push("--cgroup-root".to_string());
+        args.push(super::agent_view_of_host(root));
+    }
+    if let Some(adj) = oom_score_adj {
+        args.push("--oom-score-adj".to_string());
+        args.push(adj.to_string());
+    }
+    args
+}
+
 /// PID 1: arms its own parent-death signal, builds the root, executes.
 fn pid1(
     spec: &InitSpec,
+    agent_cgroup: Option<&str>,
     uid: libc::uid_t,
     alive: OwnedFd,
     blocked: &libc::sigset_t,
@@ -304,6 +413,7 @@ fn pid1(
     let argv: Vec<String> = match &spec.exec {
         ExecSpec::Agent { argv0, args } => std::iter::once(argv0.clone())
             .chain(agent_args(egress_dir.is_some()))
+            .chain(limit_args(agent_cgroup, spec.session_oom_score_adj))
             .chain(args.iter().cloned())
             .collect(),
         ExecSpec::Command { argv } => argv.clone(),
@@ -486,6 +596,9 @@ mod tests {
             },
             parent_pid: 1,
             egress_dir: None,
+            cgroup: None,
+            rlimits: Rlimits::default(),
+            session_oom_score_adj: None,
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         let full = vec![

@@ -27,17 +27,21 @@
 //! kill everything else in the pid namespace.
 //!
 //! Limits: Linux only; needs user and network namespaces (see [`probe`]), a
-//! fully visible host `/proc` and a root `pivot_root` accepts. The sandbox
-//! shares the host's cgroup. Inside, only the caller's uid and gid exist: files of
+//! fully visible host `/proc` and a root `pivot_root` accepts. Started with
+//! [`SandboxConfig::limits`], the sandbox runs in a cgroup of its own
+//! ([`cgroup`], [`limits`]); without, it shares the helper's. Inside, only
+//! the caller's uid and gid exist: files of
 //! other users appear as the overflow id and only their "other" permission
 //! bits apply (this also holds for the agent under `/.host` when the helper
 //! runs as root). `start` must be called from a thread that lives as long as
 //! the sandbox (a runtime worker, not a short-lived blocking-pool thread):
 //! the parent-death signal follows the thread that forked the init.
 
+pub mod cgroup;
 mod check;
 mod egress;
 mod init;
+pub mod limits;
 mod rootfs;
 mod sys;
 mod wire;
@@ -56,7 +60,9 @@ pub use check::probe;
 pub use egress::SOCKET_NAME as EGRESS_SOCKET_NAME;
 pub use init::HOSTNAME;
 
+use cgroup::SandboxCgroup;
 use egress::EgressSocket;
+use limits::{Enforcement, Hold, Limit, Limits, SESSION_OOM_SCORE_ADJ};
 
 use wire::{ExecSpec, Failure, InitSpec, Reports, Stage};
 
@@ -109,6 +115,10 @@ pub struct SandboxConfig {
     /// The egress proxy served to this sandbox on its own unix socket; none:
     /// the sandbox has no way out at all (loopback only).
     pub egress: Option<crate::egress::EgressProxy>,
+    /// Resource limits: the sandbox gets a cgroup of its own holding them
+    /// (or the stand-ins, see [`limits`]) and its agent's sessions are the
+    /// OOM killer's first choice; none: it shares the helper's cgroup.
+    pub limits: Option<Limits>,
 }
 
 /// Environment variable of the agent-wrapper test hook: an absolute host
@@ -146,6 +156,7 @@ impl SandboxConfig {
             agent_args: Vec::new(),
             command_override: None,
             egress: None,
+            limits: None,
         }
     }
 
@@ -193,6 +204,9 @@ impl SandboxConfig {
             exec,
             parent_pid: std::process::id() as i32,
             egress_dir,
+            cgroup: None,
+            rlimits: limits::Rlimits::default(),
+            session_oom_score_adj: self.limits.map(|_| SESSION_OOM_SCORE_ADJ),
         })
     }
 }
@@ -216,6 +230,8 @@ pub enum SandboxError {
     NetworkNamespacesUnavailable { cause: String },
     #[error("sandbox setup failed while {stage}: {cause}")]
     Setup { stage: String, cause: String },
+    #[error("the sandbox could not be placed in its cgroup: {cause}")]
+    Limits { cause: String },
     #[error("cannot run the sandbox init {}: {source}", exe.display())]
     Spawn { exe: PathBuf, source: io::Error },
     #[error("cannot {what}: {source}")]
@@ -297,17 +313,71 @@ pub struct Sandbox {
     /// The egress proxy's socket and serving task; dropped when the sandbox
     /// ends.
     egress: Option<EgressSocket>,
+    /// The sandbox's cgroup; removed when the sandbox ends.
+    cgroup: Option<SandboxCgroup>,
+    /// Which limits hold (with [`SandboxConfig::limits`]).
+    enforcement: Option<Enforcement>,
 }
 
 impl Sandbox {
     /// Starts the sandbox; returns once the agent is being executed as its
     /// PID 1. The returned stream is the daemon's end of the agent link (a
     /// socketpair); the agent's hello arrives on it.
+    ///
+    /// With [`SandboxConfig::limits`], a sandbox whose init could not join
+    /// the cgroup made for it is started once more without one (the
+    /// stand-ins then hold, and the log says so).
     pub async fn start(cfg: SandboxConfig) -> Result<(Sandbox, UnixStream), SandboxError> {
+        match Self::start_placed(cfg.clone(), None).await {
+            Err(SandboxError::Limits { cause }) if cfg.limits.is_some() => {
+                tracing::warn!(
+                    error = %cause,
+                    "the sandbox could not join its cgroup; starting it without one"
+                );
+                let why = format!("no cgroup: the sandbox could not join its own: {cause}");
+                Self::start_placed(cfg, Some(why)).await
+            }
+            other => other,
+        }
+    }
+
+    /// [`Sandbox::start`] once; `no_cgroup`: place it in none, for this
+    /// reason.
+    async fn start_placed(
+        cfg: SandboxConfig,
+        no_cgroup: Option<String>,
+    ) -> Result<(Sandbox, UnixStream), SandboxError> {
         // Checked before anything is created.
         cfg.init_spec(None)?;
         let egress = cfg.egress.clone().map(EgressSocket::open).transpose()?;
-        let spec = cfg.init_spec(egress.as_ref().map(EgressSocket::dir))?;
+        let mut spec = cfg.init_spec(egress.as_ref().map(EgressSocket::dir))?;
+        let placement = match cfg.limits {
+            Some(limits) => {
+                let exe = cfg.helper_exe.clone();
+                let placed = tokio::task::spawn_blocking(move || {
+                    let mut facts = cgroup::HostFacts::read();
+                    if no_cgroup.is_some() {
+                        facts.disabled = no_cgroup;
+                    }
+                    cgroup::place(&limits, &facts, &exe)
+                })
+                .await
+                .map_err(|e| SandboxError::Config(format!("placing the sandbox failed: {e}")))?;
+                Some((limits, placed))
+            }
+            None => None,
+        };
+        let (limits, mut cgroup, enforcement) = match placement {
+            Some((limits, p)) => {
+                spec.cgroup = p.cgroup.as_ref().map(SandboxCgroup::init_spec);
+                spec.rlimits = p.rlimits;
+                (Some(limits), p.cgroup, Some(p.enforcement))
+            }
+            None => (None, None, None),
+        };
+        let systemd_scope = cgroup
+            .as_ref()
+            .and_then(|c| c.command_prefix().map(<[String]>::to_vec));
         let encoded = serde_json::to_string(&spec)
             .map_err(|e| SandboxError::Config(format!("cannot encode the init spec: {e}")))?;
         let io_err = |what| move |source| SandboxError::Io { what, source };
@@ -321,7 +391,16 @@ impl Sandbox {
         drop((agent_end, status_w));
         let (agent_raw, status_raw) = (agent_fd.as_raw_fd(), status_fd.as_raw_fd());
 
-        let mut cmd = tokio::process::Command::new(&cfg.helper_exe);
+        // In a systemd scope: systemd-run asks for the scope, then executes
+        // the init in place (same pid, descriptors kept).
+        let program: PathBuf = match &systemd_scope {
+            Some(prefix) => prefix.first().map(PathBuf::from).unwrap_or_default(),
+            None => cfg.helper_exe.clone(),
+        };
+        let mut cmd = tokio::process::Command::new(&program);
+        if let Some(prefix) = &systemd_scope {
+            cmd.args(prefix.iter().skip(1)).arg(&cfg.helper_exe);
+        }
         cmd.arg(INIT_SUBCOMMAND)
             .arg(&encoded)
             .stdin(Stdio::null())
@@ -340,10 +419,18 @@ impl Sandbox {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|source| SandboxError::Spawn {
-            exe: cfg.helper_exe.clone(),
-            source,
-        })?;
+        let child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(source) => {
+                if let Some(cg) = cgroup.take() {
+                    release(cg).await;
+                }
+                return Err(SandboxError::Spawn {
+                    exe: program,
+                    source,
+                });
+            }
+        };
         drop((agent_fd, status_fd));
         let init_pid = child.id().unwrap_or_default();
         let mut sandbox = Sandbox {
@@ -354,6 +441,8 @@ impl Sandbox {
             killed: false,
             exit: None,
             egress,
+            cgroup,
+            enforcement,
         };
         tracing::debug!(init_pid, "sandbox init started");
 
@@ -379,6 +468,16 @@ impl Sandbox {
             (true, Some(pid)) => pid,
             _ => {
                 let status = sandbox.reap_after_setup().await;
+                if systemd_scope.is_some() && reports.forked.is_none() && reports.garbage.is_empty()
+                {
+                    return Err(SandboxError::Limits {
+                        cause: format!(
+                            "{} ended ({status}) before the sandbox's init ran; its message is in \
+                             the log above",
+                            program.display()
+                        ),
+                    });
+                }
                 let detail = if reports.garbage.is_empty() {
                     String::new()
                 } else {
@@ -393,6 +492,9 @@ impl Sandbox {
         };
         sandbox.agent_pid = agent_pid;
         sandbox.agent_pidfd = open_child_pidfd(agent_pid, init_pid);
+        if let Some(limits) = limits {
+            sandbox.settle_limits(&limits);
+        }
 
         daemon_end
             .set_nonblocking(true)
@@ -422,6 +524,42 @@ impl Sandbox {
         self.init_pid
     }
 
+    /// Which of the sandbox's limits hold, when it was started with some.
+    pub fn enforcement(&self) -> Option<&Enforcement> {
+        self.enforcement.as_ref()
+    }
+
+    /// The sandbox's cgroup, while it runs in one of its own.
+    pub fn cgroup(&self) -> Option<&SandboxCgroup> {
+        self.cgroup.as_ref()
+    }
+
+    /// Once the init runs: a systemd scope's limits are read from the scope
+    /// itself (what the probe scope promised stays for the stand-ins); then
+    /// the limits are logged, one line each that is not as asked.
+    fn settle_limits(&mut self, limits: &Limits) {
+        if let Some(cg) = self.cgroup.as_mut() {
+            if matches!(cg.origin(), cgroup::Origin::Systemd { .. }) {
+                cg.learn_scope(self.init_pid);
+                let no_swap = cgroup::HostFacts::read().swap_total_kib == Some(0);
+                let real = cg.verify(limits, no_swap);
+                let planned = self.enforcement.get_or_insert_with(Enforcement::default);
+                for l in Limit::ALL {
+                    if !matches!(planned.get(l), Hold::StandIn { .. }) {
+                        planned.set(l, real.get(l));
+                    }
+                }
+            }
+        }
+        let place = self.cgroup.as_ref().map_or_else(
+            || "no cgroup of its own".to_string(),
+            SandboxCgroup::describe,
+        );
+        if let Some(e) = &self.enforcement {
+            e.log(limits, &place);
+        }
+    }
+
     /// Host pid of the sandbox's PID 1 (the agent).
     pub fn agent_pid(&self) -> i32 {
         self.agent_pid
@@ -434,7 +572,16 @@ impl Sandbox {
             return exit.clone();
         }
         let status = self.child.wait().await;
-        self.finish(status)
+        let exit = self.finish(status);
+        self.release_cgroup().await;
+        exit
+    }
+
+    /// Removes the sandbox's cgroup (once it has ended).
+    async fn release_cgroup(&mut self) {
+        if let Some(cg) = self.cgroup.take() {
+            release(cg).await;
+        }
     }
 
     /// Kills everything in the sandbox (SIGKILL) and reaps the init, which
@@ -445,6 +592,7 @@ impl Sandbox {
         }
         if let Ok(Some(status)) = self.child.try_wait() {
             self.finish(Ok(status));
+            self.release_cgroup().await;
             return;
         }
         self.killed = true;
@@ -471,6 +619,7 @@ impl Sandbox {
             }
         };
         self.finish(status);
+        self.release_cgroup().await;
     }
 
     fn finish(&mut self, status: io::Result<ExitStatus>) -> SandboxExit {
@@ -498,7 +647,20 @@ impl Sandbox {
         };
         self.exit = Some(SandboxExit::from_status(status, false));
         self.egress = None;
+        self.release_cgroup().await;
         text
+    }
+}
+
+/// Removes a sandbox's cgroup on a blocking thread (it may wait for the
+/// last processes to go); a failure is logged, and the next helper to
+/// create a cgroup there removes it.
+async fn release(cg: SandboxCgroup) {
+    let what = cg.describe();
+    match tokio::task::spawn_blocking(move || cg.remove()).await {
+        Ok(Ok(())) => tracing::debug!(cgroup = %what, "sandbox cgroup removed"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "sandbox cgroup left behind"),
+        Err(e) => tracing::warn!(error = %e, "sandbox cgroup removal did not run"),
     }
 }
 
@@ -510,7 +672,27 @@ impl Drop for Sandbox {
             }
             // kill_on_drop then kills the init, and the runtime reaps it.
         }
+        if let Some(cg) = self.cgroup.take() {
+            // Its processes are dying: removal may have to wait for them.
+            let spawned = std::thread::Builder::new()
+                .name("cgroup-removal".into())
+                .spawn(move || {
+                    if let Err(e) = cg.remove() {
+                        tracing::warn!(error = %e, "sandbox cgroup left behind");
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "sandbox cgroup left behind: no thread to remove it");
+            }
+        }
     }
+}
+
+/// Entry of the hidden subcommand `cowork-helper __cgroup-probe`, run by
+/// the systemd probe scope (see [`cgroup`]): prints the limits of its own
+/// cgroup. Returns the exit status.
+pub fn cgroup_probe_main() -> i32 {
+    cgroup::probe_main()
 }
 
 /// Entry of the hidden subcommand `cowork-helper __sandbox-init <spec>`.
@@ -580,6 +762,11 @@ fn error_from_failure(failure: Failure, switches: &check::HostSwitches) -> Sandb
             cause = format!("{cause} ({})", hints.join("; "));
         }
         return SandboxError::NetworkNamespacesUnavailable { cause };
+    }
+    if failure.stage == Stage::Limits {
+        return SandboxError::Limits {
+            cause: failure.to_string(),
+        };
     }
     SandboxError::Setup {
         stage: failure.stage.to_string(),
@@ -737,6 +924,18 @@ mod tests {
             error_from_failure(lo, &switches),
             SandboxError::Setup { .. }
         ));
+    }
+
+    #[test]
+    fn a_failed_cgroup_join_is_a_limits_error() {
+        let failure = Failure {
+            stage: Stage::Limits,
+            what: "join the sandbox's cgroup (write to /x/cgroup.procs)".into(),
+            errno: Some(libc::EACCES),
+        };
+        let err = error_from_failure(failure, &check::HostSwitches::default());
+        assert!(matches!(err, SandboxError::Limits { .. }), "{err}");
+        assert!(err.to_string().contains("/x/cgroup.procs"), "{err}");
     }
 
     #[test]

@@ -13,6 +13,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::limits::Rlimits;
+
 /// Largest status report the daemon reads; a longer one is a bug.
 pub const MAX_REPORT_BYTES: u64 = 64 * 1024;
 
@@ -30,6 +32,34 @@ pub struct InitSpec {
     /// [`super::EGRESS_DIR`] for the agent alone; none: no way out at all.
     #[serde(default)]
     pub egress_dir: Option<String>,
+    /// The sandbox's cgroup, joined before anything else; none: the
+    /// helper's own.
+    #[serde(default)]
+    pub cgroup: Option<CgroupSpec>,
+    /// Stand-ins for limits no cgroup holds, set inside the user namespace.
+    #[serde(default)]
+    pub rlimits: Rlimits,
+    /// `oom_score_adj` the agent gives the processes it spawns.
+    #[serde(default)]
+    pub session_oom_score_adj: Option<i32>,
+}
+
+/// How the init gets into the sandbox's cgroup.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupSpec {
+    /// `cgroup.procs` files (host paths) the init writes its pid into, one
+    /// per hierarchy.
+    #[serde(default)]
+    pub join: Vec<String>,
+    /// A systemd scope (which the init already is in): the unified
+    /// hierarchy's mount point. The init moves into the leaf
+    /// [`super::cgroup::INIT_LEAF`] of its cgroup, whose directory becomes
+    /// the agent's cgroup root.
+    #[serde(default)]
+    pub leaf_under_own: Option<String>,
+    /// Host directory under which the agent gives each session a cgroup.
+    #[serde(default)]
+    pub agent_root: Option<String>,
 }
 
 /// The program PID 1 of the sandbox becomes.
@@ -53,6 +83,8 @@ pub enum ExecSpec {
 pub enum Stage {
     /// Reading the arguments and descriptors given by the daemon.
     Arguments,
+    /// Joining the sandbox's cgroup and setting its resource limits.
+    Limits,
     /// `unshare(CLONE_NEWUSER)`.
     UserNamespace,
     /// Writing `setgroups`, `uid_map`, `gid_map`.
@@ -73,6 +105,7 @@ impl fmt::Display for Stage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Stage::Arguments => "reading the init arguments",
+            Stage::Limits => "applying the sandbox's resource limits",
             Stage::UserNamespace => "creating the user namespace",
             Stage::IdMap => "mapping the user and group ids",
             Stage::Namespaces => "creating the mount/pid/ipc/uts namespaces",
@@ -189,6 +222,16 @@ mod tests {
             },
             parent_pid: 42,
             egress_dir: Some("/run/user/1000/cowork-sandbox-1-0".into()),
+            cgroup: Some(CgroupSpec {
+                join: vec!["/sys/fs/cgroup/memory/x/cgroup.procs".into()],
+                leaf_under_own: None,
+                agent_root: Some("/sys/fs/cgroup/memory/x".into()),
+            }),
+            rlimits: Rlimits {
+                nproc: Some(4096),
+                data: None,
+            },
+            session_oom_score_adj: Some(500),
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         assert_eq!(
