@@ -6,8 +6,9 @@
 //! - this helper, the backend `auto` picks and why, the guest image found
 //!   (and where: [`ImageSearch`] is the one list of places), the client's
 //!   bundle and whether its `rootfs.img` validates, the userland a VM gets,
-//!   seccomp, the sandbox and whether user namespaces are restricted, kvm
-//!   and qemu;
+//!   seccomp, the sandbox, the sandbox's resource limits (`sandbox
+//!   limits:`, one line per limit that would not hold), whether user
+//!   namespaces are restricted, kvm and qemu;
 //! - `client helper:` whether the client's helper path resolves to this
 //!   helper (see [`crate::install`]);
 //! - `client check:` each input of the client's own support check (QEMU on
@@ -142,6 +143,9 @@ pub fn run(opts: &Options) -> i32 {
         }
         Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
     }
+    for line in sandbox_limits_lines() {
+        println!("sandbox limits: {line}");
+    }
     println!("user namespaces: {}", userns_line());
     let kvm = crate::backend::kvm::Probe::run(&opts.images);
     println!("kvm: {}", kvm_line(&kvm));
@@ -175,6 +179,43 @@ pub fn run(opts: &Options) -> i32 {
     } else {
         1
     }
+}
+
+/// The `sandbox limits:` lines: what a sandbox of the default size would
+/// get here (a cgroup is created and removed again, or a systemd probe
+/// scope runs), then one line per limit that would not hold as asked.
+fn sandbox_limits_lines() -> Vec<String> {
+    use crate::sandbox::cgroup;
+    use crate::sandbox::limits::Limits;
+    let limits = Limits::default();
+    let exe = std::env::current_exe().unwrap_or_default();
+    let placement = cgroup::place(&limits, &cgroup::HostFacts::read(), &exe);
+    let place = placement.cgroup.as_ref().map_or_else(
+        || "no cgroup of its own".to_string(),
+        |c| format!("in {}", c.describe()),
+    );
+    if let Some(cg) = &placement.cgroup {
+        if let Err(e) = cg.remove() {
+            tracing::warn!(error = %e, "doctor's trial cgroup left behind");
+        }
+    }
+    let e = &placement.enforcement;
+    let verdict = if e.complete() {
+        "all enforced"
+    } else {
+        "INCOMPLETE"
+    };
+    let mut lines = vec![format!(
+        "{verdict}: {}; {place} (for the default size; startVM's memoryGB and cpuCount set \
+         them)",
+        e.summary(&limits)
+    )];
+    lines.extend(
+        e.shortfalls()
+            .into_iter()
+            .map(|(limit, line)| format!("{limit}: {line}")),
+    );
+    lines
 }
 
 /// Whether the backend chosen can start, and the `result:` line. A
