@@ -769,6 +769,25 @@ async fn stale_body(extra_env: &[(&str, &str)]) {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
 }
 
+/// A helper ended as the client ends it (SIGTERM) removes its sandboxes'
+/// cgroups on the way out.
+async fn sigterm_body(extra_env: &[(&str, &str)]) {
+    let mut d = daemon(extra_env);
+    let (pipe, mut sub) = vm(&d, "term", json!({"memoryGB": HOG_MEMORY_GB})).await;
+    let cg = sandbox_cgroup(&pipe, &mut sub, "term").await;
+    pipe.call("spawn", sh("sleeper", "term", "exec sleep 600"))
+        .await
+        .expect("spawn");
+    drop((pipe, sub));
+    d.signal(libc::SIGTERM);
+    d.wait_exit(T).expect("the helper exits on SIGTERM");
+    assert!(
+        cg.gone(),
+        "the helper left its sandbox's cgroup behind: {cg:?}\n{}",
+        d.log()
+    );
+}
+
 // ------------------------------------------------------------------ the host's hierarchy
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -800,6 +819,14 @@ async fn busy_threads_get_the_requested_cpus() {
     let _serial = SERIAL.lock().await;
     if needs_root("busy_threads_get_the_requested_cpus") {
         cpu_body(&[]).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_ended_by_sigterm_removes_its_cgroups() {
+    let _serial = SERIAL.lock().await;
+    if needs_root("a_helper_ended_by_sigterm_removes_its_cgroups") {
+        sigterm_body(&[]).await;
     }
 }
 
@@ -1091,11 +1118,17 @@ async fn inner(kind: &str) {
         let (pipe, mut sub) = vm(&d, "where", json!({"memoryGB": HOG_MEMORY_GB})).await;
         let cg = sandbox_cgroup(&pipe, &mut sub, "where").await;
         assert!(cg.v2, "{cg:?}");
+        let log = d.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("sandbox limits: "))
+            .unwrap_or_else(|| panic!("no limits line:\n{log}"));
         assert!(
-            d.log().contains(expect),
-            "expected the sandbox in {expect}…:\n{}",
-            d.log()
+            line.contains(expect),
+            "expected the sandbox in {expect}…: {line}"
         );
+        let at = line.find("sandbox limits: ").unwrap_or(0);
+        println!("{REPORT}{kind}: {}", &line[at..]);
         pipe.call("stopVM", json!({})).await.unwrap();
         assert!(cg.wait_gone(T), "{cg:?}");
     }
@@ -1106,6 +1139,7 @@ async fn inner(kind: &str) {
     if kind == "v2" {
         stale_body(&env).await;
     }
+    sigterm_body(&env).await;
     println!("{INNER_OK}");
 }
 
