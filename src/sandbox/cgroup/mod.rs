@@ -550,11 +550,19 @@ impl SandboxCgroup {
         match &self.origin {
             Origin::V1 => v1::verify(&self.dirs, limits, no_swap),
             Origin::V2 | Origin::Systemd { .. } => match self.dirs.first() {
-                Some((_, dir)) => {
-                    v2::verify(&v2::Values::read(dir), limits, no_swap, &self.describe())
-                }
+                Some((_, dir)) => v2::verify(&v2::Values::read(dir), limits, no_swap, self.label()),
                 None => missing_all("the systemd scope's cgroup was not found"),
             },
+        }
+    }
+
+    /// What a limit held here is called in reports (the directories are
+    /// logged once, by [`SandboxCgroup::describe`]).
+    fn label(&self) -> &'static str {
+        match self.origin {
+            Origin::V1 => "cgroup v1",
+            Origin::V2 => "cgroup v2",
+            Origin::Systemd { .. } => "systemd scope",
         }
     }
 

@@ -86,12 +86,7 @@ pub(super) fn create(
         origin: Origin::V2,
         dirs: vec![(Controller::LIMITING.to_vec(), dir.clone())],
     };
-    let mut enforcement = verify(
-        &Values::read(&dir),
-        limits,
-        facts.no_swap(),
-        &cgroup.describe(),
-    );
+    let mut enforcement = verify(&Values::read(&dir), limits, facts.no_swap(), cgroup.label());
     for (limit, why) in notes {
         if !enforcement.get(limit).is_enforced() {
             enforcement.set(limit, Hold::Missing(why));
