@@ -217,34 +217,29 @@ impl Shared {
         host: &Host,
         port: u16,
     ) -> Result<(TcpStream, Slot), EgressError> {
-        if let Some(i) = &self.interceptor {
-            if i.is_api_host(host) && port != intercept::rules::HTTPS_PORT {
-                let e = EgressError::ApiHostPort {
-                    host: host.to_string(),
-                    port,
-                };
-                self.log_refusal(
-                    Some(&grant.session),
-                    &host.to_string(),
-                    port,
-                    &e.to_string(),
-                );
-                return Err(e);
-            }
-        }
-        let cap = self.config.max_connections_per_session;
-        let Some(slot) = grant.acquire_slot(cap) else {
-            let e = EgressError::AtCapacity {
-                session: grant.session.clone(),
-                cap,
-            };
+        let refuse = |e: EgressError| {
             self.log_refusal(
                 Some(&grant.session),
                 &host.to_string(),
                 port,
                 &e.to_string(),
             );
-            return Err(e);
+            Err(e)
+        };
+        if let Some(i) = &self.interceptor {
+            if i.is_api_host(host) && port != intercept::rules::HTTPS_PORT {
+                return refuse(EgressError::ApiHostPort {
+                    host: host.to_string(),
+                    port,
+                });
+            }
+        }
+        let cap = self.config.max_connections_per_session;
+        let Some(slot) = grant.acquire_slot(cap) else {
+            return refuse(EgressError::AtCapacity {
+                session: grant.session.clone(),
+                cap,
+            });
         };
         match self.dialer.connect(host, port, &grant.policy).await {
             Ok(s) => {

@@ -612,16 +612,20 @@ pub fn uninstall(t: &Target, system_files: &system::SystemFiles) -> Result<Repor
     let kept = t.kept_path();
     let found = inspect(&t.root, &path, &t.system_helper_path(), &t.exe);
     let kept_exists = fs::symlink_metadata(&kept).is_ok();
+    let restore = |report: &mut Report| -> Result<(), InstallError> {
+        fs::rename(&kept, &path)
+            .map_err(|e| io_error("restore the official helper to", &path, e))?;
+        report.say(format!(
+            "restored the official helper to {} (from {})",
+            path.display(),
+            kept.display()
+        ));
+        Ok(())
+    };
     match found {
         found if found.is_ours() => {
             if kept_exists {
-                fs::rename(&kept, &path)
-                    .map_err(|e| io_error("restore the official helper to", &path, e))?;
-                report.say(format!(
-                    "restored the official helper to {} (from {})",
-                    path.display(),
-                    kept.display()
-                ));
+                restore(&mut report)?;
             } else {
                 fs::remove_file(&path).map_err(|e| io_error("remove", &path, e))?;
                 report.say(format!(
@@ -630,15 +634,7 @@ pub fn uninstall(t: &Target, system_files: &system::SystemFiles) -> Result<Repor
                 ));
             }
         }
-        Found::Absent if kept_exists => {
-            fs::rename(&kept, &path)
-                .map_err(|e| io_error("restore the official helper to", &path, e))?;
-            report.say(format!(
-                "restored the official helper to {} (from {})",
-                path.display(),
-                kept.display()
-            ));
-        }
+        Found::Absent if kept_exists => restore(&mut report)?,
         Found::Absent => report.say(format!(
             "{} is not installed at {}; nothing to restore",
             PACKAGE,

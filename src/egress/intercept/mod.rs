@@ -454,39 +454,35 @@ impl Connection {
             };
             *upstream = self.connect(tcp, slot).await?;
         }
-        match &mut *upstream {
-            Upstream::H1(sender) => {
-                *req.uri_mut() = path.parse().unwrap_or_else(|_| Uri::from_static("/"));
-                if !req.headers().contains_key(HOST) {
-                    if let Ok(v) = HeaderValue::from_str(&self.host) {
-                        req.headers_mut().insert(HOST, v);
-                    }
-                }
-                sender
-                    .ready()
-                    .await
-                    .map_err(|source| self.http_err(source))?;
-                sender
-                    .send_request(req)
-                    .await
-                    .map_err(|source| self.http_err(source))
+        // HTTP/1.1 takes an origin-form target and Host; HTTP/2 an absolute
+        // URI (its :authority) and no Host.
+        let h2 = matches!(*upstream, Upstream::H2(_));
+        let target = if h2 {
+            format!("https://{}{path}", self.host)
+        } else {
+            path.to_string()
+        };
+        *req.uri_mut() = target.parse().unwrap_or_else(|_| Uri::from_static("/"));
+        if h2 {
+            *req.version_mut() = hyper::Version::HTTP_2;
+            req.headers_mut().remove(HOST);
+        } else if !req.headers().contains_key(HOST) {
+            if let Ok(v) = HeaderValue::from_str(&self.host) {
+                req.headers_mut().insert(HOST, v);
             }
-            Upstream::H2(sender) => {
-                let uri = format!("https://{}{path}", self.host);
-                *req.uri_mut() = uri.parse().unwrap_or_else(|_| Uri::from_static("/"));
-                *req.version_mut() = hyper::Version::HTTP_2;
-                req.headers_mut().remove(HOST);
-                sender
-                    .ready()
-                    .await
-                    .map_err(|source| self.http_err(source))?;
-                sender
-                    .send_request(req)
-                    .await
-                    .map_err(|source| self.http_err(source))
-            }
-            _ => Err(InterceptError::Timeout("no upstream connection")),
         }
+        let sent = match &mut *upstream {
+            Upstream::H1(sender) => match sender.ready().await {
+                Ok(()) => sender.send_request(req).await,
+                Err(e) => Err(e),
+            },
+            Upstream::H2(sender) => match sender.ready().await {
+                Ok(()) => sender.send_request(req).await,
+                Err(e) => Err(e),
+            },
+            _ => return Err(InterceptError::Timeout("no upstream connection")),
+        };
+        sent.map_err(|source| self.http_err(source))
     }
 
     fn http_err(&self, source: hyper::Error) -> InterceptError {
@@ -525,23 +521,24 @@ impl Connection {
         })?;
         let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
         let io = TokioIo::new(tls);
+        // The connection task holds the tunnel's slot for as long as it runs.
+        let drive = |conn: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>| {
+            tokio::spawn(async move {
+                let _slot = slot;
+                conn.await;
+            })
+        };
         if h2 {
             let (sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
                 .await
                 .map_err(|source| self.http_err(source))?;
-            tokio::spawn(async move {
-                let _slot = slot;
-                let _ = conn.await;
-            });
+            drive(Box::pin(async move { drop(conn.await) }));
             Ok(Upstream::H2(sender))
         } else {
             let (sender, conn) = hyper::client::conn::http1::handshake(io)
                 .await
                 .map_err(|source| self.http_err(source))?;
-            tokio::spawn(async move {
-                let _slot = slot;
-                let _ = conn.await;
-            });
+            drive(Box::pin(async move { drop(conn.await) }));
             Ok(Upstream::H1(sender))
         }
     }
