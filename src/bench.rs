@@ -278,6 +278,7 @@ fn cpu_ms(pid: u32) -> f64 {
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 = f.get(11).and_then(|s| s.parse().ok()).unwrap_or(0)
         + f.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf takes no pointers.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     ticks as f64 * 1000.0 / hz
 }

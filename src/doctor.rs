@@ -392,6 +392,7 @@ fn read_trimmed(path: &str) -> Option<String> {
 /// Whether unprivileged user namespaces are restricted, and whether this
 /// helper is allowed them anyway.
 fn userns_line() -> String {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     let root = unsafe { libc::geteuid() } == 0;
     if read_trimmed(MAX_USERNS_SYSCTL).as_deref() == Some("0") {
         return "DISABLED (user.max_user_namespaces=0): the sandbox backend cannot start; fix: sudo sysctl -w user.max_user_namespaces=15000".into();

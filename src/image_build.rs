@@ -267,6 +267,7 @@ mod tests {
     fn defaults_follow_the_user() {
         let data = Path::new("/home/u/.local/share/cowork-helper");
         let o = Options::new(None, Some("/c".into()), None, false, data);
+        // SAFETY: geteuid takes no arguments and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let want = if root {
             PathBuf::from("/var/lib/cowork-helper/userland")

@@ -121,6 +121,7 @@ fn path_err(path: &Path, what: impl Into<String>) -> ServerError {
 
 /// Checks the socket's directory and path, clears a stale socket and binds.
 pub async fn bind(path: &Path) -> Result<UnixListener, ServerError> {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     let uid = unsafe { libc::geteuid() };
     let parent = path
         .parent()
@@ -197,6 +198,7 @@ pub async fn serve<T>(
     idle_timeout: Option<Duration>,
     shutdown: impl std::future::Future<Output = T>,
 ) -> T {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     let uid = unsafe { libc::geteuid() };
     let cap = connection_cap();
     if let Some(limit) = idle_timeout {

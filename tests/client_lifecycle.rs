@@ -131,6 +131,7 @@ fn openpty() -> (OwnedFd, OwnedFd) {
     for fd in [master, slave] {
         // SAFETY: fcntl on descriptors just opened.
         assert_eq!(
+            // SAFETY: F_SETFD on a descriptor this test owns; no pointers.
             unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) },
             0
         );

@@ -66,6 +66,7 @@ fn line<'a>(report: &'a str, key: &str) -> &'a str {
 }
 
 fn is_root() -> bool {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     unsafe { libc::geteuid() == 0 }
 }
 

@@ -592,6 +592,7 @@ async fn machine_death_reports_fatal_error_then_exit_and_recovers() {
         .filter(|pid| parent_of(*pid) == Some(d.pid()))
         .collect();
     assert_eq!(inits.len(), 1, "one sandbox for this daemon: {inits:?}");
+    // SAFETY: kill takes no pointers; the pid is the sandbox init the test found.
     unsafe { libc::kill(inits[0] as i32, libc::SIGKILL) };
 
     let err = sub

@@ -411,6 +411,7 @@ fn nobody_child() {
         return;
     };
     assert_eq!(
+        // SAFETY: geteuid takes no arguments and cannot fail.
         unsafe { libc::geteuid() },
         65534,
         "child must run as nobody"
@@ -436,6 +437,7 @@ fn nobody_child() {
 
 #[tokio::test]
 async fn peer_of_another_uid_is_refused() {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root to run a client as nobody");
         return;
@@ -465,6 +467,7 @@ async fn peer_of_another_uid_is_refused() {
                 "--test-threads=1",
             ])
             .env(NOBODY_ENV, &sock);
+            // SAFETY: the closure only calls setgroups, setgid and setuid (async-signal-safe; a null list with a count of 0) between fork and exec.
             unsafe {
                 cmd.pre_exec(|| {
                     if libc::setgroups(0, std::ptr::null()) != 0
@@ -738,6 +741,7 @@ async fn socket_in_a_sticky_shared_directory_like_tmp() {
 
 #[tokio::test]
 async fn squatted_socket_paths_and_foreign_directories_are_refused() {
+    // SAFETY: geteuid takes no arguments and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: needs root to create files owned by another user");
         return;

@@ -494,6 +494,7 @@ async fn sigterm_to_the_init_is_forwarded_to_pid1() {
     assert_eq!(ready.as_deref(), Some("ready"));
     // SAFETY: signalling our own child, not yet reaped.
     assert_eq!(
+        // SAFETY: kill takes no pointers; the pid is the sandbox's init.
         unsafe { libc::kill(sandbox.init_pid() as i32, libc::SIGTERM) },
         0
     );

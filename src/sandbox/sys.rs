@@ -450,12 +450,14 @@ mod tests {
         set_cloexec(fd, false).expect("clear");
         // SAFETY: F_GETFD on our own descriptor.
         assert_eq!(
+            // SAFETY: F_GETFD only reads the descriptor's flags.
             unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
             0
         );
         set_cloexec(fd, true).expect("set");
         // SAFETY: as above.
         assert_ne!(
+            // SAFETY: F_GETFD only reads the descriptor's flags.
             unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
             0
         );

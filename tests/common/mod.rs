@@ -35,6 +35,7 @@ fn spawn_from_keeper(cmd: Command) -> std::io::Result<Child> {
             .name("helper-keeper".into())
             .spawn(move || {
                 for (mut cmd, reply) in rx {
+                    // SAFETY: the closure only calls prctl, async-signal-safe, between fork and exec.
                     unsafe {
                         cmd.pre_exec(|| {
                             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
@@ -244,6 +245,7 @@ impl Daemon {
     }
 
     pub fn signal(&self, sig: i32) {
+        // SAFETY: kill takes no pointers; the pid is this helper's.
         unsafe {
             libc::kill(self.pid() as i32, sig);
         }
@@ -268,6 +270,7 @@ impl Daemon {
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             if let Ok(None) = child.try_wait() {
+                // SAFETY: kill takes no pointers; the pid is this helper's.
                 unsafe {
                     libc::kill(child.id() as i32, libc::SIGTERM);
                 }
@@ -311,18 +314,21 @@ pub fn shared() -> &'static Daemon {
             .keep();
         extern "C" fn cleanup() {
             if let Some(d) = SHARED_PID.get() {
+                // SAFETY: kill takes no pointers; the pid is the shared helper's.
                 unsafe {
                     libc::kill(d.0 as i32, libc::SIGTERM);
                 }
                 let deadline = Instant::now() + Duration::from_secs(5);
                 while Instant::now() < deadline {
                     let mut st = 0;
+                    // SAFETY: `st` is a writable int that waitpid fills.
                     let r = unsafe { libc::waitpid(d.0 as i32, &mut st, libc::WNOHANG) };
                     if r != 0 {
                         break;
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
+                // SAFETY: kill takes no pointers; the pid is the shared helper's.
                 unsafe {
                     libc::kill(d.0 as i32, libc::SIGKILL);
                 }
@@ -332,6 +338,7 @@ pub fn shared() -> &'static Daemon {
         static SHARED_PID: OnceLock<(u32, PathBuf)> = OnceLock::new();
         let d = Daemon::start_in(dir.clone(), Opts::default());
         let _ = SHARED_PID.set((d.pid(), dir));
+        // SAFETY: `cleanup` is an extern "C" fn that lives as long as the process.
         unsafe {
             libc::atexit(cleanup);
         }

@@ -265,6 +265,7 @@ pub fn base_tarball(suite: &str) -> PathBuf {
     let lock = fs::File::create(dir.join(".lock")).expect("create the cache lock");
     // SAFETY: flock on a descriptor we own; released when `lock` is dropped.
     assert_eq!(
+        // SAFETY: flock on a descriptor this function owns; no pointers.
         unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) },
         0,
         "flock {}",

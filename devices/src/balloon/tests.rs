@@ -349,6 +349,7 @@ fn host_mapping_releaser_punches_holes_in_memfd_memory() {
     let blocks = || {
         // SAFETY: fstat on an fd we own into a zeroed stat buffer.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a writable stat buffer that fstat fills; the descriptor is open.
         assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
         st.st_blocks as u64 * 512
     };

@@ -213,6 +213,7 @@ pub fn run_early_init() {
 pub fn loopback_up() -> Result<(), InitError> {
     // SAFETY: plain socket(2).
     let fd =
+        // SAFETY: socket() takes no pointers; the descriptor is owned at once below.
         sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
             .map_err(InitError::Loopback)?;
     // SAFETY: a new descriptor owned by nobody else.
@@ -267,6 +268,7 @@ pub fn add_ipv4_address(label: &CStr, addr: std::net::Ipv4Addr) -> io::Result<()
     }
     // SAFETY: plain socket(2).
     let fd =
+        // SAFETY: socket() takes no pointers; the descriptor is owned at once below.
         sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: a new descriptor owned by nobody else.
     let sock = unsafe { OwnedFd::from_raw_fd(fd) };

@@ -1507,6 +1507,7 @@ async fn ns_drop_caps_leaves_nothing_to_regain() {
     let mut agent = start(cfg).await;
     // SAFETY: prctl query without arguments.
     assert_eq!(
+        // SAFETY: PR_GET_DUMPABLE takes no pointer arguments.
         unsafe { libc::prctl(libc::PR_GET_DUMPABLE) },
         0,
         "agent must be non-dumpable"

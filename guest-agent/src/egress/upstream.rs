@@ -399,6 +399,7 @@ mod tests {
     async fn vsock_stream_round_trip_and_half_close_over_loopback() {
         // SAFETY: plain socket(2).
         let raw =
+            // SAFETY: socket() takes no pointers; the descriptor is owned at once below.
             unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
         if raw < 0 {
             eprintln!("SKIPPED: no AF_VSOCK here");

@@ -338,9 +338,9 @@ async fn start(
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .process_group(0);
+    let parent = std::process::id();
     // SAFETY: the closure only calls async-signal-safe functions (prctl,
     // getppid, _exit) between fork and exec.
-    let parent = std::process::id();
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
