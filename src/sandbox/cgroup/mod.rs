@@ -72,7 +72,7 @@ pub const CPU_PERIOD_US: u64 = 100_000;
 
 /// How long the removal of a sandbox cgroup waits for its processes to be
 /// gone (they are killed after the first failed attempt).
-const REMOVE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const REMOVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Pause between removal attempts.
 const REMOVE_RETRY: Duration = Duration::from_millis(10);

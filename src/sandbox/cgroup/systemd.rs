@@ -248,7 +248,7 @@ fn run_probe(argv: &[String]) -> Result<Values, CgroupError> {
 }
 
 /// Entry of `cowork-helper __cgroup-probe`: prints the limit files of its
-/// own v2 cgroup as one JSON object ([`Values`]); exit status 1 when it is
+/// own v2 cgroup as one JSON object (`v2::Values`); exit status 1 when it is
 /// not in a v2 cgroup.
 pub fn probe_main() -> i32 {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
