@@ -136,7 +136,7 @@ pub fn run(opts: &Options) -> i32 {
         )
     );
     println!("seccomp: {}", seccomp_line(opts.seccomp));
-    let sandbox = crate::sandbox::probe();
+    let sandbox = crate::backend::sandbox::probe();
     match &sandbox {
         Ok(()) => {
             println!("sandbox: available (user, mount, pid, ipc and uts namespaces can be created)")
@@ -185,8 +185,8 @@ pub fn run(opts: &Options) -> i32 {
 /// get here (a cgroup is created and removed again, or a systemd probe
 /// scope runs), then one line per limit that would not hold as asked.
 fn sandbox_limits_lines() -> Vec<String> {
-    use crate::sandbox::cgroup;
-    use crate::sandbox::limits::Limits;
+    use crate::backend::sandbox::cgroup;
+    use crate::backend::sandbox::limits::Limits;
     let limits = Limits::default();
     let exe = std::env::current_exe().unwrap_or_default();
     let placement = cgroup::place(&limits, &cgroup::HostFacts::read(), &exe);

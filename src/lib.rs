@@ -5,7 +5,7 @@
 //! [`protocol`]), keeps per-profile state ([`daemon`]), runs one sandbox VM
 //! per profile with the guest agent inside ([`vm`]), and fans the agent's
 //! process events out to the client's subscriptions ([`events`]).
-//! Backends ([`backend`]): the namespace sandbox ([`sandbox`]), QEMU
+//! Backends ([`backend`]): the namespace sandbox ([`backend::sandbox`]), QEMU
 //! driving our own virtio devices over vhost-user ([`backend::qemu`]), and
 //! the in-process KVM machine of the `vmm` crate ([`backend::kvm`]).
 //! [`cli`] is the command line (serving, [`doctor`], `bench`, `vm run`,
@@ -32,7 +32,6 @@ pub mod install;
 pub mod logging;
 pub mod probe;
 pub mod protocol;
-pub mod sandbox;
 pub mod server;
 pub mod shutdown;
 pub mod utf8;

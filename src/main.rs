@@ -5,9 +5,13 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         // The namespace sandbox's init, re-executed by the sandbox backend.
-        Some("__sandbox-init") => std::process::exit(cowork_helper::sandbox::init_main(args)),
+        Some("__sandbox-init") => {
+            std::process::exit(cowork_helper::backend::sandbox::init_main(args))
+        }
         // The systemd probe scope's report of its limits (see sandbox::cgroup).
-        Some("__cgroup-probe") => std::process::exit(cowork_helper::sandbox::cgroup_probe_main()),
+        Some("__cgroup-probe") => {
+            std::process::exit(cowork_helper::backend::sandbox::cgroup_probe_main())
+        }
         // The guest agent, run inside the sandbox from this same executable.
         Some("__agent") => {
             let rest = std::iter::once(args[0].clone())

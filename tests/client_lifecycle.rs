@@ -452,7 +452,10 @@ async fn a_hung_agent_is_killed_and_the_helper_still_exits_in_time() {
         dir.path(),
         "sandbox",
         Input::ClientPipe,
-        &[(cowork_helper::sandbox::AGENT_WRAPPER_ENV, fake_agent())],
+        &[(
+            cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV,
+            fake_agent(),
+        )],
     );
     let (pipe, _sub) = client(&h.socket, T).await;
     start_vm(&pipe, &h, json!({})).await;

@@ -149,7 +149,7 @@ impl Rig {
             env: vec![
                 ("COWORK_LOG".into(), "info".into()),
                 (
-                    cowork_helper::sandbox::AGENT_WRAPPER_ENV.into(),
+                    cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV.into(),
                     fake_agent().into(),
                 ),
             ],

@@ -219,7 +219,7 @@ async fn requests_beyond_the_pending_limit_fail_at_once_and_stop_still_works() {
                 TEST_MAX_PENDING.to_string(),
             ),
             (
-                cowork_helper::sandbox::AGENT_WRAPPER_ENV.into(),
+                cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV.into(),
                 fake_agent().into(),
             ),
         ],

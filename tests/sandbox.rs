@@ -1,4 +1,4 @@
-//! The namespace sandbox, driven through `cowork_helper::sandbox` with the
+//! The namespace sandbox, driven through `cowork_helper::backend::sandbox` with the
 //! built `cowork-helper` as its init, and a shell as PID 1 instead of the
 //! agent so the view from inside can be observed. The shell writes its
 //! findings to fd 3, the agent link, which the test reads from the daemon
@@ -24,7 +24,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cowork_helper::sandbox::{probe, Sandbox, SandboxConfig, SandboxError, SandboxExit, HOSTNAME};
+use cowork_helper::backend::sandbox::{
+    probe, Sandbox, SandboxConfig, SandboxError, SandboxExit, HOSTNAME,
+};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 
 /// Bound for anything that should take milliseconds.

@@ -47,9 +47,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{run, run_ok, sh, uid, Daemon, Opts, Profile};
+use cowork_helper::backend::sandbox::cgroup::{self, parse_mountinfo};
+use cowork_helper::backend::sandbox::limits::PIDS_MAX;
 use cowork_helper::client::{Pipe, Subscription};
-use cowork_helper::sandbox::cgroup::{self, parse_mountinfo};
-use cowork_helper::sandbox::limits::PIDS_MAX;
 use serde_json::{json, Value};
 
 /// Bound for anything that takes milliseconds here (seconds in L1).

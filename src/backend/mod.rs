@@ -7,7 +7,7 @@
 //! agent's hello is backend-independent (see `crate::vm`, which builds on
 //! this module; nothing here depends on it).
 //!
-//! Modules: [`crate::sandbox`] (namespaces on the host), [`qemu`] and
+//! Modules: [`sandbox`] (namespaces on the host), [`qemu`] and
 //! [`kvm`] (the two VM backends) and what those two share, each imported
 //! by both and never by one from the other: [`image`] (finding the guest
 //! image), [`userland`] (which root disk the guest gets), [`guest`] (vsock
@@ -23,6 +23,7 @@ pub mod guest;
 pub mod image;
 pub mod kvm;
 pub mod qemu;
+pub mod sandbox;
 pub mod sizing;
 pub mod userland;
 
@@ -34,7 +35,7 @@ use std::time::Duration;
 use guest_agent::proto::MountMode;
 use tokio::net::UnixStream;
 
-use crate::sandbox::{Sandbox, SandboxConfig};
+use sandbox::{Sandbox, SandboxConfig};
 
 /// How long `startVM` waits for the agent's hello after the machine
 /// started booting; the VM backends bound their own wait for the agent's
@@ -220,12 +221,12 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
         BackendKind::Sandbox => {
             // The guest-hostility tests' hook (see its docs): a program in
             // front of the agent, named by the helper's environment only.
-            let command_override = std::env::var_os(crate::sandbox::AGENT_WRAPPER_ENV)
+            let command_override = std::env::var_os(crate::backend::sandbox::AGENT_WRAPPER_ENV)
                 .map(PathBuf::from)
                 .filter(|p| p.is_absolute())
                 .map(|wrapper| {
                     tracing::warn!(wrapper = %wrapper.display(), "test hook: the sandbox runs this program in front of the agent");
-                    crate::sandbox::wrapped_agent_command(&wrapper, &cfg.helper_exe, true)
+                    crate::backend::sandbox::wrapped_agent_command(&wrapper, &cfg.helper_exe, true)
                 });
             let sandbox_cfg = SandboxConfig {
                 helper_exe: cfg.helper_exe.clone(),
@@ -236,7 +237,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 // own unix socket, which ends with the sandbox.
                 egress: Some(cfg.egress.clone()),
                 // Bounded like a VM of the size the client asked for.
-                limits: Some(crate::sandbox::limits::Limits::for_request(
+                limits: Some(crate::backend::sandbox::limits::Limits::for_request(
                     opts.memory_gb,
                     opts.cpu_count,
                 )),

@@ -1,7 +1,7 @@
 //! `cowork-fake-agent`: a guest agent that misbehaves on command, for the
 //! guest-hostility tests (`tests/guest_hostility.rs`, `tests/limits.rs`).
 //! Test code only: the helper never runs it unless its environment names it
-//! (`COWORK_TEST_SANDBOX_AGENT_WRAPPER`, see `cowork_helper::sandbox`).
+//! (`COWORK_TEST_SANDBOX_AGENT_WRAPPER`, see `cowork_helper::backend::sandbox`).
 //!
 //! Under the sandbox backend's agent-wrapper hook it is PID 1 of the
 //! sandbox, given the real agent's command line as its arguments. When the

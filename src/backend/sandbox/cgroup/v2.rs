@@ -26,7 +26,7 @@ use super::{
     helper_alive, read_value, remove_stale, write_file, CgroupError, Controller, HostFacts, Origin,
     SandboxCgroup, CPU_PERIOD_US, HELPER_LEAF, INIT_LEAF,
 };
-use crate::sandbox::limits::{Enforcement, Hold, Limit, Limits};
+use crate::backend::sandbox::limits::{Enforcement, Hold, Limit, Limits};
 
 /// Other pids of the helper's cgroup named in an error, at most.
 const OTHERS_NAMED: usize = 5;

@@ -23,7 +23,7 @@ use super::{
     helper_alive, read_value, remove_stale, write_file, CgroupError, Controller, HostFacts, Origin,
     SandboxCgroup, CPU_PERIOD_US,
 };
-use crate::sandbox::limits::{Enforcement, Hold, Limit, Limits};
+use crate::backend::sandbox::limits::{Enforcement, Hold, Limit, Limits};
 
 /// What a limit enforced here is called in reports.
 const HOW: &str = "cgroup v1";

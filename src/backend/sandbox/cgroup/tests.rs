@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::v2::Values;
 use super::*;
-use crate::sandbox::limits::{Hold, Limit, Limits};
+use crate::backend::sandbox::limits::{Hold, Limit, Limits};
 
 const MIB: u64 = 1024 * 1024;
 

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use super::v2::{self, Values};
 use super::{detect, CgroupError, HostFacts, Layout, Origin, SandboxCgroup};
-use crate::sandbox::limits::{Enforcement, Limits};
+use crate::backend::sandbox::limits::{Enforcement, Limits};
 
 /// The hidden subcommand the probe scope runs.
 pub const PROBE_SUBCOMMAND: &str = "__cgroup-probe";
