@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use crate::backend::{BackendKind, VmConfig};
 use crate::protocol::*;
-use crate::vm::{SpawnRequest, Vm};
+use crate::vm::{ProfileVm, SpawnRequest};
 
 /// Name of the profile used before any `configure`.
 pub const DEFAULT_PROFILE: &str = "default";
@@ -71,7 +71,7 @@ impl Settings {
 /// One desktop profile.
 pub struct Profile {
     pub key: String,
-    pub vm: Arc<Vm>,
+    pub vm: Arc<ProfileVm>,
 }
 
 /// The whole daemon.
@@ -154,7 +154,7 @@ impl Daemon {
                 tracing::info!(profile = key, dir = %cfg.profile_dir.display(), "profile created");
                 Arc::new(Profile {
                     key: key.to_string(),
-                    vm: Vm::new(cfg),
+                    vm: ProfileVm::new(cfg),
                 })
             })
             .clone()
@@ -276,7 +276,7 @@ impl Daemon {
     pub async fn dispatch(&self, conn: &Connection, req: &Request) -> Result<Value, String> {
         let method = req.method.as_str();
         let p = |e: ProtocolError| e.to_string();
-        let vm_err = |e: crate::vm::VmError| e.to_string();
+        let vm_err = |e: crate::vm::ProfileVmError| e.to_string();
         match method {
             "configure" => {
                 let params: ConfigureParams = req.params().map_err(p)?;
@@ -302,7 +302,7 @@ impl Daemon {
                 profile.vm.touch();
                 self.dispatch_vm(&profile, req).await.map_err(|e| match e {
                     DispatchError::Protocol(e) => p(e),
-                    DispatchError::Vm(e) => vm_err(e),
+                    DispatchError::ProfileVm(e) => vm_err(e),
                     DispatchError::Other(s) => s,
                 })
             }
@@ -456,7 +456,7 @@ pub enum Dispatch {
 
 enum DispatchError {
     Protocol(ProtocolError),
-    Vm(crate::vm::VmError),
+    ProfileVm(crate::vm::ProfileVmError),
     Other(String),
 }
 
@@ -466,9 +466,9 @@ impl From<ProtocolError> for DispatchError {
     }
 }
 
-impl From<crate::vm::VmError> for DispatchError {
-    fn from(e: crate::vm::VmError) -> Self {
-        Self::Vm(e)
+impl From<crate::vm::ProfileVmError> for DispatchError {
+    fn from(e: crate::vm::ProfileVmError) -> Self {
+        Self::ProfileVm(e)
     }
 }
 

@@ -33,7 +33,7 @@ use crate::backend::{BackendKind, VmConfig};
 use crate::daemon::{Connection, Daemon, Dispatch, Settings};
 use crate::egress::{EgressDialer, EgressProxy, Policy, ProxyConfig};
 use crate::protocol::{self, CreateVmParams, ProfileParams, Request, StartVmParams};
-use crate::vm::Vm;
+use crate::vm::ProfileVm;
 
 /// Session name of the credential the egress target issues.
 const EGRESS_SESSION: &str = "fuzz";
@@ -140,11 +140,11 @@ pub fn client(data: &[u8]) {
 
 /// Runs the host end of the agent link over `data`, the bytes the agent
 /// sends: its hello first, then every frame through the link reader into a
-/// fresh [`Vm`] (output, exits, errors and guest requests reach its process
+/// fresh [`ProfileVm`] (output, exits, errors and guest requests reach its process
 /// table and event hub).
 pub fn link_host(data: &[u8]) {
     block_on(async {
-        let vm = Vm::new(VmConfig {
+        let vm = ProfileVm::new(VmConfig {
             backend: BackendKind::Kvm,
             profile_dir: PathBuf::from(FUZZ_DATA_DIR),
             helper_exe: PathBuf::from(FUZZ_DATA_DIR).join("cowork-helper"),

@@ -63,12 +63,12 @@ use std::time::{Duration, Instant};
 
 use devices::balloon::{BalloonDevice, HostMappingReleaser};
 use devices::blk::{
-    BlkConfig, BlkDevice, DeviceError as BlkDeviceError, ImageError, RawImage, SESSION_DISK_SERIAL,
+    BlkConfig, BlkDevice, BlkDeviceError, ImageError, RawImage, SESSION_DISK_SERIAL,
 };
 use devices::fs::device::{FsDevice, FsDeviceError};
 use devices::fs::SessionFs;
 use devices::rng::RngDevice;
-use devices::vsock::{DeviceError, HostError, VsockConfig, VsockDevice, VsockHost};
+use devices::vsock::{HostError, VsockConfig, VsockDevice, VsockDeviceError, VsockHost};
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
 use tokio::sync::oneshot;
 
@@ -79,7 +79,7 @@ use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeE
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
-use super::{BootOptions, Booted, HostPaths, Machine};
+use super::{BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
@@ -126,7 +126,7 @@ pub enum KvmError {
     #[error(transparent)]
     Egress(#[from] EgressServeError),
     #[error("cannot create the vsock device: {0}")]
-    VsockDevice(#[from] DeviceError),
+    VsockDevice(#[from] VsockDeviceError),
     #[error("cannot create the virtio-fs device: {0}")]
     FsDevice(#[from] FsDeviceError),
     #[error("cannot open the session disk: {0}")]
@@ -375,7 +375,7 @@ async fn start(
         _host: host,
     };
     Ok(Booted {
-        machine: Machine::Kvm(machine),
+        machine: BackendMachine::Kvm(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
         userland: Some(userland),

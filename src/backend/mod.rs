@@ -154,13 +154,13 @@ impl HostPaths {
 }
 
 /// A running machine.
-pub enum Machine {
+pub enum BackendMachine {
     Sandbox(Sandbox),
     Qemu(qemu::QemuMachine),
     Kvm(kvm::KvmMachine),
 }
 
-impl Machine {
+impl BackendMachine {
     /// Waits until the machine ends by itself; describes how.
     pub async fn wait(&mut self) -> String {
         match self {
@@ -184,7 +184,7 @@ impl Machine {
 
 /// A machine that has started booting.
 pub struct Booted {
-    pub machine: Machine,
+    pub machine: BackendMachine,
     pub agent: AgentStream,
     pub host_paths: HostPaths,
     /// The VM backends' userland plan, checked against the agent's hello.
@@ -247,7 +247,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 .map_err(|e| e.to_string())?;
             let host_paths = HostPaths::Prefix(sandbox.agent_path_for_host(""));
             Ok(Booted {
-                machine: Machine::Sandbox(sandbox),
+                machine: BackendMachine::Sandbox(sandbox),
                 agent: Box::pin(async move { Ok(stream) }),
                 host_paths,
                 userland: None,

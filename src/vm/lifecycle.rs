@@ -7,7 +7,7 @@
 //! Limits: the agent must say hello within [`HELLO_TIMEOUT`]; `stopVM`
 //! gives the agent [`super::SHUTDOWN_GRACE`] to end its processes and the
 //! guest [`POWEROFF_DEADLINE`] to power off before the machine is killed.
-//! The helper's own shutdown ([`Vm::shut_down`]) gives both no more than
+//! The helper's own shutdown ([`ProfileVm::shut_down`]) gives both no more than
 //! its deadline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,25 +18,25 @@ use guest_agent::proto::{Hello, Op};
 use tokio::sync::{oneshot, watch};
 
 use super::link::{read_hello, AgentLink};
-use super::{lock, Machine, Vm, VmError, CALL_TIMEOUT, SHUTDOWN_GRACE};
+use super::{lock, ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
 use crate::backend::guest::POWEROFF_DEADLINE;
-use crate::backend::{HostPaths, Machine as BackendMachine, HELLO_TIMEOUT};
+use crate::backend::{BackendMachine, HostPaths, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
 
-/// Serial of the next machine booted (see `Machine::serial`).
+/// Serial of the next machine booted (see `Running::serial`).
 static NEXT_MACHINE: AtomicU64 = AtomicU64::new(1);
 
-impl Vm {
+impl ProfileVm {
     pub async fn start(
         self: &Arc<Self>,
         api_probe_url: Option<String>,
         boot: crate::backend::BootOptions,
-    ) -> Result<(), VmError> {
+    ) -> Result<(), ProfileVmError> {
         let mut lifecycle = self.lifecycle.lock().await;
         // Checked under the lock `shut_down` takes after setting it: a
         // start either finishes before the shutdown stops it, or refuses.
         if self.closing.load(Ordering::Acquire) {
-            return Err(VmError::ShuttingDown);
+            return Err(ProfileVmError::ShuttingDown);
         }
         if lifecycle.is_some() && self.is_guest_connected() {
             return Ok(());
@@ -57,7 +57,7 @@ impl Vm {
         }
         let booted = crate::backend::boot(&self.cfg, &boot)
             .await
-            .map_err(VmError::Start);
+            .map_err(ProfileVmError::Start);
         let crate::backend::Booted {
             machine: backend_machine,
             agent,
@@ -85,7 +85,7 @@ impl Vm {
         let done = tokio::spawn(run_machine(backend_machine, kill_rx, machine_gone_tx));
         let (probe_stop, probe_rx) = watch::channel(false);
         let serial = NEXT_MACHINE.fetch_add(1, Ordering::Relaxed);
-        let machine = Machine {
+        let machine = Running {
             serial,
             kill: Some(kill_tx),
             done,
@@ -95,14 +95,14 @@ impl Vm {
 
         let hello = tokio::select! {
             h = tokio::time::timeout(HELLO_TIMEOUT, async move {
-                let stream = agent.await.map_err(VmError::Start)?;
+                let stream = agent.await.map_err(ProfileVmError::Start)?;
                 read_hello(stream).await
             }) => match h {
                 Ok(Ok(h)) => Ok(h),
                 Ok(Err(e)) => Err(e),
-                Err(_) => Err(VmError::HelloTimeout(HELLO_TIMEOUT)),
+                Err(_) => Err(ProfileVmError::HelloTimeout(HELLO_TIMEOUT)),
             },
-            gone = &mut machine_gone_rx => Err(VmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
+            gone = &mut machine_gone_rx => Err(ProfileVmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
         };
         let hello = hello.and_then(|(hello, stream)| {
             check_userland(userland.as_ref(), &hello)?;
@@ -259,7 +259,7 @@ impl Vm {
 
     /// Ends machine `m` (the guest may power off until `poweroff_by`, then
     /// it is killed) and accounts for everything that ran in it.
-    async fn teardown(&self, mut m: Machine, poweroff_by: Instant) {
+    async fn teardown(&self, mut m: Running, poweroff_by: Instant) {
         let _ = m.probe_stop.send(true);
         if let Some(kill) = m.kill.take() {
             let _ = kill.send(poweroff_by);
@@ -284,7 +284,7 @@ impl Vm {
 
     /// Stops the VM (`stopVM`, the idle policy): processes end (exit
     /// events delivered), then the machine.
-    pub async fn stop(&self) -> Result<(), VmError> {
+    pub async fn stop(&self) -> Result<(), ProfileVmError> {
         let mut lifecycle = self.lifecycle.lock().await;
         let deadline = Instant::now() + SHUTDOWN_GRACE + POWEROFF_DEADLINE;
         self.stop_locked(&mut lifecycle, deadline).await;
@@ -293,13 +293,13 @@ impl Vm {
 
     /// Stops the VM for the helper's exit, by `deadline`: no machine starts
     /// from now on, a start in progress is waited for (until `deadline`,
-    /// else [`VmError::StillStarting`]), and the running machine stops as
-    /// in [`Vm::stop`], killed at `deadline` if it has not powered off.
-    pub async fn shut_down(&self, deadline: Instant) -> Result<(), VmError> {
+    /// else [`ProfileVmError::StillStarting`]), and the running machine stops as
+    /// in [`ProfileVm::stop`], killed at `deadline` if it has not powered off.
+    pub async fn shut_down(&self, deadline: Instant) -> Result<(), ProfileVmError> {
         self.closing.store(true, Ordering::Release);
         let mut lifecycle = tokio::time::timeout_at(deadline.into(), self.lifecycle.lock())
             .await
-            .map_err(|_| VmError::StillStarting)?;
+            .map_err(|_| ProfileVmError::StillStarting)?;
         self.stop_locked(&mut lifecycle, deadline).await;
         Ok(())
     }
@@ -308,7 +308,7 @@ impl Vm {
     /// [`SHUTDOWN_GRACE`] to end its processes and the guest up to
     /// [`POWEROFF_DEADLINE`] to power off, neither past `deadline`; then
     /// the machine is killed.
-    async fn stop_locked(&self, lifecycle: &mut Option<Machine>, deadline: Instant) {
+    async fn stop_locked(&self, lifecycle: &mut Option<Running>, deadline: Instant) {
         let Some(machine) = lifecycle.take() else {
             return;
         };
@@ -324,12 +324,12 @@ impl Vm {
         tracing::info!("vm stopped");
     }
 
-    pub(super) async fn current_host_paths(&self) -> Result<HostPaths, VmError> {
+    pub(super) async fn current_host_paths(&self) -> Result<HostPaths, ProfileVmError> {
         let lifecycle = self.lifecycle.lock().await;
         lifecycle
             .as_ref()
             .map(|m| m.host_paths.clone())
-            .ok_or(VmError::NotRunning)
+            .ok_or(ProfileVmError::NotRunning)
     }
 }
 
@@ -340,7 +340,7 @@ impl Vm {
 fn check_userland(
     plan: Option<&crate::backend::userland::UserlandPlan>,
     hello: &Hello,
-) -> Result<(), VmError> {
+) -> Result<(), ProfileVmError> {
     let Some(plan) = plan else {
         return Ok(());
     };
@@ -360,7 +360,7 @@ fn check_userland(
             tracing::info!(os = os.unwrap_or("-"), "{line}");
             Ok(())
         }
-        Err(line) => Err(VmError::Start(format!(
+        Err(line) => Err(ProfileVmError::Start(format!(
             "the guest did not boot the requested userland: {line}"
         ))),
     }
@@ -391,8 +391,8 @@ mod tests {
     use crate::backend::{BackendKind, VmConfig};
 
     /// A sandbox-backend VM of a profile under `dir` (nothing started).
-    fn test_vm(dir: &std::path::Path) -> Arc<Vm> {
-        Vm::new(VmConfig {
+    fn test_vm(dir: &std::path::Path) -> Arc<ProfileVm> {
+        ProfileVm::new(VmConfig {
             backend: BackendKind::Sandbox,
             profile_dir: dir.join("profile"),
             helper_exe: "/nonexistent/cowork-helper".into(),
@@ -402,10 +402,10 @@ mod tests {
 
     /// Machine `serial` whose backend task has ended (its kill and probe
     /// channels lead nowhere).
-    fn ended_machine(serial: u64) -> Machine {
+    fn ended_machine(serial: u64) -> Running {
         let (kill, _) = oneshot::channel();
         let (probe_stop, _) = watch::channel(false);
-        Machine {
+        Running {
             serial,
             kill: Some(kill),
             done: tokio::spawn(async {}),
@@ -453,7 +453,7 @@ mod tests {
         let (kill, killed) = oneshot::channel::<Instant>();
         let (told, poweroff_by) = oneshot::channel();
         let (probe_stop, _) = watch::channel(false);
-        *vm.lifecycle.lock().await = Some(Machine {
+        *vm.lifecycle.lock().await = Some(Running {
             serial: 1,
             kill: Some(kill),
             done: tokio::spawn(async move {
@@ -478,7 +478,7 @@ mod tests {
         assert!(!vm.is_running() && vm.lifecycle.lock().await.is_none());
         assert!(matches!(
             vm.start(None, Default::default()).await,
-            Err(VmError::ShuttingDown)
+            Err(ProfileVmError::ShuttingDown)
         ));
     }
 
@@ -533,7 +533,7 @@ mod tests {
         // A later request fails at once.
         assert!(matches!(
             link.call(Op::Ping, &[], Duration::from_secs(1)).await,
-            Err(VmError::AgentGone)
+            Err(ProfileVmError::AgentGone)
         ));
         drop(agent);
     }

@@ -1,7 +1,7 @@
 //! The host end of the agent link: framed requests with ids and
 //! deadlines ([`AgentLink::call`], [`AgentLink::send`]), one writer task
 //! that coalesces queued frames, one reader task that matches answers to
-//! their requests and hands the agent's unsolicited messages to the [`Vm`];
+//! their requests and hands the agent's unsolicited messages to the [`ProfileVm`];
 //! and the agent's hello, which must be its first message.
 //!
 //! The agent is not trusted (a guest is hostile by assumption): whatever it
@@ -19,7 +19,7 @@
 //!   drops are counted and logged once per link, not once per message.
 //! - At most [`MAX_PENDING_REQUESTS`] requests may await their answer at
 //!   once ([`MAX_PENDING_ENV`] overrides it); beyond it a request fails at
-//!   once with [`VmError::Busy`]. A request whose caller gave up (timed out
+//!   once with [`ProfileVmError::Busy`]. A request whose caller gave up (timed out
 //!   or dropped) leaves the table at once.
 //! - At most [`MAX_QUEUED_BYTES`] of frames wait for the writer (and at
 //!   most [`AGENT_QUEUE`] frames); a sender waits for room no longer than
@@ -46,7 +46,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, Vm, VmError};
+use super::{lock, ProfileVm, ProfileVmError};
 
 /// Frames queued towards the agent before senders wait.
 const AGENT_QUEUE: usize = 256;
@@ -125,7 +125,7 @@ impl AgentLink {
         op: Op,
         payload: &[u8],
         timeout: Duration,
-    ) -> Result<(Value, Vec<u8>), VmError> {
+    ) -> Result<(Value, Vec<u8>), ProfileVmError> {
         self.send_within(op, payload, timeout)
             .await?
             .wait(self, timeout)
@@ -134,7 +134,7 @@ impl AgentLink {
 
     /// Queues `op` towards the agent. Requests sent one after another reach
     /// the agent in that order; the answer is awaited separately.
-    pub async fn send(&self, op: Op, payload: &[u8]) -> Result<PendingCall, VmError> {
+    pub async fn send(&self, op: Op, payload: &[u8]) -> Result<PendingCall, ProfileVmError> {
         self.send_within(op, payload, super::CALL_TIMEOUT).await
     }
 
@@ -144,7 +144,7 @@ impl AgentLink {
         op: Op,
         payload: &[u8],
         timeout: Duration,
-    ) -> Result<PendingCall, VmError> {
+    ) -> Result<PendingCall, ProfileVmError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(self.gone_error());
         }
@@ -154,7 +154,7 @@ impl AgentLink {
         {
             let mut pending = lock(&self.pending);
             if pending.len() >= self.max_pending {
-                return Err(VmError::Busy {
+                return Err(ProfileVmError::Busy {
                     op: name,
                     limit: self.max_pending,
                 });
@@ -181,7 +181,7 @@ impl AgentLink {
         frame: Vec<u8>,
         op: &'static str,
         timeout: Duration,
-    ) -> Result<(), VmError> {
+    ) -> Result<(), ProfileVmError> {
         // A frame never exceeds MAX_MESSAGE plus its prefix, far below the
         // budget, so one frame always fits an empty queue.
         let cost = u32::try_from(frame.len().min(MAX_QUEUED_BYTES)).unwrap_or(u32::MAX);
@@ -199,15 +199,15 @@ impl AgentLink {
         };
         match tokio::time::timeout(timeout, queue).await {
             Ok(r) => r,
-            Err(_) => Err(VmError::NotReading { op, timeout }),
+            Err(_) => Err(ProfileVmError::NotReading { op, timeout }),
         }
     }
 
     /// The error of a request on a link that ended.
-    fn gone_error(&self) -> VmError {
+    fn gone_error(&self) -> ProfileVmError {
         match lock(&self.violation).clone() {
-            Some(why) => VmError::Agent(why),
-            None => VmError::AgentGone,
+            Some(why) => ProfileVmError::Agent(why),
+            None => ProfileVmError::AgentGone,
         }
     }
 
@@ -238,23 +238,23 @@ impl PendingCall {
         mut self,
         _link: &AgentLink,
         timeout: Duration,
-    ) -> Result<(Value, Vec<u8>), VmError> {
+    ) -> Result<(Value, Vec<u8>), ProfileVmError> {
         let name = self.name;
         match tokio::time::timeout(timeout, &mut self.rx).await {
             Ok(Ok(Reply {
                 result: Ok(v),
                 payload,
             })) => Ok((v, payload)),
-            Ok(Ok(Reply { result: Err(e), .. })) => Err(VmError::Agent(e)),
-            Ok(Err(_)) => Err(VmError::AgentGone),
-            Err(_) => Err(VmError::Timeout { op: name, timeout }),
+            Ok(Ok(Reply { result: Err(e), .. })) => Err(ProfileVmError::Agent(e)),
+            Ok(Err(_)) => Err(ProfileVmError::AgentGone),
+            Err(_) => Err(ProfileVmError::Timeout { op: name, timeout }),
         }
     }
 }
 
 impl AgentLink {
     /// Sends a message that has no answer.
-    async fn notify(&self, msg: &HostMessage) -> Result<(), VmError> {
+    async fn notify(&self, msg: &HostMessage) -> Result<(), ProfileVmError> {
         let mut frame = Vec::new();
         proto::encode_frame_into(&mut frame, msg, &[]);
         self.enqueue(frame, "sendGuestResponse", super::CALL_TIMEOUT)
@@ -327,7 +327,7 @@ pub(super) fn op_name(op: &Op) -> &'static str {
     }
 }
 
-impl Vm {
+impl ProfileVm {
     /// Wires a connected agent stream: writer and reader tasks.
     pub(super) fn attach(self: &Arc<Self>, hello: Hello, stream: UnixStream) -> Arc<AgentLink> {
         self.attach_tasks(hello, stream).0
@@ -337,9 +337,12 @@ impl Vm {
     /// (its hello first), until the link ends; the fuzz target of the link
     /// reader. Nothing the host sends is answered.
     #[doc(hidden)]
-    pub async fn replay_agent_stream(self: &Arc<Self>, data: Vec<u8>) -> Result<(), VmError> {
+    pub async fn replay_agent_stream(
+        self: &Arc<Self>,
+        data: Vec<u8>,
+    ) -> Result<(), ProfileVmError> {
         let (host, mut agent) =
-            UnixStream::pair().map_err(|e| VmError::Start(format!("socketpair: {e}")))?;
+            UnixStream::pair().map_err(|e| ProfileVmError::Start(format!("socketpair: {e}")))?;
         let feeder = tokio::spawn(async move {
             let _ = agent.write_all(&data).await;
             let _ = agent.shutdown().await;
@@ -361,7 +364,7 @@ impl Vm {
         Ok(())
     }
 
-    /// [`Vm::attach`], also returning the reader task.
+    /// [`ProfileVm::attach`], also returning the reader task.
     fn attach_tasks(
         self: &Arc<Self>,
         hello: Hello,
@@ -402,7 +405,7 @@ impl Vm {
         id: String,
         result_json: Option<String>,
         error: Option<String>,
-    ) -> Result<(), VmError> {
+    ) -> Result<(), ProfileVmError> {
         match self.connected_link() {
             Ok(link) => {
                 link.notify(&HostMessage::GuestResponse {
@@ -419,16 +422,22 @@ impl Vm {
 }
 
 /// Reads the agent's first message, which must be its hello.
-pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStream), VmError> {
+pub(super) async fn read_hello(
+    mut stream: UnixStream,
+) -> Result<(Hello, UnixStream), ProfileVmError> {
     let mut buf = Vec::new();
     match framing::read_frame(&mut stream, proto::MAX_MESSAGE, &mut buf).await {
         Ok(true) => {}
         Ok(false) => {
-            return Err(VmError::Start(
+            return Err(ProfileVmError::Start(
                 "the guest agent closed the link before its hello".into(),
             ))
         }
-        Err(e) => return Err(VmError::Start(format!("reading the agent hello: {e}"))),
+        Err(e) => {
+            return Err(ProfileVmError::Start(format!(
+                "reading the agent hello: {e}"
+            )))
+        }
     }
     match proto::decode::<AgentMessage>(buf) {
         Ok(Envelope {
@@ -436,7 +445,7 @@ pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStr
             ..
         }) => {
             if h.protocol != proto::PROTOCOL_VERSION {
-                return Err(VmError::Start(format!(
+                return Err(ProfileVmError::Start(format!(
                     "guest agent speaks protocol {} but this helper speaks {}",
                     h.protocol,
                     proto::PROTOCOL_VERSION
@@ -444,10 +453,10 @@ pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStr
             }
             Ok((h, stream))
         }
-        Ok(_) => Err(VmError::Start(
+        Ok(_) => Err(ProfileVmError::Start(
             "the guest agent's first message was not a hello".into(),
         )),
-        Err(e) => Err(VmError::Start(format!("malformed agent hello: {e}"))),
+        Err(e) => Err(ProfileVmError::Start(format!("malformed agent hello: {e}"))),
     }
 }
 
@@ -535,7 +544,7 @@ impl Dropped {
 }
 
 async fn link_reader(
-    vm: std::sync::Weak<Vm>,
+    vm: std::sync::Weak<ProfileVm>,
     link: Arc<AgentLink>,
     mut rd: tokio::net::unix::OwnedReadHalf,
     done: watch::Sender<bool>,

@@ -1,7 +1,7 @@
 //! One profile's sandbox VM: its lifecycle, the link to the guest agent, and
 //! the table of the processes it runs.
 //!
-//! A [`Vm`] is started by `startVM`: the backend boots a machine whose agent
+//! A [`ProfileVm`] is started by `startVM`: the backend boots a machine whose agent
 //! dials back over the link returned by the backend; the agent's hello makes
 //! the guest "connected". From then on every session method is one request on
 //! the [`AgentLink`], and the agent's unsolicited messages (output, exits,
@@ -11,7 +11,7 @@
 //! queries (`isRunning`, `isGuestConnected`, `isProcessRunning`) read atomics
 //! and short std mutexes only, so a slow boot never delays them.
 //!
-//! Modules (each adds methods to [`Vm`]): `lifecycle` (start, stop, the
+//! Modules (each adds methods to [`ProfileVm`]): `lifecycle` (start, stop, the
 //! machine ending), `link` (the framed agent link: requests, answers,
 //! unsolicited messages), `processes` (spawn, stdio, kill, mounts, the
 //! process table), `storage` (the session disk or directory, the janitor),
@@ -57,7 +57,7 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Errors of VM operations, worded for the client's log.
 #[derive(Debug, thiserror::Error)]
-pub enum VmError {
+pub enum ProfileVmError {
     #[error("the VM is not running: call startVM first")]
     NotRunning,
     #[error("the VM failed to start: {0}")]
@@ -99,7 +99,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// A running machine as the controller holds it.
-struct Machine {
+struct Running {
     /// Which boot this is (unique in the process): the watcher of a machine
     /// that ended acts only while that machine is still the current one.
     serial: u64,
@@ -112,26 +112,26 @@ struct Machine {
 }
 
 /// One profile's VM.
-pub struct Vm {
+pub struct ProfileVm {
     cfg: VmConfig,
     pub hub: Arc<EventHub>,
-    lifecycle: tokio::sync::Mutex<Option<Machine>>,
+    lifecycle: tokio::sync::Mutex<Option<Running>>,
     link: RwLock<Option<Arc<AgentLink>>>,
     running: AtomicBool,
-    /// Set by [`Vm::shut_down`]: the helper is exiting, no machine starts.
+    /// Set by [`ProfileVm::shut_down`]: the helper is exiting, no machine starts.
     closing: AtomicBool,
     procs: Mutex<Procs>,
     sdk: Mutex<Option<(String, String)>>,
     approved_token: Mutex<Option<proto::Secret>>,
     /// The real OAuth tokens of spawns that may still use them, refreshed
-    /// by [`Vm::approve_token`].
+    /// by [`ProfileVm::approve_token`].
     oauth_cells: Mutex<Vec<Weak<std::sync::RwLock<crate::egress::secrets::RealSecret>>>>,
     last_activity: Mutex<Instant>,
 }
 
-impl Vm {
-    pub fn new(cfg: VmConfig) -> Arc<Vm> {
-        Arc::new(Vm {
+impl ProfileVm {
+    pub fn new(cfg: VmConfig) -> Arc<ProfileVm> {
+        Arc::new(ProfileVm {
             cfg,
             hub: Arc::new(EventHub::default()),
             lifecycle: tokio::sync::Mutex::new(None),
@@ -171,10 +171,10 @@ impl Vm {
             .is_some_and(|l| !l.closed.load(Ordering::Acquire))
     }
 
-    fn connected_link(&self) -> Result<Arc<AgentLink>, VmError> {
+    fn connected_link(&self) -> Result<Arc<AgentLink>, ProfileVmError> {
         match self.link() {
             Some(l) if !l.closed.load(Ordering::Acquire) => Ok(l),
-            _ => Err(VmError::NotRunning),
+            _ => Err(ProfileVmError::NotRunning),
         }
     }
 

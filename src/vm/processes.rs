@@ -23,7 +23,7 @@
 //! trusts after the hello.
 //!
 //! Limits: at most [`MAX_PROCESSES`] processes run per profile (spawn
-//! beyond it fails with [`VmError::TooManyProcesses`];
+//! beyond it fails with [`ProfileVmError::TooManyProcesses`];
 //! [`MAX_PROCESSES_ENV`] overrides the number); exited records are kept
 //! for the last [`EXITED_RECORDS`] processes; a mount of the host root is
 //! refused. Output, exits and errors the agent reports for a process id the
@@ -39,7 +39,7 @@ use std::path::Path;
 use guest_agent::proto::{self, AgentMessage, MountMode, MountSpec, Op};
 use serde_json::{json, Value};
 
-use super::{lock, Vm, VmError, CALL_TIMEOUT};
+use super::{lock, ProfileVm, ProfileVmError, CALL_TIMEOUT};
 use crate::backend::HostPaths;
 use crate::egress::secrets::{Carrier, RealSecret, SecretCell, SpawnSecrets, Substituter};
 use crate::egress::{self, Credential, EgressProxy, Policy, GUEST_PROXY_PORT};
@@ -86,11 +86,11 @@ impl SpawnEgress {
         session: &str,
         policy: Policy,
         secrets: SpawnSecrets,
-    ) -> Result<Self, VmError> {
+    ) -> Result<Self, ProfileVmError> {
         let cred = proxy
             .issue_with_secrets(session, policy, secrets)
             .map_err(|e| {
-                VmError::Agent(format!(
+                ProfileVmError::Agent(format!(
                     "cannot issue the process's network credential: {e}"
                 ))
             })?;
@@ -128,9 +128,9 @@ pub const NODE_EXTRA_CA_CERTS: &str = "NODE_EXTRA_CA_CERTS";
 pub(crate) fn substitute_credentials(
     spec: &mut proto::SpawnSpec,
     track_oauth: &mut dyn FnMut(&SecretCell),
-) -> Result<SpawnSecrets, VmError> {
+) -> Result<SpawnSecrets, ProfileVmError> {
     let mut subs = Substituter::default();
-    let bad = |e: egress::EgressError| VmError::Invalid(format!("spawn: {e}"));
+    let bad = |e: egress::EgressError| ProfileVmError::Invalid(format!("spawn: {e}"));
     if let Some(token) = spec.oauth_token.take() {
         let cell = SecretCell::new(RealSecret::new(token.0.clone()).map_err(bad)?);
         track_oauth(&cell);
@@ -282,7 +282,7 @@ pub struct SpawnRequest {
     pub mounts: Vec<(String, String, String)>,
 }
 
-impl Vm {
+impl ProfileVm {
     pub(super) async fn flush_output(&self, id: &str) {
         let (out, err) = {
             let mut procs = lock(&self.procs);
@@ -406,12 +406,14 @@ impl Vm {
         })
     }
 
-    pub async fn spawn(&self, req: SpawnRequest) -> Result<Value, VmError> {
+    pub async fn spawn(&self, req: SpawnRequest) -> Result<Value, ProfileVmError> {
         let SpawnRequest { mut spec, mounts } = req;
         guest_agent::names::session_name(&spec.name)
-            .map_err(|e| VmError::Invalid(e.to_string()))?;
+            .map_err(|e| ProfileVmError::Invalid(e.to_string()))?;
         if spec.id.is_empty() {
-            return Err(VmError::Invalid("spawn: id must not be empty".into()));
+            return Err(ProfileVmError::Invalid(
+                "spawn: id must not be empty".into(),
+            ));
         }
         let link = self.connected_link()?;
         let host_paths = self.current_host_paths().await?;
@@ -447,7 +449,7 @@ impl Vm {
         {
             let mut procs = lock(&self.procs);
             if procs.map.get(&spec.id).is_some_and(|r| r.running) {
-                return Err(VmError::Invalid(format!(
+                return Err(ProfileVmError::Invalid(format!(
                     "a process with id {:?} is already running",
                     spec.id
                 )));
@@ -455,7 +457,7 @@ impl Vm {
             let limit = max_processes();
             if procs.running_count() >= limit {
                 tracing::warn!(limit, id = %spec.id, "spawn refused: process limit reached");
-                return Err(VmError::TooManyProcesses { limit });
+                return Err(ProfileVmError::TooManyProcesses { limit });
             }
             procs.map.insert(
                 spec.id.clone(),
@@ -492,7 +494,7 @@ impl Vm {
         }
     }
 
-    pub async fn kill(&self, id: &str, signal: i32) -> Result<(), VmError> {
+    pub async fn kill(&self, id: &str, signal: i32) -> Result<(), ProfileVmError> {
         let link = self.connected_link()?;
         link.call(
             Op::Kill {
@@ -513,7 +515,7 @@ impl Vm {
         &self,
         id: &str,
         data: &[u8],
-    ) -> Result<impl std::future::Future<Output = Result<(), VmError>>, VmError> {
+    ) -> Result<impl std::future::Future<Output = Result<(), ProfileVmError>>, ProfileVmError> {
         let link = self.connected_link()?;
         let pending = link
             .send(Op::WriteStdin { id: id.to_string() }, data)
@@ -546,22 +548,23 @@ impl Vm {
         subpath: &str,
         name: &str,
         mode: &str,
-    ) -> Result<(), VmError> {
+    ) -> Result<(), ProfileVmError> {
         let link = self.connected_link()?;
         let session = self.session_of(process_id).ok_or_else(|| {
-            VmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
+            ProfileVmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
         })?;
         let host_paths = self.current_host_paths().await?;
         let spec = self
             .mount_spec(&host_paths, &session, name, subpath, mode)
-            .map_err(VmError::Invalid)?;
+            .map_err(ProfileVmError::Invalid)?;
         link.call(Op::Mount(spec), &[], CALL_TIMEOUT)
             .await
             .map(|_| ())
     }
 
-    pub async fn read_file(&self, session: &str, path: &str) -> Result<Vec<u8>, VmError> {
-        guest_agent::names::session_name(session).map_err(|e| VmError::Invalid(e.to_string()))?;
+    pub async fn read_file(&self, session: &str, path: &str) -> Result<Vec<u8>, ProfileVmError> {
+        guest_agent::names::session_name(session)
+            .map_err(|e| ProfileVmError::Invalid(e.to_string()))?;
         let link = self.connected_link()?;
         let op = Op::ReadFile {
             session: session.to_string(),

@@ -12,12 +12,16 @@ use guest_agent::proto::Op;
 use serde_json::{json, Value};
 
 use super::link::AgentLink;
-use super::{lock, Vm, VmError, CALL_TIMEOUT};
+use super::{lock, ProfileVm, ProfileVmError, CALL_TIMEOUT};
 use crate::protocol::{event, step};
 
-impl Vm {
+impl ProfileVm {
     /// Records the SDK to install and installs it now when the guest is up.
-    pub async fn install_sdk(&self, sdk_subpath: &str, version: &str) -> Result<Value, VmError> {
+    pub async fn install_sdk(
+        &self,
+        sdk_subpath: &str,
+        version: &str,
+    ) -> Result<Value, ProfileVmError> {
         let rel = match check_sdk(sdk_subpath, version) {
             Ok(rel) => rel,
             Err(e) => {
@@ -53,15 +57,15 @@ impl Vm {
         link: &AgentLink,
         rel: &str,
         version: &str,
-    ) -> Result<Value, VmError> {
+    ) -> Result<Value, ProfileVmError> {
         let host_paths = self.current_host_paths().await?;
         let real = std::fs::canonicalize(Path::new("/").join(rel))
-            .map_err(|e| VmError::Invalid(format!("installSdk: /{rel}: {e}")))?;
+            .map_err(|e| ProfileVmError::Invalid(format!("installSdk: /{rel}: {e}")))?;
         let real_rel = real.to_string_lossy().trim_start_matches('/').to_string();
         let op = Op::InstallSdk {
             source: host_paths
                 .grant_sdk(&real_rel)
-                .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?,
+                .map_err(|e| ProfileVmError::Invalid(format!("installSdk: {e}")))?,
             version: version.to_string(),
         };
         link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v)
@@ -70,17 +74,17 @@ impl Vm {
 
 /// Validates an `installSdk` request against the host file system; returns
 /// the CLI's path relative to `/`.
-fn check_sdk(sdk_subpath: &str, version: &str) -> Result<String, VmError> {
+fn check_sdk(sdk_subpath: &str, version: &str) -> Result<String, ProfileVmError> {
     let sub = guest_agent::names::host_relative_path(sdk_subpath)
-        .map_err(|e| VmError::Invalid(format!("installSdk: {e}")))?;
+        .map_err(|e| ProfileVmError::Invalid(format!("installSdk: {e}")))?;
     guest_agent::names::session_name(version)
-        .map_err(|_| VmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
+        .map_err(|_| ProfileVmError::Invalid(format!("installSdk: invalid version {version:?}")))?;
     let rel = format!("{sub}/{version}/claude");
     let host = Path::new("/").join(&rel);
     let meta = std::fs::metadata(&host)
-        .map_err(|e| VmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
+        .map_err(|e| ProfileVmError::Invalid(format!("installSdk: {}: {e}", host.display())))?;
     if !meta.is_file() {
-        return Err(VmError::Invalid(format!(
+        return Err(ProfileVmError::Invalid(format!(
             "installSdk: {} is not a file",
             host.display()
         )));

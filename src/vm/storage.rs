@@ -57,7 +57,7 @@ use guest_agent::proto::{Hello, Op, SessionDiskInfo};
 use serde_json::Value;
 
 use super::link::op_name;
-use super::{Vm, VmError, CALL_TIMEOUT};
+use super::{ProfileVm, ProfileVmError, CALL_TIMEOUT};
 
 /// Size of the session disk, in GiB, when it must be created and
 /// `createVM.diskSizeGB` did not say (or `startVM` came without `createVM`).
@@ -130,16 +130,16 @@ pub enum StorageError {
     GuestMissing { disk: PathBuf, state: String },
 }
 
-impl From<StorageError> for VmError {
+impl From<StorageError> for ProfileVmError {
     fn from(e: StorageError) -> Self {
-        VmError::SessionDisk(e.to_string())
+        ProfileVmError::SessionDisk(e.to_string())
     }
 }
 
 /// Bytes of a `createVM.diskSizeGB` value (GiB), or why it is refused.
-pub fn session_disk_bytes(disk_size_gb: u64) -> Result<u64, VmError> {
+pub fn session_disk_bytes(disk_size_gb: u64) -> Result<u64, ProfileVmError> {
     if disk_size_gb == 0 || disk_size_gb > MAX_SESSION_DISK_GIB {
-        return Err(VmError::Invalid(format!(
+        return Err(ProfileVmError::Invalid(format!(
             "createVM: diskSizeGB {disk_size_gb} is out of range; give 1 to {MAX_SESSION_DISK_GIB} (GiB)"
         )));
     }
@@ -342,7 +342,7 @@ pub fn check_guest_disk(disk: &Path, hello: &Hello) -> Result<(), StorageError> 
     }
 }
 
-impl Vm {
+impl ProfileVm {
     /// Creates (or keeps) the persistent session storage. Sandbox: the
     /// host sessions directory (`disk_size_gb` does not apply). qemu and
     /// kvm: the sparse session disk
@@ -355,10 +355,10 @@ impl Vm {
     /// must have `host_bytes_needed` free (`StorageError::HostFull`
     /// otherwise, the image untouched); a new disk appears whole or not at
     /// all (see the module docs).
-    pub fn create_storage(&self, disk_size_gb: Option<u64>) -> Result<(), VmError> {
+    pub fn create_storage(&self, disk_size_gb: Option<u64>) -> Result<(), ProfileVmError> {
         if !self.cfg.uses_session_disk() {
             return std::fs::create_dir_all(self.cfg.sessions_dir()).map_err(|e| {
-                VmError::Start(format!(
+                ProfileVmError::Start(format!(
                     "cannot create {}: {e}",
                     self.cfg.sessions_dir().display()
                 ))
@@ -418,10 +418,10 @@ impl Vm {
     }
 
     /// What `startVM` does with the storage before booting:
-    /// [`Vm::create_storage`] without a size, then, under the VM backends,
+    /// [`ProfileVm::create_storage`] without a size, then, under the VM backends,
     /// `inspect_image` (off the async threads: it may read the image)
     /// refusing a disk that is neither ext nor blank.
-    pub async fn prepare_storage_for_boot(&self) -> Result<(), VmError> {
+    pub async fn prepare_storage_for_boot(&self) -> Result<(), ProfileVmError> {
         self.create_storage(None)?;
         if !self.cfg.uses_session_disk() {
             return Ok(());
@@ -430,7 +430,7 @@ impl Vm {
         let path = disk.clone();
         let contents = tokio::task::spawn_blocking(move || inspect_image(&path))
             .await
-            .map_err(|e| VmError::SessionDisk(format!("the disk check failed: {e}")))?
+            .map_err(|e| ProfileVmError::SessionDisk(format!("the disk check failed: {e}")))?
             .map_err(|source| StorageError::Inspect {
                 disk: disk.clone(),
                 source,
@@ -449,7 +449,7 @@ impl Vm {
     }
 
     /// `check_guest_disk` for this VM's disk (VM backends only).
-    pub(super) fn check_guest_disk(&self, hello: &Hello) -> Result<(), VmError> {
+    pub(super) fn check_guest_disk(&self, hello: &Hello) -> Result<(), ProfileVmError> {
         if !self.cfg.uses_session_disk() {
             return Ok(());
         }
@@ -462,7 +462,7 @@ impl Vm {
     /// Runs a janitor operation in the guest, or on the host's session
     /// directory when no guest is connected. Deleted session directories
     /// also lose what the backend granted their mounts.
-    pub async fn janitor(&self, op: Op) -> Result<Value, VmError> {
+    pub async fn janitor(&self, op: Op) -> Result<Value, ProfileVmError> {
         let deleting = matches!(op, Op::DeleteSessionDirs { .. });
         let result = self.run_janitor(op).await?;
         if deleting {
@@ -482,7 +482,7 @@ impl Vm {
         Ok(result)
     }
 
-    async fn run_janitor(&self, op: Op) -> Result<Value, VmError> {
+    async fn run_janitor(&self, op: Op) -> Result<Value, ProfileVmError> {
         if let Ok(link) = self.connected_link() {
             return link.call(op, &[], CALL_TIMEOUT).await.map(|(v, _)| v);
         }
@@ -491,7 +491,7 @@ impl Vm {
                 Op::DiskInfo { .. } => "getSessionsDiskInfo",
                 ref other => op_name(other),
             };
-            return Err(VmError::JanitorNeedsGuest {
+            return Err(ProfileVmError::JanitorNeedsGuest {
                 op: method,
                 backend: self.cfg.backend.as_str(),
                 disk: self.cfg.session_disk(),
@@ -502,7 +502,7 @@ impl Vm {
         tokio::task::spawn_blocking(move || {
             use guest_agent::janitor;
             std::fs::create_dir_all(&root)
-                .map_err(|e| VmError::Agent(format!("{}: {e}", root.display())))?;
+                .map_err(|e| ProfileVmError::Agent(format!("{}: {e}", root.display())))?;
             let outcome = match op {
                 Op::DiskInfo { low_water_bytes } => janitor::disk_info(&root, low_water_bytes),
                 Op::DeleteSessionDirs { names } => {
@@ -520,16 +520,16 @@ impl Vm {
                     &live,
                 ),
                 other => {
-                    return Err(VmError::Invalid(format!(
+                    return Err(ProfileVmError::Invalid(format!(
                         "{} needs a running VM",
                         op_name(&other)
                     )))
                 }
             };
-            outcome.map_err(|e| VmError::Agent(e.to_string()))
+            outcome.map_err(|e| ProfileVmError::Agent(e.to_string()))
         })
         .await
-        .map_err(|e| VmError::Agent(format!("janitor task failed: {e}")))?
+        .map_err(|e| ProfileVmError::Agent(format!("janitor task failed: {e}")))?
     }
 }
 
@@ -540,8 +540,8 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
     use std::sync::Arc;
 
-    fn vm(backend: BackendKind, dir: &Path) -> Arc<Vm> {
-        Vm::new(VmConfig {
+    fn vm(backend: BackendKind, dir: &Path) -> Arc<ProfileVm> {
+        ProfileVm::new(VmConfig {
             backend,
             profile_dir: dir.join("profile"),
             helper_exe: "/nonexistent/cowork-helper".into(),
@@ -635,7 +635,7 @@ mod tests {
                 })
                 .await
                 .unwrap_err();
-            assert!(matches!(e, VmError::JanitorNeedsGuest { .. }), "{e}");
+            assert!(matches!(e, ProfileVmError::JanitorNeedsGuest { .. }), "{e}");
             // The host never made a sessions directory to fall back on.
             assert!(!vm.config().sessions_dir().exists());
         }

@@ -150,7 +150,7 @@ pub enum VmError {
     Cpuid(#[from] cpuid::CpuidError),
     /// Device creation.
     #[error(transparent)]
-    Device(#[from] crate::devices::DeviceError),
+    Device(#[from] crate::devices::PlatformDeviceError),
     #[error(transparent)]
     Exit(#[from] crate::exit::ExitError),
     /// Bus layout.
@@ -218,7 +218,7 @@ fn load_images(mem: &GuestMemory, kernel: &File, initrd: Option<&File>) -> Resul
 }
 
 /// The vCPUs and devices of a VM being built ([`build_machine`]).
-struct Machine {
+struct MachineParts {
     vcpu_fds: Vec<VcpuFd>,
     exit: Arc<ExitSignal>,
     com1_irq: EventFd,
@@ -242,7 +242,7 @@ fn build_machine(
     slots: &[MmioSlot],
     mem: &GuestMemory,
     origin: Instant,
-) -> Result<Machine, VmError> {
+) -> Result<MachineParts, VmError> {
     // vCPUs.
     let supported = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -271,7 +271,7 @@ fn build_machine(
     // Devices.
     let exit = ExitSignal::new()?;
     let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
-        crate::devices::DeviceError::EventFd {
+        crate::devices::PlatformDeviceError::EventFd {
             what: "COM1 interrupt",
             source,
         }
@@ -307,7 +307,7 @@ fn build_machine(
     for (i, (dev, slot)) in virtio_devices.into_iter().zip(slots).enumerate() {
         transports.push(wire_virtio(vm_fd, &mut mmio, i, dev, slot, mem)?);
     }
-    Ok(Machine {
+    Ok(MachineParts {
         vcpu_fds,
         exit,
         com1_irq,
@@ -532,7 +532,7 @@ impl Vm {
             (images, machine)
         });
         let images = images?;
-        let Machine {
+        let MachineParts {
             vcpu_fds,
             exit,
             com1_irq,

@@ -66,7 +66,7 @@ pub const WARN_LOG_BUDGET: u32 = 32;
 
 /// Errors of the device model.
 #[derive(Debug, thiserror::Error)]
-pub enum DeviceError {
+pub enum BlkDeviceError {
     /// The serial does not fit GET_ID's 20 bytes.
     #[error("disk serial {serial:?} is {len} bytes; at most {ID_BYTES} fit a GET_ID answer")]
     SerialTooLong {
@@ -142,15 +142,15 @@ pub struct BlkModel {
 
 impl BlkModel {
     /// A model serving `backend` with `config`.
-    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, DeviceError> {
+    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, BlkDeviceError> {
         if config.serial.len() > ID_BYTES {
-            return Err(DeviceError::SerialTooLong {
+            return Err(BlkDeviceError::SerialTooLong {
                 serial: config.serial.clone(),
                 len: config.serial.len(),
             });
         }
         if config.queue_size < 2 || !config.queue_size.is_power_of_two() {
-            return Err(DeviceError::QueueSize(config.queue_size));
+            return Err(BlkDeviceError::QueueSize(config.queue_size));
         }
         let mut id = [0u8; ID_BYTES];
         id[..config.serial.len()].copy_from_slice(config.serial.as_bytes());
@@ -232,8 +232,8 @@ impl BlkModel {
         &mut self,
         mem: &M,
         q: &mut Queue,
-    ) -> Result<bool, DeviceError> {
-        let qerr = |source| DeviceError::Queue {
+    ) -> Result<bool, BlkDeviceError> {
+        let qerr = |source| BlkDeviceError::Queue {
             index: REQUEST_QUEUE,
             source,
         };
@@ -259,13 +259,13 @@ impl BlkModel {
 }
 
 impl QueueModel for BlkModel {
-    type Error = DeviceError;
+    type Error = BlkDeviceError;
 
     fn process_queue(
         &mut self,
         mem: &GuestMemoryMmap,
         queue: &mut Queue,
-    ) -> Result<bool, DeviceError> {
+    ) -> Result<bool, BlkDeviceError> {
         BlkModel::process_queue(self, mem, queue)
     }
 }
@@ -382,7 +382,7 @@ pub struct BlkDevice {
 
 impl BlkDevice {
     /// A device serving `backend` with `config`.
-    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, DeviceError> {
+    pub fn new(backend: Box<dyn BlockBackend>, config: &BlkConfig) -> Result<Self, BlkDeviceError> {
         let model = BlkModel::new(backend, config)?;
         Ok(Self {
             common: DeviceCommon::new(

@@ -37,7 +37,7 @@ pub(crate) mod testring;
 #[cfg(test)]
 mod tests;
 
-pub use device::{BlkConfig, BlkDevice, BlkModel, BlkStats, DeviceError, VIRTIO_ID_BLOCK};
+pub use device::{BlkConfig, BlkDevice, BlkDeviceError, BlkModel, BlkStats, VIRTIO_ID_BLOCK};
 pub use image::{create_sparse_image, BlockBackend, ImageError, RawImage};
 pub use overlay::{CowImage, OverlayError};
 

@@ -15,7 +15,7 @@ use virtio_queue::Queue;
 use vm_memory::{Bytes, GuestAddress};
 use vmm::virtio::VirtioDevice;
 
-use super::device::{BlkConfig, BlkDevice, BlkModel, DeviceError, CONFIG_SIZE};
+use super::device::{BlkConfig, BlkDevice, BlkDeviceError, BlkModel, CONFIG_SIZE};
 use super::image::{create_sparse_image, BlockBackend, ImageError, RawImage};
 use super::overlay::{CowImage, OverlayError, DEFAULT_CHUNK_SHIFT};
 use super::testring::{mem, CountingInterrupt, Desc, Mem, Ring};
@@ -463,7 +463,7 @@ fn broken_available_ring_is_a_queue_error() {
     let (mut rig, _p) = raw_rig(t.path());
     rig.ring.corrupt_avail_idx(&rig.mem, QSIZE + 10);
     match rig.model.process_queue(&rig.mem, &mut rig.q) {
-        Err(DeviceError::Queue { index: 0, .. }) => {}
+        Err(BlkDeviceError::Queue { index: 0, .. }) => {}
         other => panic!("expected a queue error, got {other:?}"),
     }
 }
@@ -594,13 +594,13 @@ fn bad_configs_are_refused() {
     let long = BlkConfig::new("a-serial-longer-than-20");
     assert!(matches!(
         BlkModel::new(Box::new(RawImage::open(&p).unwrap()), &long),
-        Err(DeviceError::SerialTooLong { .. })
+        Err(BlkDeviceError::SerialTooLong { .. })
     ));
     let mut odd = BlkConfig::new("x");
     odd.queue_size = 100;
     assert!(matches!(
         BlkModel::new(Box::new(RawImage::open(&p).unwrap()), &odd),
-        Err(DeviceError::QueueSize(100))
+        Err(BlkDeviceError::QueueSize(100))
     ));
     let tiny = raw_file(t.path(), "tiny.img", 100, 0);
     assert!(matches!(

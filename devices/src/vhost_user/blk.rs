@@ -28,14 +28,14 @@ use tracing::warn;
 
 pub use super::single_queue::VhostUserServeError;
 use super::single_queue::{SingleQueueServer, VhostQueueModel};
-use crate::blk::{BlkConfig, BlkModel, BlkStats, BlockBackend, DeviceError};
+use crate::blk::{BlkConfig, BlkDeviceError, BlkModel, BlkStats, BlockBackend};
 
 /// Errors of the vhost-user blk server.
 #[derive(Debug, thiserror::Error)]
 pub enum VhostUserBlkError {
     /// The device model could not be built.
     #[error(transparent)]
-    Model(#[from] DeviceError),
+    Model(#[from] BlkDeviceError),
     /// Binding or serving the socket failed.
     #[error(transparent)]
     Serve(#[from] VhostUserServeError),

@@ -42,7 +42,7 @@ use vmm_sys_util::event::{EventConsumer, EventNotifier};
 
 use crate::vhost_user::{ExitEvent, ThreadFilter};
 use crate::vsock::device::{NUM_QUEUES, QUEUE_SIZE, RX_QUEUE, TX_QUEUE};
-use crate::vsock::{DeviceError, VsockConfig, VsockHost, VsockModel};
+use crate::vsock::{VsockConfig, VsockDeviceError, VsockHost, VsockModel};
 
 /// Guest memory as the vhost-user-backend crate maps it.
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -56,7 +56,7 @@ const HOST_EVENT: u16 = NUM_QUEUES as u16 + 1;
 pub enum VhostUserVsockError {
     /// The device model could not be built.
     #[error(transparent)]
-    Model(#[from] DeviceError),
+    Model(#[from] VsockDeviceError),
     /// Binding the vhost-user socket failed.
     #[error("cannot listen on vhost-user socket {path}: {source}; check the directory exists and is writable")]
     Bind {
@@ -138,7 +138,7 @@ impl VhostUserVsockBackend {
         self.model.host_fd()
     }
 
-    fn pass(&mut self, vrings: &[VringRwLock<Mem>]) -> Result<(), DeviceError> {
+    fn pass(&mut self, vrings: &[VringRwLock<Mem>]) -> Result<(), VsockDeviceError> {
         let (Some(rx), Some(tx)) = (vrings.get(RX_QUEUE as usize), vrings.get(TX_QUEUE as usize))
         else {
             return Ok(());
@@ -383,7 +383,7 @@ mod tests {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         assert!(matches!(
             VhostUserVsockBackend::new(&bad, &host, mem),
-            Err(VhostUserVsockError::Model(DeviceError::InvalidCid(2)))
+            Err(VhostUserVsockError::Model(VsockDeviceError::InvalidCid(2)))
         ));
     }
 

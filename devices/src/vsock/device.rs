@@ -61,7 +61,7 @@ pub const MAX_GUEST_CID: u64 = u32::MAX as u64 - 1;
 
 /// Errors of the device model.
 #[derive(Debug, thiserror::Error)]
-pub enum DeviceError {
+pub enum VsockDeviceError {
     /// The guest CID is reserved or out of range.
     #[error("guest CID {0} is invalid; use a value in {MIN_GUEST_CID}..={MAX_GUEST_CID}")]
     InvalidCid(u64),
@@ -87,7 +87,11 @@ pub struct VsockModel {
 
 impl VsockModel {
     /// A model for a guest with `guest_cid`, whose host side is `host`.
-    pub fn new(guest_cid: u64, config: VsockConfig, host: &VsockHost) -> Result<Self, DeviceError> {
+    pub fn new(
+        guest_cid: u64,
+        config: VsockConfig,
+        host: &VsockHost,
+    ) -> Result<Self, VsockDeviceError> {
         check_cid(guest_cid)?;
         Ok(Self {
             guest_cid,
@@ -131,7 +135,7 @@ impl VsockModel {
 
     /// Handles host-side events only (host streams, host requests, timers),
     /// for a face whose queues are not usable yet.
-    pub fn process_host_events(&mut self) -> Result<(), DeviceError> {
+    pub fn process_host_events(&mut self) -> Result<(), VsockDeviceError> {
         self.muxer.process_host_events()?;
         self.muxer.after_processing()?;
         Ok(())
@@ -146,7 +150,7 @@ impl VsockModel {
         rx: &mut Queue,
         tx: &mut Queue,
         event: Option<&mut Queue>,
-    ) -> Result<[bool; 3], DeviceError> {
+    ) -> Result<[bool; 3], VsockDeviceError> {
         self.muxer.process_host_events()?;
         let tx_sig = self.process_tx(mem, tx)?;
         let rx_sig = self.process_rx(mem, rx)?;
@@ -168,8 +172,8 @@ impl VsockModel {
         &mut self,
         mem: &M,
         q: &mut Queue,
-    ) -> Result<bool, DeviceError> {
-        let qerr = |source| DeviceError::Queue {
+    ) -> Result<bool, VsockDeviceError> {
+        let qerr = |source| VsockDeviceError::Queue {
             index: TX_QUEUE,
             source,
         };
@@ -215,8 +219,8 @@ impl VsockModel {
         &mut self,
         mem: &M,
         q: &mut Queue,
-    ) -> Result<bool, DeviceError> {
-        let qerr = |source| DeviceError::Queue {
+    ) -> Result<bool, VsockDeviceError> {
+        let qerr = |source| VsockDeviceError::Queue {
             index: RX_QUEUE,
             source,
         };
@@ -299,11 +303,11 @@ impl VsockModel {
         &mut self,
         mem: &M,
         q: &mut Queue,
-    ) -> Result<bool, DeviceError> {
+    ) -> Result<bool, VsockDeviceError> {
         if !self.muxer.transport_reset_pending() {
             return Ok(false);
         }
-        let qerr = |source| DeviceError::Queue {
+        let qerr = |source| VsockDeviceError::Queue {
             index: EVENT_QUEUE,
             source,
         };
@@ -347,11 +351,11 @@ impl VsockModel {
     }
 }
 
-fn check_cid(cid: u64) -> Result<(), DeviceError> {
+fn check_cid(cid: u64) -> Result<(), VsockDeviceError> {
     if (MIN_GUEST_CID..=MAX_GUEST_CID).contains(&cid) {
         Ok(())
     } else {
-        Err(DeviceError::InvalidCid(cid))
+        Err(VsockDeviceError::InvalidCid(cid))
     }
 }
 
@@ -371,7 +375,11 @@ pub struct VsockDevice {
 
 impl VsockDevice {
     /// A device with `guest_cid`, whose host side is `host`.
-    pub fn new(guest_cid: u64, config: VsockConfig, host: VsockHost) -> Result<Self, DeviceError> {
+    pub fn new(
+        guest_cid: u64,
+        config: VsockConfig,
+        host: VsockHost,
+    ) -> Result<Self, VsockDeviceError> {
         check_cid(guest_cid)?;
         Ok(Self {
             worker: DeviceWorker::new("vsock"),
@@ -515,7 +523,7 @@ impl WorkerCtx {
 #[derive(Debug, thiserror::Error)]
 enum WorkerLoopError {
     #[error(transparent)]
-    Device(#[from] DeviceError),
+    Device(#[from] VsockDeviceError),
     #[error("epoll_wait failed: {0}")]
     Epoll(io::Error),
 }

@@ -41,7 +41,7 @@ pub mod packet;
 mod tests;
 
 pub use backend::{ConnectError, HostError, Listener, VsockHost, DEFAULT_CONNECT_TIMEOUT};
-pub use device::{DeviceError, VsockDevice, VsockModel, VIRTIO_ID_VSOCK};
+pub use device::{VsockDevice, VsockDeviceError, VsockModel, VIRTIO_ID_VSOCK};
 
 /// Default receive buffer we advertise per connection (`buf_alloc`): the
 /// most guest data buffered on the host side of one connection.

@@ -77,7 +77,7 @@ pub struct QemuMachine {
     pub(super) vhost_fs: Option<std::thread::JoinHandle<Result<(), VhostUserFsError>>>,
     pub(super) fs_canceller: devices::vhost_user::fs::FsServerCanceller,
     /// The session disk's and the entropy device's server threads (boxed:
-    /// the machine is moved around inside [`crate::backend::Machine`]).
+    /// the machine is moved around inside [`crate::backend::BackendMachine`]).
     pub(super) single_queue: Box<SingleQueueThreads>,
     /// Serves the guest's egress connections; stopped once QEMU is gone.
     pub(super) egress: EgressAcceptor,

@@ -88,7 +88,7 @@ use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeE
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
-use super::{BootOptions, Booted, HostPaths, Machine};
+use super::{BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
 pub use machine::QemuMachine;
 use machine::{pump_console, SingleQueueThreads, VhostThread};
@@ -411,7 +411,7 @@ async fn start(
         _run_dir: run_dir,
     };
     Ok(Booted {
-        machine: Machine::Qemu(machine),
+        machine: BackendMachine::Qemu(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
         userland: Some(userland),

@@ -223,7 +223,7 @@ async fn a_failed_boot_quotes_the_console_and_cleans_up() {
     let booted = start_plain(fake_plan(qemu, &run_dir), run_dir)
         .await
         .unwrap();
-    let Machine::Qemu(mut m) = booted.machine else {
+    let BackendMachine::Qemu(mut m) = booted.machine else {
         panic!("not a QEMU machine")
     };
     let how = m.wait().await;
@@ -266,7 +266,7 @@ async fn kill_before_the_agent_connected_does_not_wait() {
     let booted = start_plain(fake_plan(qemu, &run_dir), run_dir)
         .await
         .unwrap();
-    let Machine::Qemu(mut m) = booted.machine else {
+    let BackendMachine::Qemu(mut m) = booted.machine else {
         panic!("not a QEMU machine")
     };
     let pid = m.pid.unwrap();

@@ -13,7 +13,7 @@ pub mod serial;
 
 /// Errors creating devices.
 #[derive(Debug, thiserror::Error)]
-pub enum DeviceError {
+pub enum PlatformDeviceError {
     /// eventfd creation failed.
     #[error("cannot create an eventfd for {what}: {source}")]
     EventFd {

@@ -13,7 +13,7 @@ use vm_superio::serial::NoEvents;
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::DeviceError;
+use super::PlatformDeviceError;
 use crate::bus::BusDevice;
 
 /// Where the guest's serial output goes.
@@ -93,11 +93,13 @@ pub struct Serial(Mutex<Uart>);
 
 impl Serial {
     /// A UART raising its interrupt through `irq` and printing to `sink`.
-    pub fn new(irq: &EventFd, sink: SerialSink) -> Result<Self, DeviceError> {
-        let irq = irq.try_clone().map_err(|source| DeviceError::EventFd {
-            what: "COM1",
-            source,
-        })?;
+    pub fn new(irq: &EventFd, sink: SerialSink) -> Result<Self, PlatformDeviceError> {
+        let irq = irq
+            .try_clone()
+            .map_err(|source| PlatformDeviceError::EventFd {
+                what: "COM1",
+                source,
+            })?;
         Ok(Self(Mutex::new(vm_superio::Serial::new(
             IrqTrigger(irq),
             LineSink::new(sink),
