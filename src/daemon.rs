@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use crate::backend::{BackendKind, VmConfig};
 use crate::protocol::*;
 use crate::vm::{ProfileVm, SpawnRequest};
+use vmm::sync::MutexExt;
 
 /// Name of the profile used before any `configure`.
 pub const DEFAULT_PROFILE: &str = "default";
@@ -91,10 +92,6 @@ pub struct Connection {
     pub profile: Mutex<Option<Arc<Profile>>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A directory-name-safe, collision-resistant key for a profile.
 pub fn profile_key(name: Option<&str>, root: Option<&str>) -> String {
     let (name, root) = (name.unwrap_or(""), root.unwrap_or(""));
@@ -141,7 +138,7 @@ impl Daemon {
 
     /// Returns (creating if needed) the profile with this key.
     pub fn profile(&self, key: &str) -> Arc<Profile> {
-        let mut profiles = lock(&self.profiles);
+        let mut profiles = self.profiles.locked();
         profiles
             .entry(key.to_string())
             .or_insert_with(|| {
@@ -161,14 +158,16 @@ impl Daemon {
     }
 
     pub fn all_profiles(&self) -> Vec<Arc<Profile>> {
-        lock(&self.profiles).values().cloned().collect()
+        self.profiles.locked().values().cloned().collect()
     }
 
     fn profile_for(&self, conn: &Connection) -> Arc<Profile> {
-        if let Some(p) = lock(&conn.profile).clone() {
+        if let Some(p) = conn.profile.locked().clone() {
             return p;
         }
-        let key = lock(&self.last_configured)
+        let key = self
+            .last_configured
+            .locked()
             .clone()
             .unwrap_or_else(|| DEFAULT_PROFILE.into());
         self.profile(&key)
@@ -183,9 +182,9 @@ impl Daemon {
     ) -> Arc<Profile> {
         let key = profile_key(p.user_data_name.as_deref(), p.user_data_root.as_deref());
         let profile = self.profile(&key);
-        *lock(&conn.profile) = Some(profile.clone());
+        *conn.profile.locked() = Some(profile.clone());
         if remember {
-            *lock(&self.last_configured) = Some(key);
+            *self.last_configured.locked() = Some(key);
         }
         profile
     }

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tokio::sync::mpsc;
+use vmm::sync::MutexExt;
 
 /// A complete frame ready to write.
 pub type Frame = Arc<Vec<u8>>;
@@ -152,7 +153,7 @@ pub struct Subscriber {
 
 impl EventHub {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.locked()
     }
 
     /// Registers a subscriber and queues what it must see first.

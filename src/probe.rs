@@ -35,6 +35,7 @@ use ureq::unversioned::transport::{
 use crate::egress::{EgressError, EgressProxy, Policy};
 use crate::events::EventHub;
 use crate::protocol::event;
+use vmm::sync::MutexExt;
 
 /// Per-probe deadline (connection setup and the HTTP exchange together).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -202,7 +203,7 @@ impl Connector<()> for OneConnection {
         details: &ConnectionDetails,
         _chained: Option<()>,
     ) -> Result<Option<Dialed>, ureq::Error> {
-        let taken = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = self.0.locked().take();
         let stream = taken.ok_or(ureq::Error::ConnectionFailed)?;
         let config = details.config;
         Ok(Some(Dialed {

@@ -34,6 +34,7 @@ use support::nested;
 use support::procfs::{children_named, status_kib, thread_names};
 use support::session::{self, assert_exit_0, bash, ok, run, wait_stdout};
 use support::vm_helper::{self, built_helper, VmHelper};
+use vmm::sync::MutexExt;
 
 /// Guest memory asked of startVM.
 const MEMORY_GB: u64 = 2;
@@ -321,7 +322,7 @@ fn balloon_qemu() {
     ) {
         return;
     }
-    let _one = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_VM.locked();
     runtime().block_on(async {
         let helper = VmHelper::start_qemu("cowork-balloon-qemu-", &[]);
         let (pipe, mut sub) =
@@ -354,7 +355,7 @@ fn kvm_body() {
 
 #[test]
 fn balloon_kvm() {
-    let _one = ONE_VM.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = ONE_VM.locked();
     nested::run_on_linux_kvm(
         &nested::Rerun {
             test: KVM_TEST,

@@ -61,6 +61,7 @@ use cowork_helper::client::Pipe;
 use serde_json::{json, Value};
 use support::debroot::{self, package_gate, DebRoot, Run, USER_GID, USER_RUNTIME_DIR, USER_UID};
 use support::nested::{repo_root, run_with_timeout, script};
+use vmm::sync::MutexExt;
 
 const PACKAGE: &str = "cowork-helper";
 /// Where the client starts its helper.
@@ -203,7 +204,7 @@ fn debs() -> &'static Debs {
 fn tiny_deb(name: &str, version: &str, files: &[(&str, &str, u32)]) -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     static LOCK: Mutex<()> = Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = LOCK.locked();
     let dir = DIR.get_or_init(|| {
         let dir = scratch_dir().join("tiny");
         let _ = fs::remove_dir_all(&dir);

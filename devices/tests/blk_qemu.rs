@@ -33,6 +33,7 @@ use devices::blk::{
 };
 use devices::vhost_user::blk::VhostUserBlkServer;
 use devices::vhost_user::rng::VhostUserRngServer;
+use vmm::sync::MutexExt;
 
 /// Environment variable that makes missing prerequisites a failure.
 const REQUIRE_ENV: &str = "COWORK_QEMU_TESTS";
@@ -273,7 +274,7 @@ fn host_cmd(cmd: &str, args: &[&str]) -> (bool, String) {
 
 #[test]
 fn guest_formats_writes_and_reads_back_disks_over_vhost_user() {
-    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
+    let _one = ONE_VM.locked();
     let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
     let p = match prereqs() {
         Ok(p) => p,
@@ -470,7 +471,7 @@ fn boot_agent(
 
 #[test]
 fn agent_formats_the_blank_session_disk_and_mounts_it() {
-    let _one = ONE_VM.lock().unwrap_or_else(|p| p.into_inner());
+    let _one = ONE_VM.locked();
     let required = std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1");
     let found = prereqs().and_then(|p| guest_image().map(|i| (p, i)));
     let (p, image) = match found {

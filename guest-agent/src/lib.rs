@@ -34,4 +34,5 @@ pub mod mounttable;
 pub mod names;
 pub mod proto;
 pub mod signal;
+pub mod sync;
 pub(crate) mod sys;

@@ -17,6 +17,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::sync::MutexExt;
 use crate::sys;
 
 /// The mount table of this process's mount namespace.
@@ -33,7 +34,7 @@ static MOUNT_LOCK: Mutex<()> = Mutex::new(());
 /// boot-time mounts run before any request and do not take it. A poisoned
 /// lock is taken over: it guards no data, only ordering.
 pub(crate) fn lock() -> MutexGuard<'static, ()> {
-    MOUNT_LOCK.lock().unwrap_or_else(|p| p.into_inner())
+    MOUNT_LOCK.locked()
 }
 
 /// The mount points at or below `dir` in this mount namespace, deepest

@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
+use vmm::sync::MutexExt;
 
 /// Console lines kept for error messages.
 pub const CONSOLE_TAIL: usize = 40;
@@ -27,7 +28,7 @@ pub(crate) struct Console {
 
 impl Console {
     pub(crate) fn push(&self, line: String) {
-        let mut t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        let mut t = self.tail.locked();
         if t.len() == CONSOLE_TAIL {
             t.pop_front();
         }
@@ -37,13 +38,13 @@ impl Console {
     /// Every kept line, oldest first.
     #[cfg(test)]
     pub(crate) fn lines(&self) -> Vec<String> {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        let t = self.tail.locked();
         t.iter().cloned().collect()
     }
 
     /// The last `n` lines, indented, for an error message.
     pub(crate) fn quote(&self, n: usize) -> String {
-        let t = self.tail.lock().unwrap_or_else(|p| p.into_inner());
+        let t = self.tail.locked();
         if t.is_empty() {
             return " (the console printed nothing)".into();
         }

@@ -22,6 +22,7 @@ use subtle::ConstantTimeEq;
 use super::policy::Policy;
 use super::secrets::SpawnSecrets;
 use super::EgressError;
+use vmm::sync::MutexExt;
 
 /// Random bytes per credential: 192 bits, above the 128-bit floor.
 pub const CREDENTIAL_BYTES: usize = 24;
@@ -141,7 +142,7 @@ impl CredentialRegistry {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.locked()
     }
 
     /// Issues a credential for one spawn of `session` under `policy`.

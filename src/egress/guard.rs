@@ -19,6 +19,7 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use vmm::sync::MutexExt;
 
 /// How long a reading of the host's interface addresses is trusted. Short,
 /// because a new interface (a VPN coming up) must be covered quickly; one
@@ -135,7 +136,7 @@ impl AddressGuard {
         if let Some(why) = classify(addr) {
             return Err(why);
         }
-        let mut own = self.own.lock().unwrap_or_else(|p| p.into_inner());
+        let mut own = self.own.locked();
         let stale = own.read_at.is_none_or(|t| t.elapsed() >= OWN_ADDRESSES_TTL);
         if stale {
             match (self.source)() {

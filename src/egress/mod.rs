@@ -48,6 +48,7 @@ pub use policy::{Pattern, Policy};
 /// The port the guest-side relay listens on (`127.0.0.1:3128`), the usual
 /// proxy port and the one the official stack uses.
 pub use guest_agent::proto::GUEST_PROXY_PORT;
+use vmm::sync::MutexExt;
 
 /// Deadline for a client to finish its request head (HTTP) or its whole
 /// handshake (SOCKS5) — slow-loris protection.
@@ -188,7 +189,7 @@ pub(crate) struct Shared {
 impl Shared {
     /// Logs one refusal (session, host, port, reason), rate-limited.
     pub(crate) fn log_refusal(&self, session: Option<&str>, host: &str, port: u16, reason: &str) {
-        let mut log = self.log.lock().unwrap_or_else(|p| p.into_inner());
+        let mut log = self.log.locked();
         if log.window_start.elapsed() >= LOG_WINDOW {
             log.window_start = Instant::now();
             log.lines = 0;

@@ -34,6 +34,7 @@ use subtle::ConstantTimeEq;
 use zeroize::Zeroizing;
 
 use super::EgressError;
+use vmm::sync::RwLockExt;
 
 /// Prefix of an OAuth token (`claude setup-token`, `/login`).
 pub const OAUTH_PREFIX: &str = "sk-ant-oat01-";
@@ -111,12 +112,12 @@ impl SecretCell {
 
     /// Replaces the value (a refreshed token).
     pub fn set(&self, secret: RealSecret) {
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = secret;
+        *self.0.write_locked() = secret;
     }
 
     /// Runs `f` on the current value.
     pub fn with<T>(&self, f: impl FnOnce(&str) -> T) -> T {
-        f(self.0.read().unwrap_or_else(|p| p.into_inner()).expose())
+        f(self.0.read_locked().expose())
     }
 
     /// A weak handle, for a list of cells to refresh.

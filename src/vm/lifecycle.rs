@@ -18,10 +18,12 @@ use guest_agent::proto::{Hello, Op};
 use tokio::sync::{oneshot, watch};
 
 use super::link::{read_hello, AgentLink};
-use super::{lock, ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
+use super::{ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
 use crate::backend::guest::POWEROFF_DEADLINE;
 use crate::backend::{BackendMachine, HostPaths, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
+use vmm::sync::MutexExt;
+use vmm::sync::RwLockExt;
 
 /// Serial of the next machine booted (see `Running::serial`).
 static NEXT_MACHINE: AtomicU64 = AtomicU64::new(1);
@@ -161,7 +163,7 @@ impl ProfileVm {
         drop(lifecycle);
 
         // Re-apply a previously requested SDK install.
-        let pending_sdk = lock(&self.sdk).clone();
+        let pending_sdk = self.sdk.locked().clone();
         if let Some((rel, version)) = pending_sdk {
             self.hub
                 .publish(&event::startup_step(step::SDK_INSTALL, "started"))
@@ -202,7 +204,7 @@ impl ProfileVm {
     pub(super) async fn agent_gone(&self, link: &Arc<AgentLink>) {
         link.fail_pending();
         {
-            let mut slot = self.link.write().unwrap_or_else(|p| p.into_inner());
+            let mut slot = self.link.write_locked();
             if !slot.as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
                 // Already accounted for (stop and the link reader both get here).
                 return;
@@ -211,7 +213,7 @@ impl ProfileVm {
         }
         self.running.store(false, Ordering::Release);
         let orphans: Vec<String> = {
-            let procs = lock(&self.procs);
+            let procs = self.procs.locked();
             procs
                 .map
                 .iter()
@@ -228,7 +230,7 @@ impl ProfileVm {
             // The agent could not report these processes' ends: they died
             // with the machine. Say so, then close them with an exit.
             self.flush_output(&id).await;
-            lock(&self.procs).mark_exited(&id, None);
+            self.procs.locked().mark_exited(&id, None);
             self.hub.publish(&event::error(&id, &why, true)).await;
             self.hub
                 .publish(&event::exit(&id, None, Some("SIGKILL"), None))
@@ -275,7 +277,7 @@ impl ProfileVm {
         }
         // No credential outlives its machine (agent_gone revoked those of
         // the processes it closed; this catches any record it did not see).
-        let revoked = lock(&self.procs).revoke_all();
+        let revoked = self.procs.locked().revoke_all();
         if revoked > 0 {
             tracing::debug!(revoked, "egress credentials revoked with the machine");
         }

@@ -46,7 +46,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, ProfileVm, ProfileVmError};
+use super::{ProfileVm, ProfileVmError};
+use vmm::sync::MutexExt;
+use vmm::sync::RwLockExt;
 
 /// Frames queued towards the agent before senders wait.
 const AGENT_QUEUE: usize = 256;
@@ -152,7 +154,7 @@ impl AgentLink {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
-            let mut pending = lock(&self.pending);
+            let mut pending = self.pending.locked();
             if pending.len() >= self.max_pending {
                 return Err(ProfileVmError::Busy {
                     op: name,
@@ -205,7 +207,7 @@ impl AgentLink {
 
     /// The error of a request on a link that ended.
     fn gone_error(&self) -> ProfileVmError {
-        match lock(&self.violation).clone() {
+        match self.violation.locked().clone() {
             Some(why) => ProfileVmError::Agent(why),
             None => ProfileVmError::AgentGone,
         }
@@ -213,7 +215,7 @@ impl AgentLink {
 
     /// Why the link ended, when the agent broke the protocol.
     pub(super) fn violation(&self) -> Option<String> {
-        lock(&self.violation).clone()
+        self.violation.locked().clone()
     }
 }
 
@@ -228,7 +230,7 @@ pub struct PendingCall {
 
 impl Drop for PendingCall {
     fn drop(&mut self) {
-        lock(&self.pending).remove(&self.id);
+        self.pending.locked().remove(&self.id);
     }
 }
 
@@ -269,7 +271,7 @@ impl AgentLink {
         let why = self
             .violation()
             .unwrap_or_else(|| "the guest agent disconnected".into());
-        for (_, tx) in lock(&self.pending).drain() {
+        for (_, tx) in self.pending.locked().drain() {
             let _ = tx.send(Reply {
                 result: Err(why.clone()),
                 payload: vec![],
@@ -304,7 +306,7 @@ impl AgentLink {
 
     /// Records that the agent broke the protocol (the first reason wins).
     fn set_violation(&self, why: String) {
-        lock(&self.violation).get_or_insert(why);
+        self.violation.locked().get_or_insert(why);
     }
 }
 
@@ -394,7 +396,7 @@ impl ProfileVm {
             reader_done,
             hello,
         });
-        *self.link.write().unwrap_or_else(|p| p.into_inner()) = Some(link.clone());
+        *self.link.write_locked() = Some(link.clone());
         tokio::spawn(link_writer(wr, rx));
         let reader = tokio::spawn(link_reader(Arc::downgrade(self), link.clone(), rd, done_tx));
         (link, reader)
@@ -579,7 +581,7 @@ async fn link_reader(
         };
         match header {
             AgentMessage::Response { id, error, result } => {
-                let tx = lock(&link.pending).remove(&id);
+                let tx = link.pending.locked().remove(&id);
                 match tx {
                     Some(tx) => {
                         let result = match error {

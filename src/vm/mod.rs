@@ -48,6 +48,7 @@ pub use processes::{
     max_processes, SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV,
 };
 pub use storage::{session_disk_bytes, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB};
+use vmm::sync::{MutexExt, RwLockExt};
 
 /// Default deadline of one agent request.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -90,12 +91,6 @@ pub enum ProfileVmError {
         backend: &'static str,
         disk: PathBuf,
     },
-}
-
-/// Locks `m`, taking over a lock poisoned by a panicking holder (the
-/// daemon keeps serving rather than panicking in turn).
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A running machine as the controller holds it.
@@ -155,15 +150,15 @@ impl ProfileVm {
     }
 
     pub fn touch(&self) {
-        *lock(&self.last_activity) = Instant::now();
+        *self.last_activity.locked() = Instant::now();
     }
 
     pub fn idle_for(&self) -> Duration {
-        lock(&self.last_activity).elapsed()
+        self.last_activity.locked().elapsed()
     }
 
     fn link(&self) -> Option<Arc<AgentLink>> {
-        self.link.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.link.read_locked().clone()
     }
 
     pub fn is_guest_connected(&self) -> bool {
@@ -187,7 +182,7 @@ impl ProfileVm {
         let mut refreshed = 0;
         if let Ok(secret) = RealSecret::new(token.clone()) {
             let cells: Vec<SecretCell> = {
-                let mut weak = lock(&self.oauth_cells);
+                let mut weak = self.oauth_cells.locked();
                 weak.retain(|w| w.strong_count() > 0);
                 weak.iter().filter_map(SecretCell::upgrade).collect()
             };
@@ -196,13 +191,13 @@ impl ProfileVm {
                 refreshed += 1;
             }
         }
-        *lock(&self.approved_token) = Some(proto::Secret(token));
+        *self.approved_token.locked() = Some(proto::Secret(token));
         refreshed
     }
 
     /// Keeps a weak handle on a spawn's OAuth token cell for refreshes.
     fn track_oauth_cell(&self, cell: &crate::egress::secrets::SecretCell) {
-        let mut weak = lock(&self.oauth_cells);
+        let mut weak = self.oauth_cells.locked();
         weak.retain(|w| w.strong_count() > 0);
         weak.push(cell.downgrade());
     }

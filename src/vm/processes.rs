@@ -39,13 +39,14 @@ use std::path::Path;
 use guest_agent::proto::{self, AgentMessage, MountMode, MountSpec, Op};
 use serde_json::{json, Value};
 
-use super::{lock, ProfileVm, ProfileVmError, CALL_TIMEOUT};
+use super::{ProfileVm, ProfileVmError, CALL_TIMEOUT};
 use crate::backend::HostPaths;
 use crate::egress::secrets::{Carrier, RealSecret, SecretCell, SpawnSecrets, Substituter};
 use crate::egress::{self, Credential, EgressProxy, Policy, GUEST_PROXY_PORT};
 use crate::events;
 use crate::protocol::event;
 use crate::utf8::Utf8Stream;
+use vmm::sync::MutexExt;
 
 /// Exited process records kept for `isProcessRunning`.
 pub const EXITED_RECORDS: usize = 4096;
@@ -285,7 +286,7 @@ pub struct SpawnRequest {
 impl ProfileVm {
     pub(super) async fn flush_output(&self, id: &str) {
         let (out, err) = {
-            let mut procs = lock(&self.procs);
+            let mut procs = self.procs.locked();
             match procs.map.get_mut(id) {
                 Some(r) => (r.stdout.finish(), r.stderr.finish()),
                 None => (None, None),
@@ -301,7 +302,7 @@ impl ProfileVm {
 
     /// Whether `id` is a process this VM runs (its spawn may be in flight).
     fn runs_process(&self, id: &str) -> bool {
-        lock(&self.procs).map.get(id).is_some_and(|r| r.running)
+        self.procs.locked().map.get(id).is_some_and(|r| r.running)
     }
 
     /// Routes one unsolicited agent message; `false` when it was dropped
@@ -320,7 +321,7 @@ impl ProfileVm {
                     return false;
                 }
                 self.flush_output(&id).await;
-                lock(&self.procs).mark_exited(&id, exit_code);
+                self.procs.locked().mark_exited(&id, exit_code);
                 tracing::debug!(id = %id, exit_code, signal = signal.as_deref(), "process exited");
                 self.hub
                     .publish(&event::exit(
@@ -355,7 +356,7 @@ impl ProfileVm {
     async fn on_output(&self, stdout: bool, id: String, bytes: &[u8]) -> bool {
         let stream = if stdout { "stdout" } else { "stderr" };
         let frame = {
-            let mut procs = lock(&self.procs);
+            let mut procs = self.procs.locked();
             let Some(rec) = procs.map.get_mut(&id).filter(|r| r.running) else {
                 return false;
             };
@@ -428,7 +429,7 @@ impl ProfileVm {
             }
         }
         if spec.oauth_token.is_none() {
-            spec.oauth_token = lock(&self.approved_token).clone();
+            spec.oauth_token = self.approved_token.locked().clone();
         }
         let secrets = substitute_credentials(&mut spec, &mut |cell| self.track_oauth_cell(cell))?;
         // Revoked by the record (dropped on every path that does not start
@@ -447,7 +448,7 @@ impl ProfileVm {
         }
         spec.egress_proxy = Some(proto::Secret(url));
         {
-            let mut procs = lock(&self.procs);
+            let mut procs = self.procs.locked();
             if procs.map.get(&spec.id).is_some_and(|r| r.running) {
                 return Err(ProfileVmError::Invalid(format!(
                     "a process with id {:?} is already running",
@@ -485,7 +486,7 @@ impl ProfileVm {
                 Ok(json!({ "failedMounts": failed }))
             }
             Err(e) => {
-                let mut procs = lock(&self.procs);
+                let mut procs = self.procs.locked();
                 if procs.map.get(&id).is_some_and(|r| r.running) {
                     procs.map.remove(&id);
                 }
@@ -524,7 +525,7 @@ impl ProfileVm {
     }
 
     pub fn process_status(&self, id: &str) -> Value {
-        let procs = lock(&self.procs);
+        let procs = self.procs.locked();
         match procs.map.get(id) {
             Some(r) if r.running => json!({"running": true}),
             Some(ProcRecord {
@@ -535,7 +536,8 @@ impl ProfileVm {
     }
 
     fn session_of(&self, process_id: &str) -> Option<String> {
-        lock(&self.procs)
+        self.procs
+            .locked()
             .map
             .get(process_id)
             .map(|r| r.session.clone())
@@ -577,7 +579,8 @@ impl ProfileVm {
 
     /// Sessions with a live process (the janitor must not touch them).
     pub(super) fn live_sessions(&self) -> HashSet<String> {
-        lock(&self.procs)
+        self.procs
+            .locked()
             .map
             .values()
             .filter(|r| r.running)

@@ -12,8 +12,9 @@ use guest_agent::proto::Op;
 use serde_json::{json, Value};
 
 use super::link::AgentLink;
-use super::{lock, ProfileVm, ProfileVmError, CALL_TIMEOUT};
+use super::{ProfileVm, ProfileVmError, CALL_TIMEOUT};
 use crate::protocol::{event, step};
+use vmm::sync::MutexExt;
 
 impl ProfileVm {
     /// Records the SDK to install and installs it now when the guest is up.
@@ -32,7 +33,7 @@ impl ProfileVm {
                 return Err(e);
             }
         };
-        *lock(&self.sdk) = Some((rel.clone(), version.to_string()));
+        *self.sdk.locked() = Some((rel.clone(), version.to_string()));
         let Ok(link) = self.connected_link() else {
             // Installed (with its startup steps) when the guest connects.
             return Ok(json!({"installed": false, "pending": true}));

@@ -7,6 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::sync::MutexExt;
 use vmm_sys_util::eventfd::EventFd;
 
 /// The exit signal could not be made.
@@ -51,7 +52,7 @@ impl ExitSignal {
 
     /// Records `reason` unless one was recorded already, and wakes the loop.
     pub fn request(&self, reason: ExitReason) {
-        let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.reason.locked();
         if r.is_none() {
             tracing::debug!(?reason, "VM exit requested");
             *r = Some(reason);
@@ -64,10 +65,7 @@ impl ExitSignal {
 
     /// The recorded reason, if any.
     pub fn reason(&self) -> Option<ExitReason> {
-        self.reason
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.reason.locked().clone()
     }
 
     /// The eventfd the event loop waits on.

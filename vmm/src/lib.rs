@@ -31,6 +31,7 @@ pub mod memory;
 pub mod mptable;
 pub mod seccomp;
 pub mod sparse;
+pub mod sync;
 pub mod threadfs;
 pub mod vcpu;
 pub mod virtio;

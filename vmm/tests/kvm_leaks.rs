@@ -8,6 +8,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
+use vmm::sync::MutexExt;
 use vmm::virtio::testdev::PatternDevice;
 use vmm::{Config, ExitReason, Vm};
 
@@ -72,7 +73,7 @@ fn boot(cpus: u8, cmdline: &str) -> ExitReason {
 
 #[test]
 fn no_fd_or_thread_survives_a_run() {
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _alone = ONE_AT_A_TIME.locked();
     // Warm up: guest build, one-time signal handler installation.
     assert_eq!(boot(1, "quiet"), ExitReason::Reset);
     std::thread::sleep(std::time::Duration::from_millis(100));
@@ -101,7 +102,7 @@ fn no_fd_or_thread_survives_a_run() {
 
 #[test]
 fn every_fd_of_a_running_vm_is_close_on_exec() {
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _alone = ONE_AT_A_TIME.locked();
     let before = fd_set();
     let mut c = Config::new(common::build_guest("linux64"));
     c.cmdline = "halt".into();

@@ -14,6 +14,7 @@ use std::io;
 use std::os::fd::IntoRawFd;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use vmm::sync::MutexExt;
 
 use tracing::error;
 use vmm::seccomp::{self, Filter, Mode, ThreadClass};
@@ -111,20 +112,14 @@ impl ExitEvent {
     pub(crate) fn for_worker(&self) -> Option<(EventConsumer, EventNotifier)> {
         let consumer = self.consumer.try_clone().ok()?;
         let notifier = self.notifier.try_clone().ok()?;
-        self.handed_out
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(consumer.as_raw_fd());
+        self.handed_out.locked().push(consumer.as_raw_fd());
         Some((consumer, notifier))
     }
 
     /// The descriptors handed out so far (tests).
     #[cfg(test)]
     fn handed_out(&self) -> Vec<RawFd> {
-        self.handed_out
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.handed_out.locked().clone()
     }
 }
 

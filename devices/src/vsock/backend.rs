@@ -33,6 +33,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use vmm::sync::MutexExt;
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 /// Default time [`VsockHost::connect`] waits for the guest to accept.
@@ -115,18 +116,15 @@ impl Shared {
     pub(crate) fn targets(&self) -> MutexGuard<'_, HashMap<u32, Target>> {
         // A panic while holding the lock cannot leave the map inconsistent
         // (single insert/remove operations), so poisoning is ignored.
-        self.targets.lock().unwrap_or_else(|e| e.into_inner())
+        self.targets.locked()
     }
 
     pub(crate) fn take_requests(&self) -> VecDeque<Request> {
-        std::mem::take(&mut *self.requests.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.requests.locked())
     }
 
     fn push(&self, req: Request) -> io::Result<()> {
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(req);
+        self.requests.locked().push_back(req);
         self.wake.write(1)
     }
 }

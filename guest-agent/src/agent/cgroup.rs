@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::sync::MutexExt;
 use crate::sys;
 
 /// Errors of cgroup handling.
@@ -110,7 +111,7 @@ impl Cgroups {
             .or_else(|_| fs::read_to_string(cg.path.join("memory.oom_control")))
             .ok()
             .and_then(|s| parse_oom_kills(&s));
-        let mut stale = self.stale.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stale = self.stale.locked();
         stale.push(cg.path);
         stale.retain(|p| fs::remove_dir(p).is_err() && p.exists());
         ooms
@@ -119,7 +120,7 @@ impl Cgroups {
     /// Kills whatever is left in every process cgroup (`cgroup.kill`) and
     /// removes the ones that are empty.
     pub fn kill_leftovers(&self) {
-        let mut stale = self.stale.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stale = self.stale.locked();
         for p in stale.iter() {
             let _ = fs::write(p.join("cgroup.kill"), "1");
         }

@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 
 use super::outbox::Outbox;
 use crate::proto::AgentMessage;
+use crate::sync::MutexExt;
 
 /// Errors of a guest-originated request.
 #[derive(Debug, thiserror::Error)]
@@ -55,7 +56,7 @@ impl GuestRequests {
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<Answer>>> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+        self.pending.locked()
     }
 
     /// Sends `method(params)` to the client and waits up to `timeout` for its answer.

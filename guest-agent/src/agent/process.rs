@@ -51,6 +51,7 @@ use super::outbox::Outbox;
 use super::reaper::{ExitStatus, Reaper};
 use super::users::{self, Home, UserDb};
 use crate::proto::{self, AgentMessage, SpawnSpec};
+use crate::sync::MutexExt;
 use crate::sys;
 use crate::{janitor, names, signal};
 
@@ -303,7 +304,7 @@ impl Processes {
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
+        self.table.locked()
     }
 
     /// Starts a process (see the module doc). The caller queues the

@@ -20,6 +20,7 @@ use std::process::Child;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::sync::MutexExt;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::oneshot;
 
@@ -88,7 +89,7 @@ impl Reaper {
 
     fn lock(&self) -> MutexGuard<'_, Waiters> {
         // A poisoned lock only means a panic elsewhere; the map is still sound.
-        self.waiters.lock().unwrap_or_else(|p| p.into_inner())
+        self.waiters.locked()
     }
 
     /// Runs `spawn` (which forks) with the reaper locked and registers the

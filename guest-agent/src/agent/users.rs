@@ -57,6 +57,7 @@ use std::sync::Mutex;
 
 use crate::names;
 use crate::proto;
+use crate::sync::MutexExt;
 use crate::sys;
 
 /// Where the account database lives in the guest.
@@ -236,7 +237,7 @@ pub fn derived_login(session: &str, uid: u32) -> String {
 }
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+    LOCK.locked()
 }
 
 /// Creates (if needed) the home of `session` below `sessions_root` with its
@@ -424,7 +425,7 @@ impl UserDb {
     }
 
     fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, SessionUser>> {
-        self.known.lock().unwrap_or_else(|p| p.into_inner())
+        self.known.locked()
     }
 
     /// Makes sure `session`'s user exists (see the module doc). Refuses uid

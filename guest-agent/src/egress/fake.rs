@@ -20,6 +20,7 @@
 //! the pool size, at most a few tens of MiB with maximal names) and is lost
 //! when the agent restarts.
 
+use crate::sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -135,7 +136,7 @@ impl FakePool {
     /// consistent enough (each update is a few map operations), so a
     /// poisoned lock is used as is rather than taking the agent down.
     fn lock(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
+        self.table.locked()
     }
 
     /// The address for `name` ([`normalise`]d; `None` when invalid): the one

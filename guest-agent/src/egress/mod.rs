@@ -56,6 +56,7 @@ pub use spawns::{ProxyCredential, Spawns, Ticket};
 pub use upstream::Upstream;
 
 use crate::proto;
+use crate::sync::MutexExt;
 
 /// Where the relay listens in production: loopback only, so nothing but
 /// local programs can use it.
@@ -236,7 +237,7 @@ fn spawn_capture(ctx: flows::FlowContext, hold: GateHold) -> PendingCapture {
 
 /// The capture thread's work (once: whoever takes it first).
 fn install_capture(work: &Mutex<Option<CaptureWork>>) {
-    let taken = work.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let taken = work.locked().take();
     let Some((ctx, tx, hold, handed_over)) = taken else {
         return;
     };
@@ -314,7 +315,7 @@ impl RateLimitedLog {
     }
 
     fn allow_at(&self, now: Instant) -> bool {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.locked();
         let (start, used, held) = &mut *s;
         if now.saturating_duration_since(*start) >= LOG_WINDOW {
             if *held > 0 {

@@ -16,6 +16,7 @@
 //! Limits: one credential per pid; a pid registered again replaces the old
 //! entry (the old one's [`Ticket`] then no longer removes anything).
 
+use crate::sync::MutexExt;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -132,7 +133,7 @@ impl Spawns {
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
+        self.table.locked()
     }
 
     /// Registers `pid` with the credential of its proxy URL. `None` (the

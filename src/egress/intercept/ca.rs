@@ -27,6 +27,7 @@ use rcgen::{
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::sign::CertifiedKey;
 use time::OffsetDateTime;
+use vmm::sync::MutexExt;
 
 /// How long the CA certificate is valid from its creation.
 pub const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
@@ -136,7 +137,7 @@ impl InterceptCa {
         if !self.hosts.contains(&host) {
             return Err(CaError::NotAnApiHost(host));
         }
-        let mut leaves = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+        let mut leaves = self.leaves.locked();
         if let Some(leaf) = leaves.get(&host) {
             if leaf.not_after - now > LEAF_RENEW_BEFORE {
                 return Ok(leaf.key.clone());

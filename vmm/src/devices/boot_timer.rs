@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::bus::BusDevice;
+use crate::sync::MutexExt;
 
 /// Most milestones kept.
 pub const MAX_RECORDS: usize = 256;
@@ -48,16 +49,12 @@ impl BootTimer {
 
     /// Recorded milestones, oldest first.
     pub fn marks(&self) -> Vec<BootMark> {
-        self.state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .marks
-            .clone()
+        self.state.locked().marks.clone()
     }
 
     /// Writes dropped because the record was full.
     pub fn dropped(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).dropped
+        self.state.locked().dropped
     }
 }
 
@@ -75,7 +72,7 @@ impl BusDevice for BootTimer {
         b[..data.len()].copy_from_slice(data);
         let value = u32::from_le_bytes(b);
         tracing::info!(value, at_us = at.as_micros() as u64, "guest boot milestone");
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.locked();
         if s.marks.len() < MAX_RECORDS {
             s.marks.push(BootMark { at, value });
         } else {

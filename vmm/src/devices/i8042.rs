@@ -10,6 +10,7 @@ use vm_superio::{I8042Device, Trigger};
 use crate::bus::BusDevice;
 use crate::exit::ExitReason;
 use crate::exit::ExitSignal;
+use crate::sync::MutexExt;
 
 /// Trigger that turns the CPU-reset command into a VM exit.
 pub struct ResetTrigger(Arc<ExitSignal>);
@@ -37,18 +38,14 @@ impl BusDevice for I8042 {
     fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {
-            *first = self.0.lock().unwrap_or_else(|p| p.into_inner()).read(off);
+            *first = self.0.locked().read(off);
         }
     }
 
     fn write(&self, offset: u64, data: &[u8]) {
         if let (Some(v), Ok(off)) = (data.first(), u8::try_from(offset)) {
             // The trigger is infallible.
-            let _ = self
-                .0
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .write(off, *v);
+            let _ = self.0.locked().write(off, *v);
         }
     }
 }

@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::PlatformDeviceError;
 use crate::bus::BusDevice;
+use crate::sync::MutexExt;
 
 /// Where the guest's serial output goes.
 pub type SerialSink = Box<dyn Write + Send>;
@@ -108,7 +109,7 @@ impl Serial {
 
     /// Writes out any partial line.
     pub fn flush(&self) {
-        let mut u = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut u = self.0.locked();
         if let Err(e) = u.writer_mut().drain() {
             tracing::warn!("serial sink: {e}");
         }
@@ -119,18 +120,13 @@ impl BusDevice for Serial {
     fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let (Some(first), Ok(off)) = (data.first_mut(), u8::try_from(offset)) {
-            *first = self.0.lock().unwrap_or_else(|p| p.into_inner()).read(off);
+            *first = self.0.locked().read(off);
         }
     }
 
     fn write(&self, offset: u64, data: &[u8]) {
         if let (Some(v), Ok(off)) = (data.first(), u8::try_from(offset)) {
-            if let Err(e) = self
-                .0
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .write(off, *v)
-            {
+            if let Err(e) = self.0.locked().write(off, *v) {
                 tracing::debug!("serial write: {e}");
             }
         }

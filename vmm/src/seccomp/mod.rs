@@ -58,9 +58,10 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::str::FromStr;
-use std::sync::{mpsc, Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
+use crate::sync::MutexExt;
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
@@ -630,7 +631,7 @@ impl Filter {
             Mode::On => SeccompAction::Errno(libc::EPERM as u32),
             Mode::Log => SeccompAction::Log,
         };
-        let mut cache = cache().lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cache = cache().locked();
         if let Some(f) = cache.get(&(class, mode)) {
             return Ok(Some(f.clone()));
         }
@@ -706,7 +707,7 @@ fn spawner() -> &'static Mutex<Option<mpsc::Sender<Job>>> {
 /// would inherit the filter), before the threads that will need it are
 /// filtered.
 pub fn start_spawner() -> Result<(), SeccompError> {
-    let mut slot = spawner().lock().unwrap_or_else(PoisonError::into_inner);
+    let mut slot = spawner().locked();
     if slot.is_some() {
         return Ok(());
     }
@@ -737,8 +738,7 @@ pub fn spawn_unfiltered<T: Send + 'static>(
         return builder.spawn(f);
     }
     let sender = spawner()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
+        .locked()
         .clone()
         .ok_or_else(|| io::Error::other("the VMM's thread spawner was not started"))?;
     let (tx, rx) = mpsc::sync_channel(1);

@@ -1,6 +1,7 @@
 use std::ffi::CString;
 
 use super::*;
+use crate::sync::MutexExt;
 
 /// Runs `f` on a new thread that installed `class`'s filter in `mode`
 /// first, and returns what `f` returned.
@@ -329,7 +330,7 @@ fn a_filtered_thread_spawns_unfiltered_threads_through_the_spawner() {
 fn the_spawner_refuses_to_start_on_a_filtered_thread() {
     // A fresh slot is not available per test; check the guard directly.
     let r = filtered(ThreadClass::Vcpu, Mode::On, || {
-        let slot = spawner().lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = spawner().locked();
         let running = slot.is_some();
         drop(slot);
         (running, start_spawner())

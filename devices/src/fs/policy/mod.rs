@@ -74,7 +74,7 @@ use std::collections::HashSet;
 use std::ffi::CStr;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use fuse_backend_rs::abi::fuse_abi::{stat64, statvfs64, CreateIn};
@@ -87,6 +87,7 @@ use fuse_backend_rs::passthrough::{CachePolicy, Config, PassthroughFs};
 use tracing::debug;
 
 use super::{GrantMode, GrantOwner, GRANT_ATTR_TTL, GRANT_ENTRY_TTL};
+use vmm::sync::MutexExt;
 
 /// The id a chown request uses for "leave unchanged" (`(uid_t)-1`).
 const UNCHANGED_ID: u32 = u32::MAX;
@@ -408,7 +409,7 @@ impl GrantFs {
     }
 
     fn created_set(&self) -> MutexGuard<'_, HashSet<HostId>> {
-        self.created.lock().unwrap_or_else(PoisonError::into_inner)
+        self.created.locked()
     }
 
     fn refuse(&self, op: &'static str, code: i32, why: &'static str) -> io::Error {
@@ -488,7 +489,7 @@ impl GrantFs {
         if self.mode != GrantMode::Rw {
             return remove();
         }
-        let _serial = self.deletion.lock().unwrap_or_else(PoisonError::into_inner);
+        let _serial = self.deletion.locked();
         let t = self.target(ctx, parent, name)?;
         self.check_created(op, &t)?;
         remove()?;
@@ -713,7 +714,7 @@ impl FileSystem for GrantFs {
                 .inner
                 .rename(ctx, olddir, oldname, newdir, newname, flags);
         }
-        let _serial = self.deletion.lock().unwrap_or_else(PoisonError::into_inner);
+        let _serial = self.deletion.locked();
         let source = self.target(ctx, olddir, oldname)?;
         self.check_created("rename", &source)?;
         // With RENAME_NOREPLACE nothing is replaced: an existing target

@@ -45,7 +45,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use fuse_backend_rs::abi::fuse_abi::{stat64, statvfs64, CreateIn};
@@ -60,6 +60,7 @@ use super::policy::{GrantFs, GrantFsError};
 use super::{
     GrantMode, GrantOwner, MAX_GRANTS, MAX_MOUNT_NAME, MAX_NAME_COMPONENT, VIRTUAL_DIR_TTL,
 };
+use vmm::sync::MutexExt;
 
 /// Bit position of the grant's filesystem index in a `Vfs` inode number.
 const FS_INDEX_SHIFT: u32 = VFS_MAX_INO.count_ones();
@@ -374,7 +375,7 @@ impl SessionFs {
     }
 
     fn table(&self) -> MutexGuard<'_, BTreeMap<GrantId, GrantRecord>> {
-        self.grants.lock().unwrap_or_else(PoisonError::into_inner)
+        self.grants.locked()
     }
 
     /// Grants `host_path` (a directory or regular file; symlinks in it are

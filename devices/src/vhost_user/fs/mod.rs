@@ -62,6 +62,7 @@ use crate::fs::device::{
 };
 use crate::fs::SessionFs;
 use crate::vhost_user::{ExitEvent, ThreadFilter};
+use vmm::sync::RwLockExt;
 
 /// Guest memory as the vhost-user-backend crate maps it.
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -188,7 +189,7 @@ impl VhostUserFsBackend {
     }
 
     fn memory(&self) -> Mem {
-        self.mem.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.mem.read_locked().clone()
     }
 
     /// Serves every available chain of `vring` (queue `index`).
@@ -279,7 +280,7 @@ impl VhostUserBackend for VhostUserFsBackend {
 
     fn update_memory(&self, mem: Mem) -> io::Result<()> {
         self.filter.apply()?;
-        *self.mem.write().unwrap_or_else(|p| p.into_inner()) = mem;
+        *self.mem.write_locked() = mem;
         Ok(())
     }
 

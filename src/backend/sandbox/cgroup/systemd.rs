@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use super::v2::{self, Values};
 use super::{detect, CgroupError, HostFacts, Layout, Origin, SandboxCgroup};
 use crate::backend::sandbox::limits::{Enforcement, Limits};
+use vmm::sync::MutexExt;
 
 /// The hidden subcommand the probe scope runs.
 pub const PROBE_SUBCOMMAND: &str = "__cgroup-probe";
@@ -73,7 +74,7 @@ impl Manager {
 /// `systemd-run --version`'s major version, read once per program.
 fn version(program: &Path) -> Option<u32> {
     static VERSIONS: Mutex<Vec<(PathBuf, Option<u32>)>> = Mutex::new(Vec::new());
-    let mut cache = VERSIONS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut cache = VERSIONS.locked();
     if let Some((_, v)) = cache.iter().find(|(p, _)| p == program) {
         return *v;
     }
@@ -157,8 +158,7 @@ pub(super) fn prepare(
     let version = version(&manager.program);
     let scope_command = command(&manager.program, manager.user, version, limits, name);
     let remembered = PROBED
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+        .locked()
         .iter()
         .find(|(user, _)| *user == manager.user)
         .map(|(_, e)| e.clone());
@@ -176,10 +176,7 @@ pub(super) fn prepare(
             probe.push(PROBE_SUBCOMMAND.to_string());
             let values = run_probe(&probe)?;
             let e = v2::verify(&values, limits, facts.no_swap(), "systemd scope");
-            PROBED
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((manager.user, e.clone()));
+            PROBED.locked().push((manager.user, e.clone()));
             e
         }
     };

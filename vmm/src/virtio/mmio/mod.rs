@@ -39,6 +39,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 use super::VirtioInterrupt;
 use super::{features, status, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice};
 use crate::guest_log;
+use crate::sync::MutexExt;
 
 /// Offset of MagicValue (R): always [`MAGIC_VALUE`].
 pub const MAGIC: u64 = 0x000;
@@ -488,7 +489,7 @@ impl MmioTransport {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock would be a VMM bug; the register
         // state is still consistent enough to keep serving the guest.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn status_value(&self, st: &State) -> u32 {
