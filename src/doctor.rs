@@ -26,10 +26,10 @@ use std::ffi::CString;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
+use crate::backend::choice::{resolve_backend, BackendChoice};
 use crate::backend::image::{GuestImage, ImageSearch};
 use crate::backend::userland::{self, UserlandChoice, UserlandKind, BUNDLE_ROOTFS_FILE};
 use crate::backend::BackendKind;
-use crate::cli::{resolve_backend, BackendChoice};
 use crate::hostfs::{is_executable, on_path, path_dirs};
 use crate::install::{self, Found};
 

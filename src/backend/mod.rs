@@ -17,6 +17,7 @@
 //!
 //! Limits: one machine per [`boot`]; the VM backends are x86_64 only.
 
+pub mod choice;
 pub mod console;
 pub mod fsgrants;
 pub mod guest;
