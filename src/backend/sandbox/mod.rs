@@ -595,6 +595,17 @@ impl Sandbox {
             self.release_cgroup().await;
             return;
         }
+        if self.agent_pidfd.as_ref().is_some_and(pidfd_exited) {
+            // PID 1 already ended by itself (the link closed first): the
+            // init is about to pass its status on. Waiting for that keeps
+            // the real cause (an exit code, a SIGSEGV) rather than
+            // reporting the helper's kill.
+            if let Ok(status) = tokio::time::timeout(KILL_TIMEOUT, self.child.wait()).await {
+                self.finish(status);
+                self.release_cgroup().await;
+                return;
+            }
+        }
         self.killed = true;
         let agent_signalled = self.agent_pidfd.as_ref().is_some_and(|fd| {
             match sys::pidfd_send_signal(fd.as_fd(), libc::SIGKILL) {
@@ -721,6 +732,19 @@ async fn read_status(fd: OwnedFd) -> io::Result<Vec<u8>> {
 
 /// A pidfd for `pid` if it is (still) the child of `parent`: the pidfd pins
 /// the process, so the check after opening it is free of pid-reuse races.
+/// Whether the process behind `pidfd` has ended (a pidfd reads as ready
+/// once its process exits, zombie or reaped).
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd on the stack, zero timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & libc::POLLIN != 0
+}
+
 fn open_child_pidfd(pid: i32, parent: u32) -> Option<OwnedFd> {
     let fd = match sys::pidfd_open(pid) {
         Ok(fd) => fd,
