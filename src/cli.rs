@@ -25,6 +25,11 @@ use crate::backend::image::ImageSearch;
 use crate::backend::userland::UserlandChoice;
 use crate::daemon::{Daemon, Settings};
 
+/// Environment variable of `--seccomp`.
+pub const SECCOMP_ENV: &str = "COWORK_SECCOMP";
+/// Environment variable of `--guest-thp`.
+pub const GUEST_THP_ENV: &str = "COWORK_GUEST_THP";
+
 /// Socket file name inside `$XDG_RUNTIME_DIR`, as the client expects it.
 pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
 
@@ -128,8 +133,18 @@ pub struct Cli {
     /// backend's vhost-user servers): each may make only the system calls
     /// its job needs. `off` disables them (with a
     /// warning), `log` only has the kernel log what they would refuse.
-    #[arg(long, env = vmm::seccomp::SECCOMP_ENV, value_enum, default_value = "on")]
+    #[arg(long, env = SECCOMP_ENV, value_enum, default_value = "on")]
     pub seccomp: SeccompArg,
+    /// `off` maps the kvm backend's guest RAM without the huge-page advice
+    /// (anything else means on).
+    #[arg(
+        long,
+        env = GUEST_THP_ENV,
+        value_name = "on|off",
+        default_value = "on",
+        value_parser = parse_guest_thp
+    )]
+    pub guest_thp: vmm::memory::Backing,
     /// An API host whose TLS the egress proxy terminates to put the real
     /// credential in place of a session's placeholder (repeat for a
     /// gateway such as your ANTHROPIC_BASE_URL's host; the environment
@@ -447,6 +462,16 @@ fn install_command(a: &InstallArgs, install: bool) -> i32 {
     }
 }
 
+/// `--guest-thp`: `off` (any case) maps guest RAM without the huge-page
+/// advice; anything else keeps it, as the variable always was read.
+fn parse_guest_thp(text: &str) -> Result<vmm::memory::Backing, std::convert::Infallible> {
+    Ok(if text.trim().eq_ignore_ascii_case("off") {
+        vmm::memory::Backing::AnonymousBasePages
+    } else {
+        vmm::memory::Backing::Anonymous
+    })
+}
+
 /// An `--api-host` value: a DNS name (no port, no address), lower-cased.
 fn parse_api_host(text: &str) -> Result<String, String> {
     match crate::egress::Host::parse(text.trim()) {
@@ -544,6 +569,8 @@ pub fn main(args: Vec<String>) -> i32 {
                 mem_mib: mem,
                 cpus,
                 allow_unsuitable_kvm: force,
+                memory_backing: cli.guest_thp,
+                seccomp: cli.seccomp.into(),
             })
         }
         None => serve(cli),
@@ -577,12 +604,12 @@ fn serve(cli: Cli) -> i32 {
         fs_xattr: cli.fs_xattr,
         userland: cli.userland.into(),
         seccomp: cli.seccomp.into(),
+        guest_thp: cli.guest_thp,
     };
     match settings.seccomp {
         vmm::seccomp::Mode::On => {}
         vmm::seccomp::Mode::Off => tracing::warn!(
-            "seccomp filters are OFF (--seccomp=off / {}=off): a guest that takes over a vCPU or device thread can make any system call this helper can",
-            vmm::seccomp::SECCOMP_ENV
+            "seccomp filters are OFF (--seccomp=off / {SECCOMP_ENV}=off): a guest that takes over a vCPU or device thread can make any system call this helper can"
         ),
         vmm::seccomp::Mode::Log => tracing::warn!(
             "seccomp filters only LOG (--seccomp=log): calls the tables would refuse are allowed and logged by the kernel (dmesg); use it to report a missing entry, not for everyday use"
@@ -705,13 +732,14 @@ mod tests {
             seccomp: cli.seccomp.into(),
             images: ImageSearch::default(),
             api_hosts: cli.api_hosts.clone(),
+            guest_thp: cli.guest_thp,
         };
         assert!(settings.fs_options().xattr);
     }
 
     #[test]
     fn seccomp_is_on_unless_turned_off() {
-        if std::env::var_os(vmm::seccomp::SECCOMP_ENV).is_none() {
+        if std::env::var_os(SECCOMP_ENV).is_none() {
             let cli = Cli::try_parse_from(["h", "--socket", "/x"]).unwrap();
             assert_eq!(
                 vmm::seccomp::Mode::from(cli.seccomp),

@@ -52,6 +52,8 @@ pub struct Settings {
     /// Seccomp filters of the VM backends' device and vCPU threads
     /// (`--seccomp`).
     pub seccomp: vmm::seccomp::Mode,
+    /// How the kvm backend backs guest RAM (`--guest-thp`).
+    pub guest_thp: vmm::memory::Backing,
     /// Where the VM backends look for the guest image and the userland.
     pub images: crate::backend::image::ImageSearch,
     /// The API hosts whose credentials the egress proxy swaps in
@@ -328,6 +330,7 @@ impl Daemon {
                     fs: self.settings.fs_options(),
                     userland: self.settings.userland,
                     seccomp: self.settings.seccomp,
+                    memory_backing: self.settings.guest_thp,
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null

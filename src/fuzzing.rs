@@ -73,6 +73,7 @@ fn settings() -> Settings {
         seccomp: Default::default(),
         images: Default::default(),
         api_hosts: Vec::new(),
+        guest_thp: Default::default(),
     }
 }
 

@@ -319,6 +319,8 @@ async fn start(
     // vCPUs, the event loop and device workers filter their system calls
     // (vmm::seccomp) unless the daemon runs with --seccomp=off.
     config.seccomp = opts.seccomp;
+    // Huge pages advised unless the daemon runs with --guest-thp off.
+    config.memory_backing = opts.memory_backing;
     // Runs on the vCPU thread that writes the UART: it only buffers, logs
     // and pushes.
     config.serial = Some(Box::new(ConsoleLines::new(console.clone(), "serial")));

@@ -214,6 +214,9 @@ pub struct BootOptions {
     /// `--seccomp`): the kvm backend's VM threads, the qemu backend's
     /// vhost-user servers.
     pub seccomp: vmm::seccomp::Mode,
+    /// How the kvm backend backs guest RAM (the daemon's `--guest-thp`:
+    /// huge pages advised unless `off`).
+    pub memory_backing: vmm::memory::Backing,
 }
 
 /// Boots `cfg.backend`.

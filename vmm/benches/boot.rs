@@ -24,6 +24,11 @@
 //!    as `Backing::Anonymous` (huge pages advised, aligned) and as
 //!    `Backing::AnonymousBasePages`, config → reset medians: what a guest
 //!    pays for first touching its memory.
+//!
+//! Environment (read here, the library reads none): `VMM_BENCH_ITERS` (runs,
+//! default 50), `VMM_BENCH_VERBOSE` (print each in-process run's timeline),
+//! and, as the helper's flags would set them, `COWORK_GUEST_THP=off` (base
+//! pages for reports 1 to 4) and `COWORK_SECCOMP` (`off`, `log`; default on).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -41,6 +46,23 @@ fn monotonic_ns() -> u128 {
     ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128
 }
 
+/// Guest memory backing as the helper's `--guest-thp` reads
+/// `COWORK_GUEST_THP`: `off` advises no huge pages.
+fn backing_from_env() -> vmm::memory::Backing {
+    match std::env::var("COWORK_GUEST_THP") {
+        Ok(v) if v.trim().eq_ignore_ascii_case("off") => vmm::memory::Backing::AnonymousBasePages,
+        _ => vmm::memory::Backing::Anonymous,
+    }
+}
+
+/// Seccomp as the helper's `--seccomp` reads `COWORK_SECCOMP` (default on;
+/// an unknown word is refused).
+fn seccomp_from_env() -> vmm::seccomp::Mode {
+    std::env::var("COWORK_SECCOMP")
+        .map(|w| w.parse().expect("COWORK_SECCOMP: on, off or log"))
+        .unwrap_or_default()
+}
+
 fn child(kernel: &str) -> ! {
     if kernel == "noop" {
         std::process::exit(0);
@@ -50,6 +72,8 @@ fn child(kernel: &str) -> ! {
         let mut c = vmm::Config::new(kernel);
         c.cmdline = "quiet".into();
         c.mem_mib = 256;
+        c.memory_backing = backing_from_env();
+        c.seccomp = seccomp_from_env();
         let mut vm = vmm::Vm::build(c).expect("build");
         let reason = vm.run().expect("run");
         assert!(matches!(reason, vmm::ExitReason::Reset), "{reason:?}");
@@ -60,6 +84,8 @@ fn child(kernel: &str) -> ! {
     let mut a = vmm::cli::VmRunArgs::new(kernel);
     a.cmdline = Some("quiet".into());
     a.mem_mib = 256;
+    a.memory_backing = backing_from_env();
+    a.seccomp = seccomp_from_env();
     std::process::exit(vmm::cli::vm_run(a));
 }
 
@@ -75,7 +101,13 @@ fn main() {
     let kernel = common::build_guest("linux64");
     let exe = std::env::current_exe().expect("current_exe");
 
-    let r = vmm::bench::in_process(&kernel, "quiet", 256, 1, n).expect("in-process bench");
+    let r = vmm::bench::in_process_backed(&kernel, "quiet", 256, 1, backing_from_env(), n)
+        .expect("in-process bench");
+    if std::env::var_os("VMM_BENCH_VERBOSE").is_some() {
+        for t in &r.timelines {
+            eprint!("{t}");
+        }
+    }
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     println!(
         "in-process, 256 MiB, 1 vCPU, {} runs (medians):",

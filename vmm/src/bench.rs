@@ -60,6 +60,10 @@ pub struct InProcessReport {
     /// Peak RSS of this process minus its RSS before the first VM, in KiB
     /// (includes the guest pages the guest touched).
     pub rss_growth_kib: u64,
+    /// Each run's boot timeline as `vm run` prints it (formatted after the
+    /// run, outside the measured spans; the bench prints them with
+    /// `VMM_BENCH_VERBOSE`).
+    pub timelines: Vec<String>,
 }
 
 /// Reads a `kB` field of /proc/self/status.
@@ -71,7 +75,8 @@ pub fn proc_status_kib(field: &str) -> Option<u64> {
 }
 
 /// Boots `kernel` (a guest that resets or powers off by itself) with
-/// `cmdline` `n` times.
+/// `cmdline` `n` times, guest memory backed as by default
+/// ([`Backing::Anonymous`], huge pages advised).
 pub fn in_process(
     kernel: &Path,
     cmdline: &str,
@@ -79,7 +84,7 @@ pub fn in_process(
     vcpus: u8,
     n: usize,
 ) -> Result<InProcessReport, BenchError> {
-    in_process_backed(kernel, cmdline, mem_mib, vcpus, Backing::from_env(), n)
+    in_process_backed(kernel, cmdline, mem_mib, vcpus, Backing::Anonymous, n)
 }
 
 /// [`in_process`] with guest memory backed as `backing`.
@@ -97,6 +102,7 @@ pub fn in_process_backed(
     let rss_before = proc_status_kib("VmRSS").unwrap_or(0);
     let (mut builds, mut firsts, mut exits, mut teardowns) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut timelines = Vec::with_capacity(n);
     for _ in 0..n {
         let mut c = Config::new(kernel);
         c.mem_mib = mem_mib;
@@ -110,9 +116,7 @@ pub fn in_process_backed(
         }
         let t = vm.timeline();
         tracing::debug!(?t, "bench iteration");
-        if std::env::var_os("VMM_BENCH_VERBOSE").is_some() {
-            eprint!("{}", crate::cli::format_timeline(t, Some(&reason)));
-        }
+        timelines.push(crate::cli::format_timeline(t, Some(&reason)));
         builds.push(t.build);
         firsts.push(t.first_run.unwrap_or_default());
         exits.push(t.exit.unwrap_or_default());
@@ -126,6 +130,7 @@ pub fn in_process_backed(
         exit: median(&exits),
         teardown: median(&teardowns),
         rss_growth_kib: hwm.saturating_sub(rss_before),
+        timelines,
     })
 }
 

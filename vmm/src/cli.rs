@@ -21,6 +21,8 @@ use std::time::Duration;
 use crate::exit::ExitReason;
 use crate::kvm_check;
 use crate::machine::{Config, Timeline, Vm, DEFAULT_CMDLINE};
+use crate::memory::Backing;
+use crate::seccomp;
 
 /// Arguments of `vm run`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,10 +39,15 @@ pub struct VmRunArgs {
     pub cpus: u8,
     /// Boot a Linux payload even if [`kvm_check::linux_capable`] says no.
     pub allow_unsuitable_kvm: bool,
+    /// How guest memory is backed (the helper's `--guest-thp`).
+    pub memory_backing: Backing,
+    /// Seccomp filters of the VM's threads (the helper's `--seccomp`).
+    pub seccomp: seccomp::Mode,
 }
 
 impl VmRunArgs {
-    /// Defaults: 256 MiB, 1 vCPU, default command line.
+    /// Defaults: 256 MiB, 1 vCPU, default command line, huge pages advised,
+    /// seccomp on.
     pub fn new(kernel: impl Into<PathBuf>) -> Self {
         Self {
             kernel: kernel.into(),
@@ -49,6 +56,8 @@ impl VmRunArgs {
             mem_mib: 256,
             cpus: 1,
             allow_unsuitable_kvm: false,
+            memory_backing: Backing::Anonymous,
+            seccomp: seccomp::Mode::On,
         }
     }
 }
@@ -99,6 +108,8 @@ pub fn vm_run(args: VmRunArgs) -> i32 {
         .unwrap_or_else(|| DEFAULT_CMDLINE.to_string());
     config.mem_mib = args.mem_mib;
     config.vcpus = args.cpus;
+    config.memory_backing = args.memory_backing;
+    config.seccomp = args.seccomp;
     config.serial = Some(Box::new(std::io::stdout()));
     drop(err);
 

@@ -60,8 +60,9 @@ pub struct Config {
     pub mem_mib: u64,
     /// Number of vCPUs (1..=254).
     pub vcpus: u8,
-    /// How guest memory is backed (default: [`Backing::from_env`], huge
-    /// pages unless `COWORK_GUEST_THP=off`).
+    /// How guest memory is backed (default: [`Backing::Anonymous`], huge
+    /// pages advised; the helper's `--guest-thp off` picks
+    /// [`Backing::AnonymousBasePages`]).
     pub memory_backing: Backing,
     /// Where COM1 output goes (`None`: discarded).
     pub serial: Option<SerialSink>,
@@ -73,16 +74,16 @@ pub struct Config {
     /// index), an irqfd for the interrupt, a `virtio_mmio.device=` entry on
     /// the command line and an `LNRO0005` device in the DSDT.
     pub virtio_devices: Vec<Box<dyn VirtioDevice>>,
-    /// Seccomp filters of the VM's threads (default: what
-    /// [`seccomp::SECCOMP_ENV`] says, else [`seccomp::Mode::On`]; see
-    /// [`crate::seccomp`]).
+    /// Seccomp filters of the VM's threads (default: [`seccomp::Mode::On`];
+    /// the helper passes its `--seccomp`; see [`crate::seccomp`]).
     pub seccomp: seccomp::Mode,
 }
 
 impl Config {
-    /// A config with 1 vCPU, 256 MiB, anonymous memory, no initrd, no
-    /// devices, serial discarded, [`DEFAULT_CMDLINE`], and seccomp as
-    /// [`seccomp::Mode::from_env`] says.
+    /// A config with 1 vCPU, 256 MiB, anonymous memory with huge pages
+    /// advised, no initrd, no devices, serial discarded,
+    /// [`DEFAULT_CMDLINE`], and seccomp on. Nothing comes from the
+    /// environment: the caller sets what differs.
     pub fn new(kernel: impl Into<PathBuf>) -> Self {
         Self {
             kernel: kernel.into(),
@@ -90,10 +91,10 @@ impl Config {
             cmdline: DEFAULT_CMDLINE.to_string(),
             mem_mib: 256,
             vcpus: 1,
-            memory_backing: Backing::from_env(),
+            memory_backing: Backing::Anonymous,
             serial: None,
             virtio_devices: Vec::new(),
-            seccomp: seccomp::Mode::from_env(),
+            seccomp: seccomp::Mode::On,
         }
     }
 }

@@ -18,8 +18,9 @@
 //! (no compaction). The cost is host memory in 2 MiB steps where the guest
 //! touches a frame sparsely; the balloon's free page reporting releases
 //! whole 2 MiB blocks (its reporting order), so freed memory still goes
-//! back. [`Backing::AnonymousBasePages`] (`COWORK_GUEST_THP=off`) maps
-//! without the advice or the alignment.
+//! back. [`Backing::AnonymousBasePages`] (the helper's `--guest-thp off`,
+//! `COWORK_GUEST_THP=off`) maps without the advice or the alignment. The
+//! caller picks; nothing here reads the environment.
 //!
 //! Limits: the alignment is best effort. Kernels since 6.7 align large
 //! anonymous mappings themselves; on older ones [`create`] leaves an
@@ -43,10 +44,6 @@ pub type GuestMemory = GuestMemoryMmap<()>;
 /// directory entry maps it): guest RAM's host address is aligned to it.
 pub const HUGE_PAGE: usize = 2 << 20;
 
-/// Environment variable that turns transparent huge pages for guest RAM
-/// off (`off`); see [`Backing::from_env`].
-pub const THP_ENV: &str = "COWORK_GUEST_THP";
-
 /// How guest RAM is backed on the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backing {
@@ -61,17 +58,6 @@ pub enum Backing {
     /// A memfd mapped `MAP_SHARED | MAP_NORESERVE` (shareable with vhost-user
     /// backends through [`GuestRam::memfd`]).
     Memfd,
-}
-
-impl Backing {
-    /// [`Backing::AnonymousBasePages`] when [`THP_ENV`] is `off`, else
-    /// [`Backing::Anonymous`].
-    pub fn from_env() -> Backing {
-        match std::env::var(THP_ENV) {
-            Ok(v) if v.trim().eq_ignore_ascii_case("off") => Backing::AnonymousBasePages,
-            _ => Backing::Anonymous,
-        }
-    }
 }
 
 /// Errors creating guest memory.

@@ -67,10 +67,6 @@ use seccompiler::{
     SeccompRule, TargetArch,
 };
 
-/// Environment variable that sets the default [`Mode`] (`on`, `off`,
-/// `log`); the helper's `--seccomp` flag reads it.
-pub const SECCOMP_ENV: &str = "COWORK_SECCOMP";
-
 /// Name of the process-wide thread that creates device worker threads on
 /// behalf of filtered threads (see [`spawn_unfiltered`]).
 pub const SPAWNER_THREAD_NAME: &str = "vmm-spawner";
@@ -93,26 +89,12 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// The word `--seccomp` and [`SECCOMP_ENV`] use.
+    /// The word the helper's `--seccomp` (`COWORK_SECCOMP`) uses.
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::On => "on",
             Mode::Off => "off",
             Mode::Log => "log",
-        }
-    }
-}
-
-impl Mode {
-    /// The mode [`SECCOMP_ENV`] asks for, [`Mode::On`] when it is unset; an
-    /// unknown word is logged and means [`Mode::On`].
-    pub fn from_env() -> Mode {
-        match std::env::var(SECCOMP_ENV) {
-            Ok(word) => word.parse().unwrap_or_else(|e: SeccompError| {
-                tracing::warn!("{SECCOMP_ENV}: {e}; keeping seccomp on");
-                Mode::On
-            }),
-            Err(_) => Mode::On,
         }
     }
 }
@@ -139,7 +121,7 @@ impl FromStr for Mode {
 /// Errors of building, installing or spawning under filters.
 #[derive(Debug, thiserror::Error)]
 pub enum SeccompError {
-    /// An unknown `--seccomp` / [`SECCOMP_ENV`] word.
+    /// An unknown `--seccomp` (`COWORK_SECCOMP`) word.
     #[error("unknown seccomp mode {0:?}: use on, off or log")]
     BadMode(String),
     /// seccompiler refused the table (a bug in the table).
@@ -153,7 +135,7 @@ pub enum SeccompError {
     /// The kernel refused the filter.
     #[error(
         "cannot install the seccomp filter of the {class} threads: {reason}; \
-         this kernel may lack seccomp filters (run with --seccomp=off or {SECCOMP_ENV}=off)"
+         this kernel may lack seccomp filters (run with --seccomp=off or COWORK_SECCOMP=off)"
     )]
     Install {
         /// Which class.
