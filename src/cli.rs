@@ -23,12 +23,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 pub use crate::backend::choice::{auto_backend, resolve_backend, BackendChoice};
 use crate::backend::image::ImageSearch;
 use crate::backend::userland::UserlandChoice;
+use crate::backend::{BackendKind, BootOptions};
 use crate::daemon::{Daemon, Settings};
-
-/// Environment variable of `--seccomp`.
-pub const SECCOMP_ENV: &str = "COWORK_SECCOMP";
-/// Environment variable of `--guest-thp`.
-pub const GUEST_THP_ENV: &str = "COWORK_GUEST_THP";
+use crate::hostfs::HostEnv;
 
 /// Socket file name inside `$XDG_RUNTIME_DIR`, as the client expects it.
 pub const SOCKET_NAME: &str = "claude-cowork-vm.sock";
@@ -96,6 +93,13 @@ impl From<UserlandArg> for UserlandChoice {
     }
 }
 
+/// `help_heading` of the options only the VM backends use.
+const VM_HEADING: &str = "VM backends (qemu, kvm)";
+
+/// The command line. Every serving option also comes from its `COWORK_*`
+/// variable (clap's `env`; a flag wins); [`ENV_ONLY`] lists the variables
+/// read without a flag. The two make [`Settings`] ([`Cli::settings`]), the
+/// one value the rest of the helper is configured by.
 #[derive(Debug, Parser)]
 #[command(
     name = "cowork-helper",
@@ -114,37 +118,17 @@ pub struct Cli {
     #[arg(long, env = "COWORK_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Stop a VM after this many seconds without any connected client (0 = never).
-    #[arg(long, env = "COWORK_IDLE_TIMEOUT", default_value_t = 900)]
-    pub idle_timeout: u64,
-    /// Let the VM read and set extended attributes (`user.*`, POSIX ACLs) on
-    /// the shared folders. Off by default, as in virtiofsd: serving them
-    /// costs the guest a round trip to the helper before the first write to
-    /// every file (the kernel asks for `security.capability`).
-    #[arg(long, env = "COWORK_FS_XATTR")]
-    pub fs_xattr: bool,
-    /// Which userland sessions run in under the VM backends: `auto` prefers
-    /// the client bundle's rootfs.img when it validates, then our Debian
-    /// image's rootfs.img, then the busybox initramfs; the others force one
-    /// (startVM fails when it is unusable).
-    #[arg(long, env = "COWORK_USERLAND", value_enum, default_value = "auto")]
-    pub userland: UserlandArg,
-    /// Seccomp filters on the threads that handle guest data (the kvm
-    /// backend's vCPUs, VMM event loop and device workers, the qemu
-    /// backend's vhost-user servers): each may make only the system calls
-    /// its job needs. `off` disables them (with a
-    /// warning), `log` only has the kernel log what they would refuse.
-    #[arg(long, env = SECCOMP_ENV, value_enum, default_value = "on")]
-    pub seccomp: SeccompArg,
-    /// `off` maps the kvm backend's guest RAM without the huge-page advice
-    /// (anything else means on).
     #[arg(
         long,
-        env = GUEST_THP_ENV,
-        value_name = "on|off",
-        default_value = "on",
-        value_parser = parse_guest_thp
+        env = "COWORK_IDLE_TIMEOUT",
+        default_value_t = crate::daemon::DEFAULT_IDLE_TIMEOUT.as_secs()
     )]
-    pub guest_thp: vmm::memory::Backing,
+    pub idle_timeout: u64,
+    /// The helper's log filter, in `tracing` syntax (`debug`,
+    /// `info,cowork_helper::egress=debug`); one that does not parse means
+    /// info. The sandbox's agent logs with it too. Default: info.
+    #[arg(long = "log", env = LOG_ENV, value_name = "FILTER")]
+    pub log: Option<String>,
     /// An API host whose TLS the egress proxy terminates to put the real
     /// credential in place of a session's placeholder (repeat for a
     /// gateway such as your ANTHROPIC_BASE_URL's host; the environment
@@ -158,6 +142,120 @@ pub struct Cli {
         value_parser = parse_api_host
     )]
     pub api_hosts: Vec<String>,
+    /// Let the VM read and set extended attributes (`user.*`, POSIX ACLs) on
+    /// the shared folders. Off by default, as in virtiofsd: serving them
+    /// costs the guest a round trip to the helper before the first write to
+    /// every file (the kernel asks for `security.capability`).
+    #[arg(long, env = "COWORK_FS_XATTR", help_heading = VM_HEADING)]
+    pub fs_xattr: bool,
+    /// Which userland sessions run in under the VM backends: `auto` prefers
+    /// the client bundle's rootfs.img when it validates, then our Debian
+    /// image's rootfs.img, then the busybox initramfs; the others force one
+    /// (startVM fails when it is unusable).
+    #[arg(
+        long,
+        env = "COWORK_USERLAND",
+        value_enum,
+        default_value = "auto",
+        help_heading = VM_HEADING
+    )]
+    pub userland: UserlandArg,
+    /// Seccomp filters on the threads that handle guest data (the kvm
+    /// backend's vCPUs, VMM event loop and device workers, the qemu
+    /// backend's vhost-user servers): each may make only the system calls
+    /// its job needs. `off` disables them (with a
+    /// warning), `log` only has the kernel log what they would refuse.
+    #[arg(
+        long,
+        env = SECCOMP_ENV,
+        value_enum,
+        default_value = "on",
+        help_heading = VM_HEADING
+    )]
+    pub seccomp: SeccompArg,
+    /// The guest image directory (vmlinuz, initramfs, image-info); when
+    /// given it must hold one, and nothing else is tried after startVM's
+    /// bundlePath. Default: the installed or checkout's image.
+    #[arg(
+        long,
+        env = crate::backend::image::IMAGE_DIR_ENV,
+        value_name = "DIR",
+        value_parser = path_or_empty(),
+        help_heading = VM_HEADING
+    )]
+    pub guest_image_dir: Option<PathBuf>,
+    /// The guest agent's log filter (one word of letters, digits and
+    /// `_=,:.-`, at most 200 characters; anything else is ignored).
+    /// Default: the agent's (info).
+    #[arg(
+        long,
+        env = crate::backend::guest::GUEST_LOG_ENV,
+        value_name = "FILTER",
+        help_heading = VM_HEADING
+    )]
+    pub guest_log: Option<String>,
+    /// `off` maps the kvm backend's guest RAM without the huge-page advice
+    /// (anything else means on).
+    #[arg(
+        long,
+        env = GUEST_THP_ENV,
+        value_name = "on|off",
+        default_value = "on",
+        value_parser = parse_guest_thp,
+        help_heading = VM_HEADING
+    )]
+    pub guest_thp: vmm::memory::Backing,
+    /// The QEMU binary: a path, or a name looked up in PATH.
+    /// Default: qemu-system-x86_64.
+    #[arg(
+        long,
+        env = crate::backend::qemu::QEMU_ENV,
+        value_name = "PATH",
+        value_parser = path_or_empty(),
+        help_heading = VM_HEADING
+    )]
+    pub qemu: Option<PathBuf>,
+    /// Force QEMU's accelerator, `kvm` or `tcg` (anything else fails
+    /// startVM). Default: kvm where /dev/kvm can run Linux, else tcg.
+    #[arg(
+        long,
+        env = crate::backend::qemu::ACCEL_ENV,
+        value_name = "kvm|tcg",
+        help_heading = VM_HEADING
+    )]
+    pub qemu_accel: Option<String>,
+    /// Client connections served at once (a positive number, else the
+    /// default; tests and unusual deployments).
+    #[arg(
+        long,
+        env = crate::server::MAX_CONNECTIONS_ENV,
+        value_name = "N",
+        default_value_t = crate::server::MAX_CLIENT_CONNECTIONS,
+        value_parser = cap_or(crate::server::MAX_CLIENT_CONNECTIONS),
+        hide = true
+    )]
+    pub max_connections: usize,
+    /// Processes per profile (a positive number, else the default; tests).
+    #[arg(
+        long,
+        env = crate::vm::MAX_PROCESSES_ENV,
+        value_name = "N",
+        default_value_t = crate::vm::MAX_PROCESSES,
+        value_parser = cap_or(crate::vm::MAX_PROCESSES),
+        hide = true
+    )]
+    pub max_processes: usize,
+    /// Agent requests awaiting an answer per VM (a positive number, else
+    /// the default; tests).
+    #[arg(
+        long,
+        env = crate::vm::MAX_PENDING_ENV,
+        value_name = "N",
+        default_value_t = crate::vm::MAX_PENDING_REQUESTS,
+        value_parser = cap_or(crate::vm::MAX_PENDING_REQUESTS),
+        hide = true
+    )]
+    pub max_pending_requests: usize,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -346,9 +444,14 @@ pub struct ImageBuildArgs {
     /// root, else the data directory's userland/).
     #[arg(long, value_name = "DIR")]
     pub output: Option<PathBuf>,
-    /// Build cache (default: $COWORK_GUEST_CACHE, else
-    /// /var/cache/cowork-helper as root, else $XDG_CACHE_HOME/cowork-helper).
-    #[arg(long, value_name = "DIR")]
+    /// Build cache (default: /var/cache/cowork-helper as root, else
+    /// $XDG_CACHE_HOME/cowork-helper).
+    #[arg(
+        long,
+        env = crate::image_build::CACHE_ENV,
+        value_name = "DIR",
+        value_parser = path_or_empty()
+    )]
     pub cache: Option<PathBuf>,
     /// Debian archive to install from (default: the host's apt sources'
     /// Debian archive).
@@ -360,14 +463,20 @@ pub struct ImageBuildArgs {
 }
 
 impl ImageBuildArgs {
-    /// The build's options, with the data directory `data_dir`.
-    pub fn options(&self, data_dir: &std::path::Path) -> crate::image_build::Options {
+    /// The build's options, with the data directory `data_dir` and the
+    /// host's variables `host`.
+    pub fn options(
+        &self,
+        data_dir: &std::path::Path,
+        host: &HostEnv,
+    ) -> crate::image_build::Options {
         crate::image_build::Options::new(
             self.output.clone(),
             self.cache.clone(),
             self.mirror.clone(),
             self.refresh,
             data_dir,
+            host,
         )
     }
 }
@@ -408,11 +517,208 @@ pub enum VmCommand {
     },
 }
 
+// ------------------------------------------------------------ the settings
+
+/// Environment variable of `--log`: the helper's log filter.
+pub const LOG_ENV: &str = "COWORK_LOG";
+/// Environment variable of `--seccomp`.
+pub const SECCOMP_ENV: &str = "COWORK_SECCOMP";
+/// Environment variable of `--guest-thp`.
+pub const GUEST_THP_ENV: &str = "COWORK_GUEST_THP";
+
+/// An environment variable the helper reads without a flag: a test hook
+/// or one of the host's standard variables (see [`ENV_ONLY`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EnvOnly {
+    /// The variable.
+    pub name: &'static str,
+    /// The setting its value becomes (who reads it, through [`Settings`]).
+    pub reader: &'static str,
+    /// What it is for.
+    pub purpose: &'static str,
+}
+
+/// Every environment variable the helper reads besides those of its flags
+/// (clap's `env`, see [`Cli`]): [`Environment::read`] reads these and no
+/// other, and docs/configuration.md documents each. Test hooks have no
+/// flag, so `--help` never shows them; the client cannot set any of them.
+pub const ENV_ONLY: &[EnvOnly] = &[
+    EnvOnly {
+        name: crate::backend::guest::GUEST_ROOT_SESSION_ENV,
+        reader: "BootOptions::guest_root_session (backend::guest, the VM's kernel command line)",
+        purpose: "test hook: this session's processes run as guest root",
+    },
+    EnvOnly {
+        name: crate::backend::sandbox::AGENT_WRAPPER_ENV,
+        reader: "BootOptions::sandbox_agent_wrapper (backend::boot)",
+        purpose: "test hook: a program the sandbox runs in front of the agent",
+    },
+    EnvOnly {
+        name: crate::backend::sandbox::cgroup::DISABLE_ENV,
+        reader: "BootOptions::sandbox_cgroup_disabled (backend::sandbox, doctor)",
+        purpose: "test hook: the sandbox gets no cgroup (the rlimit stand-ins)",
+    },
+    EnvOnly {
+        name: "PATH",
+        reader: "HostEnv::path (QEMU, systemd-run, mmdebstrap, doctor's checks)",
+        purpose: "where programs named without a directory are found",
+    },
+    EnvOnly {
+        name: "XDG_RUNTIME_DIR",
+        reader: "HostEnv::runtime_dir (the default socket, VM run directories, the systemd user manager)",
+        purpose: "the user's runtime directory",
+    },
+    EnvOnly {
+        name: "TMPDIR",
+        reader: "HostEnv::temp_dir (VM run directories when the runtime directory does not fit, image build)",
+        purpose: "the temporary directory (default /tmp)",
+    },
+    EnvOnly {
+        name: "HOME",
+        reader: "HostEnv::home (the default data directory, image build's cache, doctor's client bundle)",
+        purpose: "the user's home",
+    },
+    EnvOnly {
+        name: "XDG_DATA_HOME",
+        reader: "HostEnv::data_home (the default data directory)",
+        purpose: "the user's data directory",
+    },
+    EnvOnly {
+        name: "XDG_CACHE_HOME",
+        reader: "HostEnv::cache_home (image build's default cache)",
+        purpose: "the user's cache directory",
+    },
+    EnvOnly {
+        name: "XDG_CONFIG_HOME",
+        reader: "HostEnv::config_home (doctor: the client's bundle)",
+        purpose: "the user's configuration directory",
+    },
+    EnvOnly {
+        name: "https_proxy",
+        reader: "Settings::https_proxy (egress::EgressDialer)",
+        purpose: "an upstream proxy the egress proxy dials through",
+    },
+    EnvOnly {
+        name: "HTTPS_PROXY",
+        reader: "Settings::https_proxy, when https_proxy is unset or empty",
+        purpose: "as https_proxy",
+    },
+    EnvOnly {
+        name: "no_proxy",
+        reader: "Settings::no_proxy (egress::EgressDialer)",
+        purpose: "what bypasses the upstream proxy",
+    },
+    EnvOnly {
+        name: "NO_PROXY",
+        reader: "Settings::no_proxy, when no_proxy is unset or empty",
+        purpose: "as no_proxy",
+    },
+];
+
+/// `name`'s value, even empty, which must be one of [`ENV_ONLY`].
+fn env_only_raw(name: &str) -> Option<std::ffi::OsString> {
+    debug_assert!(
+        ENV_ONLY.iter().any(|v| v.name == name),
+        "{name} is read but not listed in ENV_ONLY"
+    );
+    std::env::var_os(name)
+}
+
+/// `name`'s value, which must be one of [`ENV_ONLY`]; empty counts as
+/// unset.
+fn env_only(name: &str) -> Option<std::ffi::OsString> {
+    env_only_raw(name).filter(|v| !v.is_empty())
+}
+
+/// What the variables of [`ENV_ONLY`] say: read once by
+/// [`Environment::read`], made by hand in tests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Environment {
+    /// `PATH`, the XDG directories, `HOME`, `TMPDIR`.
+    pub host: HostEnv,
+    /// `https_proxy`, else `HTTPS_PROXY`.
+    pub https_proxy: Option<String>,
+    /// `no_proxy`, else `NO_PROXY`.
+    pub no_proxy: Option<String>,
+    /// [`crate::backend::guest::GUEST_ROOT_SESSION_ENV`].
+    pub guest_root_session: Option<String>,
+    /// [`crate::backend::sandbox::AGENT_WRAPPER_ENV`], when an absolute path.
+    pub sandbox_agent_wrapper: Option<PathBuf>,
+    /// [`crate::backend::sandbox::cgroup::DISABLE_ENV`] is set (to anything).
+    pub sandbox_cgroup_disabled: bool,
+}
+
+impl Environment {
+    /// Reads this process's environment (the variables of [`ENV_ONLY`]).
+    pub fn read() -> Environment {
+        let path = |name| env_only(name).map(PathBuf::from);
+        let text = |name| env_only(name).and_then(|v| v.into_string().ok());
+        Environment {
+            host: HostEnv {
+                // Unset and empty are the same to a PATH search.
+                path: env_only("PATH").unwrap_or_default(),
+                runtime_dir: path("XDG_RUNTIME_DIR"),
+                temp_dir: path("TMPDIR")
+                    .unwrap_or_else(|| PathBuf::from(crate::hostfs::DEFAULT_TEMP_DIR)),
+                home: path("HOME"),
+                data_home: path("XDG_DATA_HOME"),
+                cache_home: path("XDG_CACHE_HOME"),
+                config_home: path("XDG_CONFIG_HOME"),
+            },
+            https_proxy: text("https_proxy").or_else(|| text("HTTPS_PROXY")),
+            no_proxy: text("no_proxy").or_else(|| text("NO_PROXY")),
+            guest_root_session: text(crate::backend::guest::GUEST_ROOT_SESSION_ENV),
+            sandbox_agent_wrapper: path(crate::backend::sandbox::AGENT_WRAPPER_ENV)
+                .filter(|p| p.is_absolute()),
+            // Set at all, even empty, as the hook always meant.
+            sandbox_cgroup_disabled: env_only_raw(crate::backend::sandbox::cgroup::DISABLE_ENV)
+                .is_some(),
+        }
+    }
+}
+
+/// A cap's parser: a positive number, else (zero, not a number) `default`,
+/// as the variables always were read.
+fn cap_or(
+    default: usize,
+) -> impl Fn(&str) -> Result<usize, std::convert::Infallible> + Clone + Send + Sync + 'static {
+    move |text| {
+        Ok(text
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .unwrap_or(default))
+    }
+}
+
+/// A path whose variable may be set empty, which means unset (clap's
+/// own path parser refuses an empty value); any bytes, as the variables
+/// always were read.
+fn path_or_empty() -> impl clap::builder::TypedValueParser<Value = PathBuf> {
+    use clap::builder::TypedValueParser;
+    clap::builder::OsStringValueParser::new().map(PathBuf::from)
+}
+
+/// `--guest-thp`: `off` (any case) maps guest RAM without the huge-page
+/// advice; anything else keeps it, as the variable always was read.
+fn parse_guest_thp(text: &str) -> Result<vmm::memory::Backing, std::convert::Infallible> {
+    Ok(if text.trim().eq_ignore_ascii_case("off") {
+        vmm::memory::Backing::AnonymousBasePages
+    } else {
+        vmm::memory::Backing::Anonymous
+    })
+}
+
 impl Cli {
-    /// `--data-dir`, else the default, made absolute (the sandbox binds it
-    /// into the guest).
-    pub fn data_dir_or_default(&self) -> PathBuf {
-        let data_dir = self.data_dir.clone().unwrap_or_else(default_data_dir);
+    /// `--data-dir`, else the default (`$XDG_DATA_HOME/cowork-helper`,
+    /// `~/.local/share/cowork-helper`, `/var/tmp/cowork-helper`), made
+    /// absolute (the sandbox binds it into the guest).
+    pub fn data_dir_or_default(&self, env: &Environment) -> PathBuf {
+        let data_dir = self
+            .data_dir
+            .clone()
+            .unwrap_or_else(|| default_data_dir(&env.host));
         if data_dir.is_absolute() {
             return data_dir;
         }
@@ -422,8 +728,59 @@ impl Cli {
     }
 
     /// Where this process looks for the guest image and the userland.
-    pub fn image_search(&self) -> ImageSearch {
-        ImageSearch::from_process(Some(self.data_dir_or_default()))
+    pub fn image_search(&self, env: &Environment) -> ImageSearch {
+        ImageSearch::new(
+            self.guest_image_dir.clone(),
+            std::env::current_exe().ok(),
+            Some(self.data_dir_or_default(env)),
+        )
+    }
+
+    /// What every VM's machine gets, before `startVM` fills in its own
+    /// fields: these options and `env`'s.
+    pub fn machine(&self, env: &Environment) -> BootOptions {
+        BootOptions {
+            images: self.image_search(env),
+            fs: devices::fs::SessionFsOptions {
+                xattr: self.fs_xattr,
+                ..Default::default()
+            },
+            userland: self.userland.into(),
+            seccomp: self.seccomp.into(),
+            memory_backing: self.guest_thp,
+            qemu: self.qemu.clone().filter(|q| !q.as_os_str().is_empty()),
+            qemu_accel: self.qemu_accel.clone(),
+            guest_log: self.guest_log.clone(),
+            log: self.log.clone(),
+            guest_root_session: env.guest_root_session.clone(),
+            sandbox_agent_wrapper: env.sandbox_agent_wrapper.clone(),
+            sandbox_cgroup_disabled: env.sandbox_cgroup_disabled,
+            host: env.host.clone(),
+            ..BootOptions::default()
+        }
+    }
+
+    /// The daemon's settings: these options and `env`'s, serving with
+    /// `backend` from the executable `helper_exe`.
+    pub fn settings(
+        &self,
+        env: &Environment,
+        backend: BackendKind,
+        helper_exe: PathBuf,
+    ) -> Settings {
+        Settings {
+            data_dir: self.data_dir_or_default(env),
+            backend,
+            helper_exe,
+            idle_timeout: (self.idle_timeout > 0).then(|| Duration::from_secs(self.idle_timeout)),
+            max_connections: self.max_connections,
+            max_processes: self.max_processes,
+            max_pending_requests: self.max_pending_requests,
+            api_hosts: self.api_hosts.clone(),
+            https_proxy: env.https_proxy.clone(),
+            no_proxy: env.no_proxy.clone(),
+            machine: self.machine(env),
+        }
     }
 }
 
@@ -462,16 +819,6 @@ fn install_command(a: &InstallArgs, install: bool) -> i32 {
     }
 }
 
-/// `--guest-thp`: `off` (any case) maps guest RAM without the huge-page
-/// advice; anything else keeps it, as the variable always was read.
-fn parse_guest_thp(text: &str) -> Result<vmm::memory::Backing, std::convert::Infallible> {
-    Ok(if text.trim().eq_ignore_ascii_case("off") {
-        vmm::memory::Backing::AnonymousBasePages
-    } else {
-        vmm::memory::Backing::Anonymous
-    })
-}
-
 /// An `--api-host` value: a DNS name (no port, no address), lower-cased.
 fn parse_api_host(text: &str) -> Result<String, String> {
     match crate::egress::Host::parse(text.trim()) {
@@ -496,21 +843,19 @@ pub fn normalize_args(args: Vec<String>) -> Vec<String> {
         .collect()
 }
 
-fn default_socket() -> Result<PathBuf, String> {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir).join(SOCKET_NAME)),
-        _ => Err("no -socket given and XDG_RUNTIME_DIR is not set".into()),
+/// `$XDG_RUNTIME_DIR/claude-cowork-vm.sock`, the client's socket.
+fn default_socket(host: &HostEnv) -> Result<PathBuf, String> {
+    match &host.runtime_dir {
+        Some(dir) => Ok(dir.join(SOCKET_NAME)),
+        None => Err("no -socket given and XDG_RUNTIME_DIR is not set".into()),
     }
 }
 
-fn default_data_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("cowork-helper");
-    }
-    if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-        return PathBuf::from(h).join(".local/share/cowork-helper");
-    }
-    PathBuf::from("/var/tmp/cowork-helper")
+/// The data directory when `--data-dir` is not given.
+fn default_data_dir(host: &HostEnv) -> PathBuf {
+    host.data_dir()
+        .map(|d| d.join("cowork-helper"))
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/cowork-helper"))
 }
 
 /// Entry point; returns the process exit code.
@@ -522,6 +867,8 @@ pub fn main(args: Vec<String>) -> i32 {
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
+    // The environment-only variables, read once, here (see ENV_ONLY).
+    let env = Environment::read();
     match cli.command {
         Some(Command::Bench(BenchArgs {
             what: Some(BenchCommand::Boot(ref b)),
@@ -538,9 +885,10 @@ pub fn main(args: Vec<String>) -> i32 {
             let (backend, userland) = d.choices(&cli);
             crate::doctor::run(&crate::doctor::Options {
                 backend,
-                userland: userland.into(),
-                seccomp: cli.seccomp.into(),
-                images: cli.image_search(),
+                machine: BootOptions {
+                    userland: userland.into(),
+                    ..cli.machine(&env)
+                },
                 client_dir: d
                     .client_dir
                     .clone()
@@ -551,7 +899,7 @@ pub fn main(args: Vec<String>) -> i32 {
         Some(Command::Install(ref a)) => install_command(a, true),
         Some(Command::Uninstall(ref a)) => install_command(a, false),
         Some(Command::Image(ImageCommand::Build(ref b))) => {
-            crate::image_build::main(&b.options(&cli.data_dir_or_default()))
+            crate::image_build::main(&b.options(&cli.data_dir_or_default(&env), &env.host))
         }
         Some(Command::Vm(VmCommand::Run {
             kernel,
@@ -561,7 +909,7 @@ pub fn main(args: Vec<String>) -> i32 {
             cpus,
             force,
         })) => {
-            crate::logging::init();
+            crate::logging::init(cli.log.as_deref());
             vmm::cli::vm_run(vmm::cli::VmRunArgs {
                 kernel,
                 initrd,
@@ -573,13 +921,18 @@ pub fn main(args: Vec<String>) -> i32 {
                 seccomp: cli.seccomp.into(),
             })
         }
-        None => serve(cli),
+        None => serve(cli, &env),
     }
 }
 
-fn serve(cli: Cli) -> i32 {
-    crate::logging::init();
-    let socket = match cli.socket.clone().map(Ok).unwrap_or_else(default_socket) {
+fn serve(cli: Cli, env: &Environment) -> i32 {
+    crate::logging::init(cli.log.as_deref());
+    let socket = match cli
+        .socket
+        .clone()
+        .map(Ok)
+        .unwrap_or_else(|| default_socket(&env.host))
+    {
         Ok(s) => s,
         Err(e) => {
             eprintln!("cowork-helper: {e}");
@@ -593,20 +946,10 @@ fn serve(cli: Cli) -> i32 {
             return 1;
         }
     };
-    let (backend, why) = resolve_backend(cli.backend, &cli.image_search());
-    let data_dir = cli.data_dir_or_default();
-    let settings = Settings {
-        images: cli.image_search(),
-        api_hosts: cli.api_hosts.clone(),
-        data_dir,
-        backend,
-        helper_exe,
-        fs_xattr: cli.fs_xattr,
-        userland: cli.userland.into(),
-        seccomp: cli.seccomp.into(),
-        guest_thp: cli.guest_thp,
-    };
-    match settings.seccomp {
+    let machine = cli.machine(env);
+    let (backend, why) = resolve_backend(cli.backend, &machine);
+    let settings = cli.settings(env, backend, helper_exe);
+    match settings.machine.seccomp {
         vmm::seccomp::Mode::On => {}
         vmm::seccomp::Mode::Off => tracing::warn!(
             "seccomp filters are OFF (--seccomp=off / {SECCOMP_ENV}=off): a guest that takes over a vCPU or device thread can make any system call this helper can"
@@ -655,9 +998,7 @@ fn serve(cli: Cli) -> i32 {
             "listening"
         );
         let daemon = Daemon::new(settings);
-        let idle = (cli.idle_timeout > 0).then(|| Duration::from_secs(cli.idle_timeout));
-        let trigger =
-            crate::server::serve(&listener, daemon.clone(), idle, shutdown.requested()).await;
+        let trigger = crate::server::serve(&listener, daemon.clone(), shutdown.requested()).await;
         let began = std::time::Instant::now();
         tracing::info!("{trigger}; shutting down");
         // The socket goes first, while it is surely still ours: nothing new
@@ -678,6 +1019,7 @@ fn serve(cli: Cli) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn api_hosts_default_to_anthropics_and_take_names_only() {
@@ -723,18 +1065,8 @@ mod tests {
         }
         let cli = Cli::try_parse_from(["h", "--socket", "/x", "--fs-xattr"]).unwrap();
         assert!(cli.fs_xattr);
-        let settings = Settings {
-            data_dir: "/d".into(),
-            backend: crate::backend::BackendKind::Qemu,
-            helper_exe: "/h".into(),
-            fs_xattr: cli.fs_xattr,
-            userland: cli.userland.into(),
-            seccomp: cli.seccomp.into(),
-            images: ImageSearch::default(),
-            api_hosts: cli.api_hosts.clone(),
-            guest_thp: cli.guest_thp,
-        };
-        assert!(settings.fs_options().xattr);
+        let settings = cli.settings(&Environment::default(), BackendKind::Qemu, "/h".into());
+        assert!(settings.machine.fs.xattr);
     }
 
     #[test]
@@ -838,5 +1170,199 @@ mod tests {
             parse(&["h", "--backend", "kvm", "doctor", "--backend", "sandbox"]).0,
             BackendChoice::Sandbox
         );
+    }
+
+    #[test]
+    fn every_option_reaches_the_settings() {
+        let cli = Cli::try_parse_from([
+            "h",
+            "--data-dir=/d",
+            "--idle-timeout=0",
+            "--log=debug",
+            "--api-host=llm.corp.example",
+            "--fs-xattr",
+            "--userland=initramfs",
+            "--seccomp=log",
+            "--guest-image-dir=/img",
+            "--guest-log=info,guest_agent=debug",
+            "--guest-thp=off",
+            "--qemu=/opt/qemu",
+            "--qemu-accel=tcg",
+            "--max-connections=3",
+            "--max-processes=4",
+            "--max-pending-requests=5",
+        ])
+        .unwrap();
+        let env = Environment {
+            host: HostEnv {
+                path: "/bin".into(),
+                runtime_dir: Some("/run/user/1".into()),
+                ..HostEnv::default()
+            },
+            https_proxy: Some("http://proxy.example:3128".into()),
+            no_proxy: Some("localhost".into()),
+            guest_root_session: Some("s1".into()),
+            sandbox_agent_wrapper: Some("/w".into()),
+            sandbox_cgroup_disabled: true,
+        };
+        let s = cli.settings(&env, BackendKind::Kvm, "/h".into());
+        assert_eq!(s.data_dir, PathBuf::from("/d"));
+        assert_eq!(s.idle_timeout, None);
+        assert_eq!(
+            (s.max_connections, s.max_processes, s.max_pending_requests),
+            (3, 4, 5)
+        );
+        assert_eq!(s.api_hosts, ["llm.corp.example"]);
+        assert_eq!(s.https_proxy.as_deref(), Some("http://proxy.example:3128"));
+        assert_eq!(s.no_proxy.as_deref(), Some("localhost"));
+        let m = &s.machine;
+        assert!(m.fs.xattr);
+        assert_eq!(m.userland, UserlandChoice::Initramfs);
+        assert_eq!(m.seccomp, vmm::seccomp::Mode::Log);
+        assert_eq!(m.images.env_dir.as_deref(), Some(Path::new("/img")));
+        assert_eq!(m.images.data_dir.as_deref(), Some(Path::new("/d")));
+        assert_eq!(m.guest_log.as_deref(), Some("info,guest_agent=debug"));
+        assert_eq!(m.log.as_deref(), Some("debug"));
+        assert_eq!(m.memory_backing, vmm::memory::Backing::AnonymousBasePages);
+        assert_eq!(m.qemu.as_deref(), Some(Path::new("/opt/qemu")));
+        assert_eq!(m.qemu_accel.as_deref(), Some("tcg"));
+        assert_eq!(m.guest_root_session.as_deref(), Some("s1"));
+        assert_eq!(m.sandbox_agent_wrapper.as_deref(), Some(Path::new("/w")));
+        assert!(m.sandbox_cgroup_disabled);
+        assert_eq!(m.host, env.host);
+        // Nothing of a request yet.
+        assert!(m.bundle_path.is_none() && m.memory_gb.is_none() && m.cpu_count.is_none());
+        assert_eq!(
+            default_socket(&env.host).unwrap(),
+            PathBuf::from("/run/user/1/claude-cowork-vm.sock")
+        );
+        assert!(default_socket(&HostEnv::default()).is_err());
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        // Only where the test's own environment sets none of them (the
+        // variables of clap's env would otherwise apply).
+        let command = <Cli as clap::CommandFactory>::command();
+        let set: Vec<String> = command
+            .get_arguments()
+            .filter_map(|a| a.get_env())
+            .filter(|name| std::env::var_os(name).is_some())
+            .map(|name| name.to_string_lossy().into_owned())
+            .collect();
+        if !set.is_empty() {
+            eprintln!("skipped: the environment sets {set:?}");
+            return;
+        }
+        let cli = Cli::try_parse_from(["h"]).unwrap();
+        let env = Environment {
+            host: HostEnv {
+                home: Some("/home/u".into()),
+                ..HostEnv::default()
+            },
+            ..Environment::default()
+        };
+        let s = cli.settings(&env, BackendKind::Sandbox, "/h".into());
+        assert_eq!(
+            s.data_dir,
+            PathBuf::from("/home/u/.local/share/cowork-helper")
+        );
+        assert_eq!(s.idle_timeout, Some(Duration::from_secs(900)));
+        assert_eq!(s.max_connections, crate::server::MAX_CLIENT_CONNECTIONS);
+        assert_eq!(s.max_processes, crate::vm::MAX_PROCESSES);
+        assert_eq!(s.max_pending_requests, crate::vm::MAX_PENDING_REQUESTS);
+        assert_eq!(s.api_hosts, ["api.anthropic.com"]);
+        assert_eq!((s.https_proxy, s.no_proxy), (None, None));
+        let m = s.machine;
+        assert!(!m.fs.xattr);
+        assert_eq!(m.userland, UserlandChoice::Auto);
+        assert_eq!(m.seccomp, vmm::seccomp::Mode::On);
+        assert_eq!(m.memory_backing, vmm::memory::Backing::Anonymous);
+        assert_eq!(m.images.env_dir, None);
+        assert_eq!((m.qemu, m.qemu_accel), (None, None));
+        assert_eq!((m.log, m.guest_log), (None, None));
+        assert_eq!(m.guest_root_session, None);
+        assert_eq!(m.sandbox_agent_wrapper, None);
+        assert!(!m.sandbox_cgroup_disabled);
+        assert_eq!(
+            default_data_dir(&HostEnv::default()),
+            PathBuf::from("/var/tmp/cowork-helper")
+        );
+        let xdg = HostEnv {
+            data_home: Some("/x".into()),
+            ..env.host
+        };
+        assert_eq!(default_data_dir(&xdg), PathBuf::from("/x/cowork-helper"));
+    }
+
+    #[test]
+    fn empty_paths_mean_unset() {
+        let cli =
+            Cli::try_parse_from(["h", "--qemu=", "--guest-image-dir=", "--qemu-accel="]).unwrap();
+        let m = cli.machine(&Environment::default());
+        assert_eq!(m.qemu, None);
+        assert_eq!(m.images.env_dir, None);
+        assert_eq!(
+            m.qemu_accel.as_deref(),
+            Some(""),
+            "choose_accel takes it as unset"
+        );
+        let cli = Cli::try_parse_from(["h", "image", "build", "--cache="]).unwrap();
+        let Some(Command::Image(ImageCommand::Build(b))) = &cli.command else {
+            panic!("not image build: {:?}", cli.command)
+        };
+        let o = b.options(Path::new("/d"), &HostEnv::default());
+        assert_ne!(o.cache, PathBuf::new());
+    }
+
+    #[test]
+    fn caps_and_guest_thp_read_as_their_variables_always_were() {
+        let cap = cap_or(7);
+        for (text, want) in [
+            ("3", 3),
+            (" 12 ", 12),
+            ("0", 7),
+            ("-1", 7),
+            ("x", 7),
+            ("", 7),
+        ] {
+            assert_eq!(cap(text).unwrap(), want, "{text:?}");
+        }
+        for (text, want) in [
+            ("off", vmm::memory::Backing::AnonymousBasePages),
+            (" OFF ", vmm::memory::Backing::AnonymousBasePages),
+            ("on", vmm::memory::Backing::Anonymous),
+            ("0", vmm::memory::Backing::Anonymous),
+            ("", vmm::memory::Backing::Anonymous),
+        ] {
+            assert_eq!(parse_guest_thp(text).unwrap(), want, "{text:?}");
+        }
+        let cli = Cli::try_parse_from(["h", "--max-processes", "0"]).unwrap();
+        assert_eq!(cli.max_processes, crate::vm::MAX_PROCESSES);
+    }
+
+    #[test]
+    fn test_hooks_and_limits_are_parsed_but_not_in_help() {
+        let top = help(&["h", "--help"]);
+        for hidden in [
+            "--max-connections",
+            "--max-processes",
+            "--max-pending-requests",
+        ] {
+            assert!(!top.contains(hidden), "{hidden} in --help:\n{top}");
+        }
+        for hook in ENV_ONLY.iter().filter(|v| v.name.starts_with("COWORK_")) {
+            assert!(!top.contains(hook.name), "{} in --help", hook.name);
+        }
+        for shown in [
+            "--log",
+            "--guest-log",
+            "--guest-image-dir",
+            "--qemu-accel",
+            "--guest-thp",
+        ] {
+            assert!(top.contains(shown), "{shown} missing from --help:\n{top}");
+        }
+        assert!(top.contains(VM_HEADING), "{top}");
     }
 }

@@ -19,7 +19,7 @@ use base64::Engine;
 use guest_agent::proto::{Op, Secret, SpawnSpec};
 use serde_json::{json, Value};
 
-use crate::backend::{BackendKind, VmConfig};
+use crate::backend::{BackendKind, BootOptions, VmConfig};
 use crate::protocol::*;
 use crate::vm::{ProfileVm, SpawnRequest};
 use vmm::sync::MutexExt;
@@ -39,36 +39,42 @@ pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(6);
 /// process).
 pub const KILL_GRACE: Duration = Duration::from_secs(2);
 
-/// Static daemon settings from the command line.
+/// How long a VM may run with no connected client and no subscriber
+/// before it is stopped, unless `--idle-timeout` says otherwise.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(900);
+
+/// The daemon's settings: built once by [`crate::cli`] from the command
+/// line and the environment (the only place either is read) and passed
+/// down as values.
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub data_dir: PathBuf,
     pub backend: BackendKind,
     pub helper_exe: PathBuf,
-    /// Serve extended attributes on the shared folders (`--fs-xattr`).
-    pub fs_xattr: bool,
-    /// Which userland the VM backends boot into (`--userland`).
-    pub userland: crate::backend::userland::UserlandChoice,
-    /// Seccomp filters of the VM backends' device and vCPU threads
-    /// (`--seccomp`).
-    pub seccomp: vmm::seccomp::Mode,
-    /// How the kvm backend backs guest RAM (`--guest-thp`).
-    pub guest_thp: vmm::memory::Backing,
-    /// Where the VM backends look for the guest image and the userland.
-    pub images: crate::backend::image::ImageSearch,
+    /// Stop a VM after this long without a connected client or subscriber
+    /// (`--idle-timeout`); none: never.
+    pub idle_timeout: Option<Duration>,
+    /// Client connections served at once (`--max-connections`; default
+    /// [`crate::server::MAX_CLIENT_CONNECTIONS`]).
+    pub max_connections: usize,
+    /// Processes per profile (`--max-processes`; default
+    /// [`crate::vm::MAX_PROCESSES`]).
+    pub max_processes: usize,
+    /// Agent requests awaiting an answer per VM (`--max-pending-requests`;
+    /// default [`crate::vm::MAX_PENDING_REQUESTS`]).
+    pub max_pending_requests: usize,
     /// The API hosts whose credentials the egress proxy swaps in
     /// (`--api-host`; see [`crate::egress::intercept`]).
     pub api_hosts: Vec<String>,
-}
-
-impl Settings {
-    /// How the VM backends serve shared folders.
-    pub fn fs_options(&self) -> devices::fs::SessionFsOptions {
-        devices::fs::SessionFsOptions {
-            xattr: self.fs_xattr,
-            ..Default::default()
-        }
-    }
+    /// The upstream proxy the egress proxy dials through (the helper's
+    /// `https_proxy`/`HTTPS_PROXY`); none: direct.
+    pub https_proxy: Option<String>,
+    /// What bypasses the upstream proxy (`no_proxy`/`NO_PROXY`).
+    pub no_proxy: Option<String>,
+    /// What every VM's machine gets (`--userland`, `--seccomp`,
+    /// `--fs-xattr`, the image search, QEMU, the guest's log, test
+    /// hooks, ...); `startVM` fills in its own fields of a copy.
+    pub machine: BootOptions,
 }
 
 /// One desktop profile.
@@ -123,7 +129,10 @@ pub fn profile_key(name: Option<&str>, root: Option<&str>) -> String {
 impl Daemon {
     pub fn new(settings: Settings) -> Arc<Daemon> {
         let egress = crate::egress::EgressProxy::new(
-            crate::egress::EgressDialer::from_env(),
+            crate::egress::EgressDialer::with_upstream(
+                settings.https_proxy.as_deref(),
+                settings.no_proxy.as_deref(),
+            ),
             crate::egress::ProxyConfig {
                 api_hosts: settings.api_hosts.clone(),
                 ..Default::default()
@@ -149,6 +158,8 @@ impl Daemon {
                     profile_dir: self.settings.data_dir.join("profiles").join(key),
                     helper_exe: self.settings.helper_exe.clone(),
                     egress: self.egress.clone(),
+                    max_processes: self.settings.max_processes,
+                    max_pending_requests: self.settings.max_pending_requests,
                 };
                 tracing::info!(profile = key, dir = %cfg.profile_dir.display(), "profile created");
                 Arc::new(Profile {
@@ -322,15 +333,11 @@ impl Daemon {
             "startVM" => {
                 let params: StartVmParams = req.params()?;
                 tracing::info!(profile = %profile.key, backend = vm.config().backend.as_str(), "startVM");
-                let boot = crate::backend::BootOptions {
+                let boot = BootOptions {
                     bundle_path: params.bundle_path.map(Into::into),
-                    images: self.settings.images.clone(),
                     memory_gb: params.memory_gb,
                     cpu_count: params.cpu_count,
-                    fs: self.settings.fs_options(),
-                    userland: self.settings.userland,
-                    seccomp: self.settings.seccomp,
-                    memory_backing: self.settings.guest_thp,
+                    ..self.settings.machine.clone()
                 };
                 vm.start(params.api_probe_url, boot).await?;
                 Value::Null

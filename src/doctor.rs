@@ -30,7 +30,8 @@ use crate::backend::choice::{resolve_backend, BackendChoice};
 use crate::backend::image::{GuestImage, ImageSearch};
 use crate::backend::userland::{self, UserlandChoice, UserlandKind, BUNDLE_ROOTFS_FILE};
 use crate::backend::BackendKind;
-use crate::hostfs::{is_executable, on_path, path_dirs};
+use crate::backend::BootOptions;
+use crate::hostfs::{is_executable, HostEnv};
 use crate::install::{self, Found};
 
 /// The client's bundle directory under its user data directory
@@ -72,9 +73,10 @@ const APPARMOR_CURRENT: &str = "/proc/self/attr/current";
 #[derive(Clone, Debug)]
 pub struct Options {
     pub backend: BackendChoice,
-    pub userland: UserlandChoice,
-    pub seccomp: vmm::seccomp::Mode,
-    pub images: ImageSearch,
+    /// What a VM would get: the daemon's machine settings (userland,
+    /// seccomp, the image search, QEMU, test hooks, the host's `PATH` and
+    /// directories), as the top-level options and the environment say.
+    pub machine: BootOptions,
     /// The client's resources directory.
     pub client_dir: PathBuf,
     /// The client's bundle directory (default: the client's own, when the
@@ -82,18 +84,10 @@ pub struct Options {
     pub bundle: Option<PathBuf>,
 }
 
-/// The client's bundle directory for this user (`$XDG_CONFIG_HOME` or
-/// `~/.config`).
-pub fn default_client_bundle() -> Option<PathBuf> {
-    let config = std::env::var_os("XDG_CONFIG_HOME")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .filter(|h| !h.is_empty())
-                .map(|h| PathBuf::from(h).join(".config"))
-        })?;
-    Some(config.join(CLIENT_BUNDLE_SUBDIR))
+/// The client's bundle directory for this user (`host`'s
+/// `$XDG_CONFIG_HOME` or `~/.config`).
+pub fn default_client_bundle(host: &HostEnv) -> Option<PathBuf> {
+    Some(host.config_dir()?.join(CLIENT_BUNDLE_SUBDIR))
 }
 
 /// Runs the report; returns the exit status.
@@ -111,31 +105,37 @@ pub fn run(opts: &Options) -> i32 {
         exe.as_deref()
             .map_or("executable unknown".into(), |e| e.display().to_string())
     );
-    let (kind, why) = resolve_backend(opts.backend, &opts.images);
+    let machine = &opts.machine;
+    let (kind, why) = resolve_backend(opts.backend, machine);
     println!("auto picks: {} ({why})", kind.as_str());
-    let image = opts.images.locate(None);
+    let image = machine.images.locate(None);
     match &image {
         Ok(img) => println!(
             "guest image: {} ({})",
             img.dir.display(),
-            opts.images
+            machine
+                .images
                 .place_of(&img.dir)
                 .map_or("given", |p| p.describe())
         ),
         Err(e) => println!("guest image: none: {e}"),
     }
-    let bundle = bundle_line(opts.bundle.as_deref());
+    let bundle = bundle_line(
+        opts.bundle
+            .clone()
+            .or_else(|| default_client_bundle(&machine.host)),
+    );
     println!("client bundle: {}", bundle.line);
     println!(
         "userland: {}",
         userland_line(
-            opts.userland,
+            machine.userland,
             image.as_ref().ok(),
             bundle.usable_dir(),
-            &opts.images
+            &machine.images
         )
     );
-    println!("seccomp: {}", seccomp_line(opts.seccomp));
+    println!("seccomp: {}", seccomp_line(machine.seccomp));
     let sandbox = crate::backend::sandbox::probe();
     match &sandbox {
         Ok(()) => {
@@ -143,19 +143,19 @@ pub fn run(opts: &Options) -> i32 {
         }
         Err(e) => println!("sandbox: UNAVAILABLE: {e}"),
     }
-    for line in sandbox_limits_lines() {
+    for line in sandbox_limits_lines(machine) {
         println!("sandbox limits: {line}");
     }
     println!("user namespaces: {}", userns_line());
-    let kvm = crate::backend::kvm::Probe::run(&opts.images);
+    let kvm = crate::backend::kvm::Probe::run(&machine.images);
     println!("kvm: {}", kvm_line(&kvm));
-    let qemu = crate::backend::qemu::Probe::run(&opts.images);
+    let qemu = crate::backend::qemu::Probe::run(machine);
     println!("qemu: {}", qemu_line(&qemu));
     println!(
         "client helper: {}",
         client_helper_line(&opts.client_dir, exe.as_deref())
     );
-    let checks = client_checks();
+    let checks = client_checks(&machine.host);
     let failing = checks.iter().filter(|c| !c.ok).count();
     for c in &checks {
         println!("client check: {}", c.line());
@@ -184,12 +184,13 @@ pub fn run(opts: &Options) -> i32 {
 /// The `sandbox limits:` lines: what a sandbox of the default size would
 /// get here (a cgroup is created and removed again, or a systemd probe
 /// scope runs), then one line per limit that would not hold as asked.
-fn sandbox_limits_lines() -> Vec<String> {
+fn sandbox_limits_lines(machine: &BootOptions) -> Vec<String> {
     use crate::backend::sandbox::cgroup;
     use crate::backend::sandbox::limits::Limits;
     let limits = Limits::default();
     let exe = std::env::current_exe().unwrap_or_default();
-    let placement = cgroup::place(&limits, &cgroup::HostFacts::read(), &exe);
+    let facts = cgroup::HostFacts::read(&machine.host, machine.sandbox_cgroup_disabled);
+    let placement = cgroup::place(&limits, &facts, &exe);
     let place = placement.cgroup.as_ref().map_or_else(
         || "no cgroup of its own".to_string(),
         |c| format!("in {}", c.describe()),
@@ -267,11 +268,9 @@ impl Bundle {
     }
 }
 
-fn bundle_line(explicit: Option<&Path>) -> Bundle {
-    let Some(dir) = explicit
-        .map(Path::to_path_buf)
-        .or_else(default_client_bundle)
-    else {
+/// `dir`: the bundle directory given, else the client's own for this user.
+fn bundle_line(dir: Option<PathBuf>) -> Bundle {
+    let Some(dir) = dir else {
         return Bundle {
             line: "none (no HOME to find the client's bundle in)".into(),
             dir: None,
@@ -548,15 +547,15 @@ pub enum PackageManager {
 }
 
 impl PackageManager {
-    /// The one found on `PATH` (apt first).
-    pub fn detect() -> Option<PackageManager> {
+    /// The one found on `host`'s `PATH` (apt first).
+    pub fn detect(host: &HostEnv) -> Option<PackageManager> {
         [
             ("apt-get", PackageManager::Apt),
             ("dnf", PackageManager::Dnf),
             ("pacman", PackageManager::Pacman),
         ]
         .into_iter()
-        .find(|(cmd, _)| on_path(cmd).is_some())
+        .find(|(cmd, _)| host.on_path(cmd).is_some())
         .map(|(_, pm)| pm)
     }
 
@@ -584,10 +583,11 @@ impl PackageManager {
     }
 }
 
-/// The client's support check, input by input, on this host.
-pub fn client_checks() -> Vec<Check> {
-    let pm = PackageManager::detect();
-    let mut checks = vec![qemu_check(pm), ovmf_check(pm), virtiofsd_check(pm)];
+/// The client's support check, input by input, on this host (`host`: the
+/// `PATH` the client would search, the caller's).
+pub fn client_checks(host: &HostEnv) -> Vec<Check> {
+    let pm = PackageManager::detect(host);
+    let mut checks = vec![qemu_check(pm, host), ovmf_check(pm), virtiofsd_check(pm)];
     checks.push(device_check(
         DEV_KVM,
         "load KVM (sudo modprobe kvm_intel, or kvm_amd) after enabling virtualization in the firmware",
@@ -601,8 +601,8 @@ pub fn client_checks() -> Vec<Check> {
     checks
 }
 
-fn qemu_check(pm: Option<PackageManager>) -> Check {
-    let found = path_dirs().find_map(|d| {
+fn qemu_check(pm: Option<PackageManager>, host: &HostEnv) -> Check {
+    let found = host.path_dirs().find_map(|d| {
         let entries = std::fs::read_dir(&d).ok()?;
         entries.flatten().map(|e| e.path()).find(|p| {
             p.file_name()

@@ -68,12 +68,14 @@ fn settings() -> Settings {
         data_dir: PathBuf::from(FUZZ_DATA_DIR),
         backend: BackendKind::Kvm,
         helper_exe: PathBuf::from(FUZZ_DATA_DIR).join("cowork-helper"),
-        fs_xattr: false,
-        userland: Default::default(),
-        seccomp: Default::default(),
-        images: Default::default(),
+        idle_timeout: None,
+        max_connections: crate::server::MAX_CLIENT_CONNECTIONS,
+        max_processes: crate::vm::MAX_PROCESSES,
+        max_pending_requests: crate::vm::MAX_PENDING_REQUESTS,
         api_hosts: Vec::new(),
-        guest_thp: Default::default(),
+        https_proxy: None,
+        no_proxy: None,
+        machine: Default::default(),
     }
 }
 
@@ -150,6 +152,8 @@ pub fn link_host(data: &[u8]) {
             profile_dir: PathBuf::from(FUZZ_DATA_DIR),
             helper_exe: PathBuf::from(FUZZ_DATA_DIR).join("cowork-helper"),
             egress: EgressProxy::new(EgressDialer::direct(), ProxyConfig::default()),
+            max_processes: crate::vm::MAX_PROCESSES,
+            max_pending_requests: crate::vm::MAX_PENDING_REQUESTS,
         });
         let _ = vm.replay_agent_stream(data.to_vec()).await;
         round_trip_agent_messages(data).await;

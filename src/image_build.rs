@@ -13,8 +13,10 @@
 //! Where it goes (see [`crate::backend::image::ImageSearch`], which finds
 //! it there): as root `/var/lib/cowork-helper/userland/`, else
 //! `<data dir>/userland/`. The build cache (mmdebstrap's result, reused
-//! offline by later builds) is `$COWORK_GUEST_CACHE`, else
+//! offline by later builds) is `--cache` (`$COWORK_GUEST_CACHE`), else
 //! `/var/cache/cowork-helper` as root, else `$XDG_CACHE_HOME/cowork-helper`.
+//! The command line and the environment are read by [`crate::cli`]; this
+//! module takes them as [`Options`].
 //!
 //! Limits: amd64 only (the guest kernel is); the first build needs the
 //! Debian archive and about 100 MiB of downloads, and a few minutes.
@@ -27,12 +29,14 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use crate::backend::image::{ROOTFS_FILE, STATE_DIR, USERLAND_DIR_NAME};
+use crate::hostfs::HostEnv;
 
 /// The userland recipe, run from a private copy.
 const MKROOTFS: &str = include_str!("../scripts/mkrootfs.sh");
 /// The library the recipe sources (`lib/common.sh` beside it).
 const COMMON: &str = include_str!("../scripts/lib/common.sh");
-/// Environment variable naming the build cache (shared with the scripts).
+/// Environment variable of `image build --cache`, naming the build cache
+/// (shared with the scripts); read by [`crate::cli`].
 pub const CACHE_ENV: &str = "COWORK_GUEST_CACHE";
 /// Root's build cache.
 const SYSTEM_CACHE: &str = "/var/cache/cowork-helper";
@@ -48,6 +52,10 @@ pub struct Options {
     pub cache: PathBuf,
     pub mirror: Option<String>,
     pub refresh: bool,
+    /// mmdebstrap, when found on the helper's `PATH`.
+    pub mmdebstrap: Option<PathBuf>,
+    /// Where the recipe's private copy goes (the temporary directory).
+    pub temp_dir: PathBuf,
 }
 
 /// Why the build did not start or did not finish.
@@ -69,14 +77,17 @@ pub enum BuildError {
 }
 
 impl Options {
-    /// The options for the given flags; unset ones take the defaults of
-    /// the module doc (as root or not, `data_dir` for a user).
+    /// The options for the given flags (`cache`: `--cache` or
+    /// [`CACHE_ENV`]; empty means unset); unset ones take the defaults of
+    /// the module doc (as root or not, `data_dir` for a user, `host`'s
+    /// cache directory).
     pub fn new(
         output: Option<PathBuf>,
         cache: Option<PathBuf>,
         mirror: Option<String>,
         refresh: bool,
         data_dir: &Path,
+        host: &HostEnv,
     ) -> Options {
         // SAFETY: geteuid cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
@@ -88,34 +99,28 @@ impl Options {
             }
         });
         let cache = cache
-            .or_else(|| {
-                std::env::var_os(CACHE_ENV)
-                    .filter(|c| !c.is_empty())
-                    .map(PathBuf::from)
-            })
-            .unwrap_or_else(|| default_cache(root));
+            .filter(|c| !c.as_os_str().is_empty())
+            .unwrap_or_else(|| default_cache(root, host));
         Options {
             output,
             cache,
             mirror,
             refresh,
+            mmdebstrap: host.on_path("mmdebstrap"),
+            temp_dir: host.temp_dir.clone(),
         }
     }
 }
 
-fn default_cache(root: bool) -> PathBuf {
+/// Root's cache, else the user's (`$XDG_CACHE_HOME`, `~/.cache`), else one
+/// in the temporary directory.
+fn default_cache(root: bool, host: &HostEnv) -> PathBuf {
     if root {
         return PathBuf::from(SYSTEM_CACHE);
     }
-    let env_dir = |name: &str| {
-        std::env::var_os(name)
-            .filter(|d| !d.is_empty())
-            .map(PathBuf::from)
-    };
-    env_dir("XDG_CACHE_HOME")
-        .or_else(|| env_dir("HOME").map(|h| h.join(".cache")))
+    host.cache_dir()
         .map(|d| d.join("cowork-helper"))
-        .unwrap_or_else(|| std::env::temp_dir().join("cowork-helper-cache"))
+        .unwrap_or_else(|| host.temp_dir.join("cowork-helper-cache"))
 }
 
 /// A private directory holding the recipe; removed when dropped.
@@ -124,8 +129,9 @@ struct Recipe {
 }
 
 impl Recipe {
-    fn write() -> Result<Recipe, BuildError> {
-        let dir = std::env::temp_dir().join(format!(
+    /// Writes the recipe into a new private directory under `temp_dir`.
+    fn write(temp_dir: &Path) -> Result<Recipe, BuildError> {
+        let dir = temp_dir.join(format!(
             "cowork-helper-image-build-{}-{}",
             std::process::id(),
             std::time::SystemTime::now()
@@ -161,7 +167,7 @@ impl Drop for Recipe {
 
 /// Builds the userland; returns the image's path.
 pub fn build(opts: &Options) -> Result<PathBuf, BuildError> {
-    if crate::hostfs::on_path("mmdebstrap").is_none() {
+    if opts.mmdebstrap.is_none() {
         return Err(BuildError::Missing {
             tool: "mmdebstrap",
             fix: "sudo apt install mmdebstrap (and uidmap to build as a user)",
@@ -183,7 +189,7 @@ pub fn build(opts: &Options) -> Result<PathBuf, BuildError> {
                 source,
             })?;
     }
-    let recipe = Recipe::write()?;
+    let recipe = Recipe::write(&opts.temp_dir)?;
     let mut cmd = Command::new("bash");
     cmd.arg(recipe.script())
         .arg("--output")
@@ -249,7 +255,7 @@ mod tests {
     #[test]
     fn the_embedded_recipe_is_the_checkouts() {
         assert!(MKROOTFS.contains("source \"$(dirname \"${BASH_SOURCE[0]}\")/lib/common.sh\""));
-        let recipe = Recipe::write().unwrap();
+        let recipe = Recipe::write(&std::env::temp_dir()).unwrap();
         let dir = recipe.dir.clone();
         assert_eq!(fs::read_to_string(recipe.script()).unwrap(), MKROOTFS);
         let help = Command::new("bash")
@@ -266,7 +272,12 @@ mod tests {
     #[test]
     fn defaults_follow_the_user() {
         let data = Path::new("/home/u/.local/share/cowork-helper");
-        let o = Options::new(None, Some("/c".into()), None, false, data);
+        let host = HostEnv {
+            home: Some("/home/u".into()),
+            temp_dir: "/t".into(),
+            ..HostEnv::default()
+        };
+        let o = Options::new(None, Some("/c".into()), None, false, data, &host);
         // SAFETY: geteuid takes no arguments and cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
         let want = if root {
@@ -282,8 +293,22 @@ mod tests {
             Some("http://m".into()),
             true,
             data,
+            &host,
         );
         assert_eq!(o.output, PathBuf::from("/o"));
         assert!(o.refresh);
+        // No --cache (or an empty COWORK_GUEST_CACHE): the user's cache.
+        let o = Options::new(None, Some("".into()), None, false, data, &host);
+        if !root {
+            assert_eq!(o.cache, PathBuf::from("/home/u/.cache/cowork-helper"));
+            let host = HostEnv {
+                cache_home: Some("/x".into()),
+                ..host.clone()
+            };
+            let o = Options::new(None, None, None, false, data, &host);
+            assert_eq!(o.cache, PathBuf::from("/x/cowork-helper"));
+            let o = Options::new(None, None, None, false, data, &HostEnv::default());
+            assert_eq!(o.cache, PathBuf::from("/tmp/cowork-helper-cache"));
+        }
     }
 }

@@ -2,8 +2,9 @@
 //! our stderr into its log file): no colours or other terminal escapes, and a
 //! line break or control character in a message or field (an OS error, the
 //! guest's words quoted in an error) is escaped rather than written, so no
-//! event spans lines (see [`guest_agent::logline`]). `COWORK_LOG` sets the
-//! initial filter; `setDebugLogging` switches to debug and back at runtime
+//! event spans lines (see [`guest_agent::logline`]). The caller passes the
+//! initial filter (the helper's `--log`, `COWORK_LOG`, read by
+//! [`crate::cli`]); `setDebugLogging` switches to debug and back at runtime
 //! through a reload handle. Nothing here ever formats secrets: callers log
 //! names, never values.
 
@@ -14,8 +15,9 @@ use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::{fmt, prelude::*, reload, EnvFilter, Layer, Registry};
 
-/// Filter used when `COWORK_LOG` is unset.
-const DEFAULT_FILTER: &str = "info";
+/// Filter used when none is given (`--log` and `COWORK_LOG` unset) or
+/// the one given does not parse.
+pub const DEFAULT_FILTER: &str = "info";
 
 /// Filter installed by `setDebugLogging {enabled: true}`.
 const DEBUG_FILTER: &str = "debug";
@@ -27,12 +29,14 @@ struct Handle {
 
 static HANDLE: OnceLock<Handle> = OnceLock::new();
 
-/// Installs the global subscriber once; later calls are no-ops.
-pub fn init() {
+/// Installs the global subscriber once, filtering with `filter` (`tracing`
+/// syntax; [`DEFAULT_FILTER`] when `None` or when it does not parse); later
+/// calls are no-ops.
+pub fn init(filter: Option<&str>) {
     if HANDLE.get().is_some() {
         return;
     }
-    let initial = std::env::var("COWORK_LOG").unwrap_or_else(|_| DEFAULT_FILTER.to_string());
+    let initial = filter.unwrap_or(DEFAULT_FILTER).to_string();
     let filter = EnvFilter::try_new(&initial).unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
     let (layer, reload) = reload::Layer::new(filter);
     if tracing_subscriber::registry()

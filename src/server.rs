@@ -36,19 +36,10 @@ const REPLY_QUEUE: usize = 128;
 /// A connection beyond it gets one error reply and is closed.
 pub const MAX_CLIENT_CONNECTIONS: usize = 256;
 
-/// Environment variable that overrides [`MAX_CLIENT_CONNECTIONS`] (tests,
-/// unusual deployments); values below 1 are ignored.
+/// Environment variable of `--max-connections`, which overrides
+/// [`MAX_CLIENT_CONNECTIONS`] (tests, unusual deployments); read by
+/// [`crate::cli`] into [`crate::daemon::Settings::max_connections`].
 pub const MAX_CONNECTIONS_ENV: &str = "COWORK_MAX_CONNECTIONS";
-
-/// The connection cap in force: [`MAX_CONNECTIONS_ENV`] when it is a
-/// positive number, else [`MAX_CLIENT_CONNECTIONS`].
-fn connection_cap() -> usize {
-    std::env::var(MAX_CONNECTIONS_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(MAX_CLIENT_CONNECTIONS)
-}
 
 /// How often the idle policy looks at the VMs.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
@@ -191,17 +182,19 @@ use std::os::unix::fs::DirBuilderExt;
 /// Serves until `shutdown` resolves, and returns what it resolved to. The
 /// caller then removes the socket, closes `listener` and stops the VMs
 /// ([`Daemon::shut_down`]); connections already open are served until the
-/// process exits.
+/// process exits. At most the daemon's
+/// [`max_connections`](crate::daemon::Settings::max_connections) are
+/// served at once; a VM is stopped after its
+/// [`idle_timeout`](crate::daemon::Settings::idle_timeout).
 pub async fn serve<T>(
     listener: &UnixListener,
     daemon: Arc<Daemon>,
-    idle_timeout: Option<Duration>,
     shutdown: impl std::future::Future<Output = T>,
 ) -> T {
     // SAFETY: geteuid takes no arguments and cannot fail.
     let uid = unsafe { libc::geteuid() };
-    let cap = connection_cap();
-    if let Some(limit) = idle_timeout {
+    let cap = daemon.settings.max_connections;
+    if let Some(limit) = daemon.settings.idle_timeout {
         tokio::spawn(idle_policy(daemon.clone(), limit));
     }
     tokio::pin!(shutdown);

@@ -744,7 +744,7 @@ async fn agent_mode_runs_the_helper_as_agent_and_says_hello() {
 /// on its socket (as the sandbox backend starts it).
 fn egress_shell_config(sessions: &Path, script: &str) -> SandboxConfig {
     SandboxConfig {
-        egress: Some(cowork_helper::egress::EgressProxy::from_env()),
+        egress: Some(cowork_helper::egress::EgressProxy::direct()),
         ..shell_config(sessions, script)
     }
 }

@@ -8,8 +8,7 @@
 
 use clap::ValueEnum;
 
-use super::image::ImageSearch;
-use super::BackendKind;
+use super::{BackendKind, BootOptions};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
@@ -31,7 +30,12 @@ pub enum BackendChoice {
 /// a host like the CI machine (PVM KVM) building the guest image switches
 /// `auto` to QEMU under TCG, which starts in seconds where the sandbox takes
 /// milliseconds; the test suites and `bench` pass `--backend` explicitly.
-pub fn resolve_backend(choice: BackendChoice, images: &ImageSearch) -> (BackendKind, &'static str) {
+/// `machine` says where QEMU and the guest image are looked for (the
+/// daemon's settings).
+pub fn resolve_backend(
+    choice: BackendChoice,
+    machine: &BootOptions,
+) -> (BackendKind, &'static str) {
     match choice {
         BackendChoice::Sandbox => (BackendKind::Sandbox, "requested with --backend sandbox"),
         BackendChoice::Qemu => (BackendKind::Qemu, "requested with --backend qemu"),
@@ -39,8 +43,8 @@ pub fn resolve_backend(choice: BackendChoice, images: &ImageSearch) -> (BackendK
         BackendChoice::Auto => {
             use super::qemu;
             auto_backend(
-                qemu::find_qemu().is_ok(),
-                images.locate(None).is_ok(),
+                qemu::find_qemu(machine.qemu.as_deref(), &machine.host).is_ok(),
+                machine.images.locate(None).is_ok(),
                 super::guest::kvm_for_linux().is_ok(),
             )
         }
@@ -101,13 +105,13 @@ mod tests {
             .1
             .contains("cowork-helper package"));
         assert!(auto_backend(true, false, true).1.contains("no guest image"));
-        let images = ImageSearch::default();
+        let machine = BootOptions::default();
         assert_eq!(
-            resolve_backend(BackendChoice::Qemu, &images),
+            resolve_backend(BackendChoice::Qemu, &machine),
             (BackendKind::Qemu, "requested with --backend qemu")
         );
         assert_eq!(
-            resolve_backend(BackendChoice::Kvm, &images),
+            resolve_backend(BackendChoice::Kvm, &machine),
             (BackendKind::Kvm, "requested with --backend kvm")
         );
     }

@@ -79,7 +79,8 @@ pub(crate) use boot_time_cmdline;
 /// boots: median 2.13 → 1.78 s.
 pub const BOOT_TIME_CMDLINE: &str = boot_time_cmdline!();
 
-/// Environment variable whose value becomes the guest agent's `COWORK_LOG`.
+/// Environment variable of `--guest-log` (read by [`crate::cli`]), whose
+/// value becomes the guest agent's `COWORK_LOG`.
 pub const GUEST_LOG_ENV: &str = "COWORK_GUEST_LOG";
 /// Longest `COWORK_LOG=` value passed on the kernel command line.
 const MAX_GUEST_LOG: usize = 200;
@@ -218,8 +219,9 @@ pub fn kvm_for_linux() -> Result<(), String> {
     vmm::kvm_check::linux_capable().map_err(|e| e.to_string())
 }
 
-/// The kernel command-line word passing `$COWORK_GUEST_LOG` to the agent,
-/// when it is set and is one word of safe characters.
+/// The kernel command-line word passing the guest's log filter
+/// (`--guest-log`, [`GUEST_LOG_ENV`]) to the agent, when it is set and is
+/// one word of safe characters.
 pub fn guest_log_word(value: Option<&str>) -> Option<String> {
     let v = value?.trim();
     let safe = !v.is_empty()
@@ -229,11 +231,11 @@ pub fn guest_log_word(value: Option<&str>) -> Option<String> {
     safe.then(|| format!("COWORK_LOG={v}"))
 }
 
-/// The helper's environment variable for the guest-root test hook: its
-/// value, a session name, reaches the VM agent as
-/// [`guest_agent::proto::ROOT_SESSION_ENV`] on the kernel command line, and
-/// that session's processes then run as guest root. Tests only; the client
-/// cannot set it.
+/// The helper's environment variable for the guest-root test hook (read by
+/// [`crate::cli`] only, no flag): its value, a session name, reaches the VM
+/// agent as [`guest_agent::proto::ROOT_SESSION_ENV`] on the kernel command
+/// line, and that session's processes then run as guest root. Tests only;
+/// the client cannot set it.
 pub const GUEST_ROOT_SESSION_ENV: &str = "COWORK_GUEST_ROOT_SESSION";
 
 /// The kernel command-line word of the guest-root test hook, when `value`
@@ -258,15 +260,14 @@ pub fn root_session_word(value: Option<&str>) -> Option<String> {
     Some(format!("{}={v}", guest_agent::proto::ROOT_SESSION_ENV))
 }
 
-/// Extra kernel command-line words from the helper's environment: the
-/// guest's log filter ([`GUEST_LOG_ENV`]) and the guest-root test hook
-/// ([`GUEST_ROOT_SESSION_ENV`]).
-pub fn env_cmdline_words() -> Vec<String> {
-    guest_log_word(std::env::var(GUEST_LOG_ENV).ok().as_deref())
+/// Extra kernel command-line words from the helper's settings
+/// ([`BootOptions`](super::BootOptions)): the guest's log filter
+/// (`guest_log`, `--guest-log`) and the guest-root test hook
+/// (`guest_root_session`, [`GUEST_ROOT_SESSION_ENV`]).
+pub fn cmdline_words(guest_log: Option<&str>, guest_root_session: Option<&str>) -> Vec<String> {
+    guest_log_word(guest_log)
         .into_iter()
-        .chain(root_session_word(
-            std::env::var(GUEST_ROOT_SESSION_ENV).ok().as_deref(),
-        ))
+        .chain(root_session_word(guest_root_session))
         .collect()
 }
 

@@ -13,8 +13,8 @@
 //! 1. `startVM.bundlePath` when that directory holds one of *ours* (the
 //!    client's own bundle does not: its kernel and initrd are never booted,
 //!    see [`super::userland`]);
-//! 2. `$COWORK_GUEST_IMAGE_DIR`, which must then hold one (nothing else is
-//!    tried);
+//! 2. `--guest-image-dir` (`$COWORK_GUEST_IMAGE_DIR`), which must then
+//!    hold one (nothing else is tried);
 //! 3. `guest-image/` next to the helper's executable and one level up (a
 //!    checkout: `target/guest-image` for `target/*/cowork-helper`). The
 //!    executable is `/proc/self/exe`, resolved by the kernel, so the
@@ -36,7 +36,8 @@
 
 use std::path::{Path, PathBuf};
 
-/// Environment variable naming the guest image directory.
+/// Environment variable of `--guest-image-dir`, naming the guest image
+/// directory (read by [`crate::cli`]; messages name it).
 pub const IMAGE_DIR_ENV: &str = "COWORK_GUEST_IMAGE_DIR";
 /// Directory name of the guest image next to (or above) the executable,
 /// and inside the data and state directories.
@@ -144,12 +145,13 @@ impl Place {
 }
 
 /// The places the guest image and the default userland are looked for, in
-/// order (see the module doc). A value built once at start (from the
-/// command line and the environment) and handed down; nothing here reads
-/// the environment by itself except [`ImageSearch::from_process`].
+/// order (see the module doc). A value built once at start by
+/// [`crate::cli`] (from the command line and the environment) and handed
+/// down; nothing here reads the environment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ImageSearch {
-    /// `$COWORK_GUEST_IMAGE_DIR`: when set, the only place tried after the bundle.
+    /// `--guest-image-dir` ([`IMAGE_DIR_ENV`]): when set, the only place
+    /// tried after the bundle.
     pub env_dir: Option<PathBuf>,
     /// The helper's executable, resolved (`/proc/self/exe`).
     pub exe: Option<PathBuf>,
@@ -171,8 +173,8 @@ impl Default for ImageSearch {
 
 impl ImageSearch {
     /// The search for the executable `exe` with the data directory
-    /// `data_dir`, `$COWORK_GUEST_IMAGE_DIR` being `env_dir`, over the
-    /// real system directories.
+    /// `data_dir`, `--guest-image-dir` ([`IMAGE_DIR_ENV`]) being `env_dir`
+    /// (empty: unset), over the real system directories.
     pub fn new(env_dir: Option<PathBuf>, exe: Option<PathBuf>, data_dir: Option<PathBuf>) -> Self {
         ImageSearch {
             env_dir: env_dir.filter(|d| !d.as_os_str().is_empty()),
@@ -181,16 +183,6 @@ impl ImageSearch {
             system_dir: PathBuf::from(SYSTEM_IMAGE_DIR),
             state_dir: PathBuf::from(STATE_DIR),
         }
-    }
-
-    /// The search of this process: its own executable, `$COWORK_GUEST_IMAGE_DIR`
-    /// and the data directory `data_dir`.
-    pub fn from_process(data_dir: Option<PathBuf>) -> Self {
-        Self::new(
-            std::env::var_os(IMAGE_DIR_ENV).map(PathBuf::from),
-            std::env::current_exe().ok(),
-            data_dir,
-        )
     }
 
     /// The image directories tried after the bundle, in order.

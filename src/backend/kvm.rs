@@ -11,7 +11,7 @@
 //! machine gets `startVM.memoryGB` (default [`DEFAULT_MEMORY_MIB`]) and
 //! `startVM.cpuCount` vCPUs (default [`sizing::DEFAULT_CPUS`], at most the
 //! host's CPUs and [`MAX_CPUS`]), the command line [`KERNEL_CMDLINE`] (plus `COWORK_LOG=` from
-//! `$COWORK_GUEST_LOG`), and these virtio-mmio devices, which the guest
+//! `--guest-log`), and these virtio-mmio devices, which the guest
 //! kernel finds through the `LNRO0005` entries of the VMM's DSDT once the
 //! agent loaded `virtio_mmio`: vsock (guest CID [`GUEST_CID`]; the agent
 //! dials CID 2 port [`AGENT_PORT`] and the device hands the helper a
@@ -75,7 +75,7 @@ use tokio::sync::oneshot;
 use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 pub use super::guest::kvm_for_linux;
-use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
+use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
@@ -168,7 +168,7 @@ pub fn cpu_count(requested: Option<u32>, host_cpus: u32) -> u8 {
 
 /// The guest's kernel command line (before the VMM's virtio entries):
 /// [`KERNEL_CMDLINE`], then `extra` (the words both backends take from the
-/// helper's environment, [`env_cmdline_words`]).
+/// helper's settings, [`cmdline_words`]).
 pub fn cmdline(extra: &[String]) -> String {
     let mut c = KERNEL_CMDLINE.to_string();
     for w in extra {
@@ -313,7 +313,10 @@ async fn start(
 
     let mut config = vmm::Config::new(&kernel);
     config.initrd = Some(image.initramfs.clone());
-    config.cmdline = cmdline(&env_cmdline_words());
+    config.cmdline = cmdline(&cmdline_words(
+        opts.guest_log.as_deref(),
+        opts.guest_root_session.as_deref(),
+    ));
     config.mem_mib = memory_mib(opts.memory_gb);
     config.vcpus = cpu_count(opts.cpu_count, host_cpus);
     // vCPUs, the event loop and device workers filter their system calls
@@ -580,7 +583,7 @@ mod tests {
         let e = boot(
             &BootOptions::default(),
             Path::new("/nonexistent/sessiondata.img"),
-            &EgressProxy::from_env(),
+            &EgressProxy::direct(),
         )
         .await
         .err()

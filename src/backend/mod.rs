@@ -36,6 +36,7 @@ use std::time::Duration;
 use guest_agent::proto::MountMode;
 use tokio::net::UnixStream;
 
+use crate::hostfs::HostEnv;
 use sandbox::{Sandbox, SandboxConfig};
 
 /// How long `startVM` waits for the agent's hello after the machine
@@ -81,6 +82,13 @@ pub struct VmConfig {
     /// out of a session, reached over vsock [`guest_agent::proto::EGRESS_PORT`]
     /// (VM backends) or a unix socket (sandbox).
     pub egress: crate::egress::EgressProxy,
+    /// Processes the profile may run at once (the daemon's
+    /// `--max-processes`; default [`crate::vm::MAX_PROCESSES`]).
+    pub max_processes: usize,
+    /// Agent requests that may await their answer at once (the daemon's
+    /// `--max-pending-requests`; default
+    /// [`crate::vm::MAX_PENDING_REQUESTS`]).
+    pub max_pending_requests: usize,
 }
 
 impl VmConfig {
@@ -192,8 +200,12 @@ pub struct Booted {
     pub userland: Option<userland::UserlandPlan>,
 }
 
-/// What `startVM` asks of the machine beyond the profile's static config;
-/// backends use what applies to them.
+/// What `startVM` asks of the machine beyond the profile's static config,
+/// and the daemon's settings every machine gets (from its command line and
+/// environment, read by [`crate::cli`] only: the daemon keeps one of these
+/// with the request's fields unset and fills them in per `startVM`);
+/// backends use what applies to them. [`Default`]: no request, the
+/// settings' defaults, an empty [`HostEnv`].
 #[derive(Clone, Debug, Default)]
 pub struct BootOptions {
     /// `startVM.bundlePath`: a directory that may hold a guest image.
@@ -217,6 +229,30 @@ pub struct BootOptions {
     /// How the kvm backend backs guest RAM (the daemon's `--guest-thp`:
     /// huge pages advised unless `off`).
     pub memory_backing: vmm::memory::Backing,
+    /// The QEMU binary (the daemon's `--qemu`: a path, or a name looked up
+    /// in `PATH`); none: [`qemu::DEFAULT_QEMU`].
+    pub qemu: Option<PathBuf>,
+    /// QEMU's accelerator as asked (the daemon's `--qemu-accel`: `kvm` or
+    /// `tcg`, anything else fails `startVM`); none: KVM where `/dev/kvm`
+    /// runs Linux, else TCG.
+    pub qemu_accel: Option<String>,
+    /// The guest agent's log filter under the VM backends (the daemon's
+    /// `--guest-log`); none: the agent's default.
+    pub guest_log: Option<String>,
+    /// The helper's own log filter (`--log`): the sandbox's init and agent
+    /// log with it; none: their default.
+    pub log: Option<String>,
+    /// Test hook [`guest::GUEST_ROOT_SESSION_ENV`]: this session's
+    /// processes run as guest root (VM backends).
+    pub guest_root_session: Option<String>,
+    /// Test hook [`sandbox::AGENT_WRAPPER_ENV`]: an absolute host path of a
+    /// program the sandbox runs in front of the agent.
+    pub sandbox_agent_wrapper: Option<PathBuf>,
+    /// Test hook [`sandbox::cgroup::DISABLE_ENV`]: the sandbox gets no
+    /// cgroup (the rlimit stand-ins only).
+    pub sandbox_cgroup_disabled: bool,
+    /// The helper's `PATH`, runtime and temporary directories.
+    pub host: HostEnv,
 }
 
 /// Boots `cfg.backend`.
@@ -225,12 +261,13 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
         BackendKind::Sandbox => {
             // The guest-hostility tests' hook (see its docs): a program in
             // front of the agent, named by the helper's environment only.
-            let command_override = std::env::var_os(crate::backend::sandbox::AGENT_WRAPPER_ENV)
-                .map(PathBuf::from)
+            let command_override = opts
+                .sandbox_agent_wrapper
+                .as_ref()
                 .filter(|p| p.is_absolute())
                 .map(|wrapper| {
                     tracing::warn!(wrapper = %wrapper.display(), "test hook: the sandbox runs this program in front of the agent");
-                    crate::backend::sandbox::wrapped_agent_command(&wrapper, &cfg.helper_exe, true)
+                    crate::backend::sandbox::wrapped_agent_command(wrapper, &cfg.helper_exe, true)
                 });
             let sandbox_cfg = SandboxConfig {
                 helper_exe: cfg.helper_exe.clone(),
@@ -245,6 +282,9 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                     opts.memory_gb,
                     opts.cpu_count,
                 )),
+                cgroup_disabled: opts.sandbox_cgroup_disabled,
+                log: opts.log.clone(),
+                host: opts.host.clone(),
             };
             let (sandbox, stream) = Sandbox::start(sandbox_cfg)
                 .await

@@ -236,23 +236,18 @@ impl EgressDialer {
     }
 
     /// The production dialer: the production guard, and the upstream proxy
-    /// from the helper's own `https_proxy`/`HTTPS_PROXY` and
-    /// `no_proxy`/`NO_PROXY`.
-    pub fn from_env() -> Self {
-        let var = |a: &str, b: &str| {
-            std::env::var(a)
-                .ok()
-                .filter(|v| !v.is_empty())
-                .or_else(|| std::env::var(b).ok().filter(|v| !v.is_empty()))
-        };
-        let upstream = var("https_proxy", "HTTPS_PROXY").and_then(|url| {
-            UpstreamProxy::parse(&url)
+    /// `https_proxy` (the helper's own `https_proxy`/`HTTPS_PROXY`, read by
+    /// [`crate::cli`]; one that does not parse is logged and ignored)
+    /// bypassed for `no_proxy` (`no_proxy`/`NO_PROXY`).
+    pub fn with_upstream(https_proxy: Option<&str>, no_proxy: Option<&str>) -> Self {
+        let upstream = https_proxy.filter(|v| !v.is_empty()).and_then(|url| {
+            UpstreamProxy::parse(url)
                 .inspect_err(
                     |e| tracing::warn!(error = %e, "HTTPS_PROXY ignored; dialing directly"),
                 )
                 .ok()
         });
-        let no_proxy = NoProxy::parse(&var("no_proxy", "NO_PROXY").unwrap_or_default());
+        let no_proxy = NoProxy::parse(no_proxy.unwrap_or_default());
         if let Some(u) = &upstream {
             tracing::info!(host = %u.host, port = u.port, "egress goes through the upstream proxy");
         }

@@ -280,7 +280,7 @@ impl std::fmt::Debug for EgressProxy {
 }
 
 impl EgressProxy {
-    /// A proxy dialing through `dialer` (production: [`EgressDialer::from_env`]),
+    /// A proxy dialing through `dialer` (production: [`EgressDialer::with_upstream`]),
     /// trusting the host's store for the API hosts' upstream.
     pub fn new(dialer: EgressDialer, config: ProxyConfig) -> Self {
         Self::with_upstream_roots(dialer, config, intercept::native_roots())
@@ -332,10 +332,11 @@ impl EgressProxy {
             .map_or(&[], |i| i.hosts())
     }
 
-    /// The production proxy: guard, helper's own upstream proxy settings,
-    /// default limits.
-    pub fn from_env() -> Self {
-        Self::new(EgressDialer::from_env(), ProxyConfig::default())
+    /// A proxy with the production guard that dials directly (no upstream
+    /// proxy), with the default limits and API hosts: for tests and tools;
+    /// the daemon builds its own from its settings.
+    pub fn direct() -> Self {
+        Self::new(EgressDialer::direct(), ProxyConfig::default())
     }
 
     /// Issues a credential for one spawn of `session` under `policy`.

@@ -398,7 +398,9 @@ mod tests {
             backend: BackendKind::Sandbox,
             profile_dir: dir.join("profile"),
             helper_exe: "/nonexistent/cowork-helper".into(),
-            egress: crate::egress::EgressProxy::from_env(),
+            egress: crate::egress::EgressProxy::direct(),
+            max_processes: crate::vm::MAX_PROCESSES,
+            max_pending_requests: crate::vm::MAX_PENDING_REQUESTS,
         })
     }
 

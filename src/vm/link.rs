@@ -18,7 +18,9 @@
 //!   ids the host does not know are dropped by the process table. Such
 //!   drops are counted and logged once per link, not once per message.
 //! - At most [`MAX_PENDING_REQUESTS`] requests may await their answer at
-//!   once ([`MAX_PENDING_ENV`] overrides it); beyond it a request fails at
+//!   once (the helper's `--max-pending-requests`,
+//!   [`VmConfig::max_pending_requests`](crate::backend::VmConfig::max_pending_requests),
+//!   overrides it); beyond it a request fails at
 //!   once with [`ProfileVmError::Busy`]. A request whose caller gave up (timed out
 //!   or dropped) leaves the table at once.
 //! - At most [`MAX_QUEUED_BYTES`] of frames wait for the writer (and at
@@ -70,19 +72,10 @@ const WRITE_BATCH: usize = 1024 * 1024;
 /// entry is a few hundred bytes until its caller's deadline passes.
 pub const MAX_PENDING_REQUESTS: usize = 1024;
 
-/// Environment variable that overrides [`MAX_PENDING_REQUESTS`] (a
-/// positive number; tests use a small one).
+/// Environment variable of `--max-pending-requests`, which overrides
+/// [`MAX_PENDING_REQUESTS`] (tests use a small number); read by
+/// [`crate::cli`] into [`crate::backend::VmConfig::max_pending_requests`].
 pub const MAX_PENDING_ENV: &str = "COWORK_MAX_PENDING_REQUESTS";
-
-/// The pending-request cap in force: [`MAX_PENDING_ENV`] when it is a
-/// positive number, else [`MAX_PENDING_REQUESTS`].
-pub fn max_pending_requests() -> usize {
-    std::env::var(MAX_PENDING_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(MAX_PENDING_REQUESTS)
-}
 
 /// How long [`AgentLink::drain`] waits for the reader to take what the
 /// agent wrote before its machine ended. Frames already in the socket
@@ -388,7 +381,7 @@ impl ProfileVm {
             tx,
             queued: Arc::new(Semaphore::new(MAX_QUEUED_BYTES)),
             pending: Arc::new(Mutex::new(HashMap::new())),
-            max_pending: max_pending_requests(),
+            max_pending: self.cfg.max_pending_requests,
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             violation: Mutex::new(None),

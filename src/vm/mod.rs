@@ -39,14 +39,9 @@ use tokio::sync::{oneshot, watch};
 
 use crate::backend::{HostPaths, VmConfig};
 use crate::events::EventHub;
-pub use link::{
-    max_pending_requests, AgentLink, PendingCall, MAX_PENDING_ENV, MAX_PENDING_REQUESTS,
-    MAX_QUEUED_BYTES,
-};
+pub use link::{AgentLink, PendingCall, MAX_PENDING_ENV, MAX_PENDING_REQUESTS, MAX_QUEUED_BYTES};
 use processes::Procs;
-pub use processes::{
-    max_processes, SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV,
-};
+pub use processes::{SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV};
 pub use storage::{session_disk_bytes, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB};
 use vmm::sync::{MutexExt, RwLockExt};
 

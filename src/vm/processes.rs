@@ -24,7 +24,8 @@
 //!
 //! Limits: at most [`MAX_PROCESSES`] processes run per profile (spawn
 //! beyond it fails with [`ProfileVmError::TooManyProcesses`];
-//! [`MAX_PROCESSES_ENV`] overrides the number); exited records are kept
+//! [`VmConfig::max_processes`](crate::backend::VmConfig::max_processes),
+//! the helper's `--max-processes`, overrides the number); exited records are kept
 //! for the last [`EXITED_RECORDS`] processes; a mount of the host root is
 //! refused. Output, exits and errors the agent reports for a process id the
 //! host never spawned (or already forgot) are dropped, so a hostile agent
@@ -58,19 +59,10 @@ pub const EXITED_RECORDS: usize = 4096;
 /// credential and output decoders per process).
 pub const MAX_PROCESSES: usize = 512;
 
-/// Environment variable that overrides [`MAX_PROCESSES`] (a positive
-/// number; tests use a small one).
+/// Environment variable of `--max-processes`, which overrides
+/// [`MAX_PROCESSES`] (tests use a small number); read by [`crate::cli`]
+/// into [`crate::backend::VmConfig::max_processes`].
 pub const MAX_PROCESSES_ENV: &str = "COWORK_MAX_PROCESSES";
-
-/// The process cap in force: [`MAX_PROCESSES_ENV`] when it is a positive
-/// number, else [`MAX_PROCESSES`].
-pub fn max_processes() -> usize {
-    std::env::var(MAX_PROCESSES_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(MAX_PROCESSES)
-}
 
 /// One spawn's egress credential; revoked when dropped (see the module
 /// docs for when that happens).
@@ -455,7 +447,7 @@ impl ProfileVm {
                     spec.id
                 )));
             }
-            let limit = max_processes();
+            let limit = self.cfg.max_processes;
             if procs.running_count() >= limit {
                 tracing::warn!(limit, id = %spec.id, "spawn refused: process limit reached");
                 return Err(ProfileVmError::TooManyProcesses { limit });
@@ -692,7 +684,7 @@ mod tests {
 
     #[test]
     fn the_url_carries_the_credential_and_debug_hides_it() {
-        let proxy = EgressProxy::from_env();
+        let proxy = EgressProxy::direct();
         let (grant, cred) = issue(&proxy, "my session");
         let url = grant.url("my session");
         assert_eq!(
@@ -708,7 +700,7 @@ mod tests {
 
     #[test]
     fn credentials_are_revoked_when_their_process_ends_or_its_record_goes() {
-        let proxy = EgressProxy::from_env();
+        let proxy = EgressProxy::direct();
         let mut procs = Procs::default();
         let (a, cred_a) = issue(&proxy, "s1");
         let (b, cred_b) = issue(&proxy, "s1");
@@ -736,7 +728,7 @@ mod tests {
 
     #[test]
     fn a_spawn_refused_before_it_starts_revokes_its_credential() {
-        let proxy = EgressProxy::from_env();
+        let proxy = EgressProxy::direct();
         let (grant, cred) = issue(&proxy, "s1");
         drop(grant);
         assert!(!proxy.revoke(&cred));

@@ -21,7 +21,12 @@ pub fn qemu_tests_required() -> bool {
 
 /// Why QEMU cannot be used here, or `None` when it can.
 pub fn qemu_missing() -> Option<String> {
-    qemu::find_qemu().err().map(|e| e.to_string())
+    // As the helper finds it: `--qemu`'s variable, its `PATH`.
+    let wanted = std::env::var_os(qemu::QEMU_ENV).map(std::path::PathBuf::from);
+    let env = cowork_helper::cli::Environment::read();
+    qemu::find_qemu(wanted.as_deref(), &env.host)
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// Whether `test` may run given what is `missing` (one reason each, `None`

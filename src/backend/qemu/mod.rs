@@ -4,13 +4,13 @@
 //! process (crate `devices`).
 //!
 //! Boot: the guest image (`vmlinuz`, `initramfs`, `image-info`; built by
-//! `scripts/mkguestimage.sh`) is found by [`ImageSearch`] (`startVM.bundlePath`
-//! when that directory holds one of ours, `$COWORK_GUEST_IMAGE_DIR`, a
+//! `scripts/mkguestimage.sh`) is found by [`ImageSearch`](super::image::ImageSearch) (`startVM.bundlePath`
+//! when that directory holds one of ours, `--guest-image-dir`, a
 //! checkout's `target/guest-image`, the installed system directory, ...;
 //! its doc is the one list of places). QEMU runs
 //! with KVM where `/dev/kvm` can run Linux
-//! (`vmm::kvm_check::linux_capable`), else TCG (`$COWORK_QEMU_ACCEL`
-//! overrides), on an i440fx `pc` machine with memfd-shared guest memory
+//! (`vmm::kvm_check::linux_capable`), else TCG (`--qemu-accel`,
+//! `$COWORK_QEMU_ACCEL`, overrides), on an i440fx `pc` machine with memfd-shared guest memory
 //! (vhost-user needs it), `-nodefaults -nographic`, the serial console on
 //! QEMU's stdout, and `vhost-user-vsock-pci`, `vhost-user-fs-pci`,
 //! `vhost-user-blk-pci` (the session disk) and `vhost-user-rng-pci` on
@@ -84,8 +84,8 @@ use tokio::process::Command;
 
 use super::console::Console;
 use super::fsgrants::SharedFolders;
-use super::guest::{agent_stream, env_cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
-use super::image::{GuestImage, ImageSearch, NoImage};
+use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
+use super::image::{GuestImage, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
 use super::{BackendMachine, BootOptions, Booted, HostPaths};
@@ -156,12 +156,13 @@ pub struct Probe {
 }
 
 impl Probe {
-    /// Looks for QEMU, the guest image and the accelerator.
-    pub fn run(images: &ImageSearch) -> Probe {
+    /// Looks for QEMU, the guest image and the accelerator as `opts` say
+    /// (`--qemu`, `--qemu-accel`, the image search, `PATH`).
+    pub fn run(opts: &BootOptions) -> Probe {
         Probe {
-            qemu: find_qemu().map_err(|e| e.to_string()),
-            image: images.locate(None).map_err(|e| e.to_string()),
-            accel: choose_accel().map_err(|e| e.to_string()),
+            qemu: find_qemu(opts.qemu.as_deref(), &opts.host).map_err(|e| e.to_string()),
+            image: opts.images.locate(None).map_err(|e| e.to_string()),
+            accel: choose_accel(opts.qemu_accel.as_deref()).map_err(|e| e.to_string()),
         }
     }
 
@@ -182,11 +183,11 @@ pub async fn boot(
     egress: &EgressProxy,
 ) -> Result<Booted, String> {
     let plan_parts = (
-        find_qemu(),
+        find_qemu(opts.qemu.as_deref(), &opts.host),
         opts.images
             .locate(opts.bundle_path.as_deref())
             .map_err(QemuError::from),
-        choose_accel(),
+        choose_accel(opts.qemu_accel.as_deref()),
     );
     let (qemu, image, (accel, accel_why)) = match plan_parts {
         (Ok(q), Ok(i), Ok(a)) => (q, i, a),
@@ -202,7 +203,7 @@ pub async fn boot(
     let host_cpus = sizing::host_cpus();
     let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())
         .map_err(|e| e.to_string())?;
-    let run_dir = RunDir::create().map_err(|e| e.to_string())?;
+    let run_dir = RunDir::create(&opts.host).map_err(|e| e.to_string())?;
     let root_disks = userland
         .disks
         .iter()
@@ -224,7 +225,10 @@ pub async fn boot(
         rng_socket: run_dir.0.join("rng.sock"),
         session_disk: session_disk.to_path_buf(),
         root_disks,
-        extra_cmdline: env_cmdline_words(),
+        extra_cmdline: cmdline_words(
+            opts.guest_log.as_deref(),
+            opts.guest_root_session.as_deref(),
+        ),
     };
     start(plan, run_dir, &accel_why, opts, userland, egress)
         .await

@@ -17,13 +17,15 @@ use super::QemuError;
 use crate::backend::guest::kvm_for_linux;
 use crate::backend::image::GuestImage;
 use crate::backend::userland::RootDisk;
-use crate::hostfs::is_executable;
+use crate::hostfs::{is_executable, HostEnv};
 
-/// Environment variable naming the QEMU binary (a path or a name in `PATH`).
+/// Environment variable of `--qemu`, naming the QEMU binary (a path or a
+/// name in `PATH`); read by [`crate::cli`], named in messages.
 pub const QEMU_ENV: &str = "COWORK_QEMU";
-/// QEMU binary looked up in `PATH` when [`QEMU_ENV`] is unset.
+/// QEMU binary looked up in `PATH` when `--qemu` ([`QEMU_ENV`]) is unset.
 pub const DEFAULT_QEMU: &str = "qemu-system-x86_64";
-/// Environment variable forcing the accelerator (`kvm` or `tcg`).
+/// Environment variable of `--qemu-accel`, forcing the accelerator (`kvm`
+/// or `tcg`); read by [`crate::cli`], named in messages.
 pub const ACCEL_ENV: &str = "COWORK_QEMU_ACCEL";
 
 /// Kernel command line (the agent is `/init`; `panic=-1` plus `-no-reboot`
@@ -42,13 +44,13 @@ pub const BALLOON_DEVICE: &str = "virtio-balloon-pci,free-page-reporting=on";
 /// the guest keep readahead and writeback requests in flight).
 pub const FS_QUEUE_SIZE: u16 = 1024;
 
-/// The QEMU binary: `$COWORK_QEMU` (a path, or a name looked up in `PATH`)
-/// or `qemu-system-x86_64` in `PATH`.
-pub fn find_qemu() -> Result<PathBuf, QemuError> {
-    let wanted = std::env::var_os(QEMU_ENV)
-        .filter(|v| !v.is_empty())
-        .unwrap_or_else(|| DEFAULT_QEMU.into());
-    let wanted = PathBuf::from(wanted);
+/// The QEMU binary: `wanted` (`--qemu`, [`QEMU_ENV`]: a path, or a name
+/// looked up in `host`'s `PATH`; empty means unset) or
+/// `qemu-system-x86_64` in `PATH`.
+pub fn find_qemu(wanted: Option<&Path>, host: &HostEnv) -> Result<PathBuf, QemuError> {
+    let wanted = wanted
+        .filter(|v| !v.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from(DEFAULT_QEMU), Path::to_path_buf);
     if wanted.components().count() > 1 {
         return if is_executable(&wanted) {
             Ok(wanted)
@@ -59,7 +61,7 @@ pub fn find_qemu() -> Result<PathBuf, QemuError> {
             )))
         };
     }
-    crate::hostfs::path_dirs()
+    host.path_dirs()
         .map(|d| d.join(&wanted))
         .find(|p| is_executable(p))
         .ok_or_else(|| QemuError::NoQemu(format!("{} is not in PATH", wanted.display())))
@@ -81,12 +83,14 @@ impl Accel {
     }
 }
 
-/// KVM when this host's `/dev/kvm` can run Linux, else TCG; with the reason.
-pub fn choose_accel() -> Result<(Accel, String), QemuError> {
-    match std::env::var(ACCEL_ENV).ok().filter(|v| !v.is_empty()) {
-        Some(v) if v == "kvm" => return Ok((Accel::Kvm, format!("{ACCEL_ENV}=kvm"))),
-        Some(v) if v == "tcg" => return Ok((Accel::Tcg, format!("{ACCEL_ENV}=tcg"))),
-        Some(v) => return Err(QemuError::BadAccel(v)),
+/// `requested` (`--qemu-accel`, [`ACCEL_ENV`]: `kvm` or `tcg`, anything
+/// else is an error; empty means unset), else KVM when this host's
+/// `/dev/kvm` can run Linux, else TCG; with the reason.
+pub fn choose_accel(requested: Option<&str>) -> Result<(Accel, String), QemuError> {
+    match requested.filter(|v| !v.is_empty()) {
+        Some("kvm") => return Ok((Accel::Kvm, format!("{ACCEL_ENV}=kvm"))),
+        Some("tcg") => return Ok((Accel::Tcg, format!("{ACCEL_ENV}=tcg"))),
+        Some(v) => return Err(QemuError::BadAccel(v.to_string())),
         None => {}
     }
     Ok(match kvm_for_linux() {

@@ -1,6 +1,6 @@
 //! The QEMU VM's private runtime directory: 0700, under
 //! `$XDG_RUNTIME_DIR` (or the temporary directory when the socket paths
-//! would not fit there), holding the vhost-user sockets; removed when the
+//! would not fit there; both as [`HostEnv`] says), holding the vhost-user sockets; removed when the
 //! machine is dropped, and swept at the next start when a helper died
 //! before it could remove it.
 //!
@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::QemuError;
+use crate::hostfs::HostEnv;
 
 /// Longest Unix socket path (`sun_path` minus the NUL).
 const MAX_SOCKET_PATH: usize = 107;
@@ -24,17 +25,19 @@ pub(super) struct RunDir(pub(super) PathBuf);
 static RUN_DIR_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl RunDir {
-    pub(super) fn create() -> Result<RunDir, QemuError> {
+    /// A new runtime directory under `host`'s runtime directory, else its
+    /// temporary directory.
+    pub(super) fn create(host: &HostEnv) -> Result<RunDir, QemuError> {
         let name = format!(
             "cowork-qemu-{}-{}",
             std::process::id(),
             RUN_DIR_SEQ.fetch_add(1, Ordering::Relaxed)
         );
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .filter(|d| !d.is_empty())
-            .map(PathBuf::from)
+        let base = host
+            .runtime_dir
+            .clone()
             .filter(|d| d.join(&name).join("vsock.sock").as_os_str().len() <= MAX_SOCKET_PATH)
-            .unwrap_or_else(std::env::temp_dir);
+            .unwrap_or_else(|| host.temp_dir.clone());
         let path = base.join(name);
         let fail = |source| QemuError::RunDir {
             path: path.clone(),

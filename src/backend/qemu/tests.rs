@@ -5,6 +5,7 @@ use super::*;
 use crate::backend::console::{CONSOLE_TAIL, MAX_CONSOLE_LINE};
 use crate::backend::guest::POWEROFF_DEADLINE;
 use crate::backend::userland::RootDisk;
+use crate::hostfs::HostEnv;
 use machine::pump_console;
 use rundir::sweep_stale_run_dirs;
 use std::ffi::OsString;
@@ -29,7 +30,7 @@ async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuErro
         "test",
         &BootOptions::default(),
         no_userland(),
-        &crate::egress::EgressProxy::from_env(),
+        &crate::egress::EgressProxy::direct(),
     )
     .await
 }
@@ -214,7 +215,7 @@ async fn a_failed_boot_quotes_the_console_and_cleans_up() {
         tmp.path(),
         "echo 'Booting the kernel'; echo 'Kernel panic - not syncing: VFS' ; echo 'qemu: bad option' >&2; exit 1",
     );
-    let run_dir = RunDir::create().unwrap();
+    let run_dir = RunDir::create(&HostEnv::default()).unwrap();
     let dir = run_dir.0.clone();
     assert_eq!(
         std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
@@ -262,7 +263,7 @@ async fn a_failed_boot_quotes_the_console_and_cleans_up() {
 async fn kill_before_the_agent_connected_does_not_wait() {
     let tmp = tempfile::tempdir().unwrap();
     let qemu = fake_qemu(tmp.path(), "echo started; exec sleep 600");
-    let run_dir = RunDir::create().unwrap();
+    let run_dir = RunDir::create(&HostEnv::default()).unwrap();
     let booted = start_plain(fake_plan(qemu, &run_dir), run_dir)
         .await
         .unwrap();
@@ -280,6 +281,26 @@ async fn kill_before_the_agent_connected_does_not_wait() {
     // Idempotent, and wait() reports the earlier end.
     m.kill().await;
     assert!(m.wait().await.contains("QEMU ended"));
+}
+
+#[test]
+fn the_run_dir_is_under_the_runtime_dir_where_its_sockets_fit() {
+    let runtime = tempfile::tempdir().unwrap();
+    let temp = tempfile::tempdir().unwrap();
+    let host = HostEnv {
+        runtime_dir: Some(runtime.path().to_path_buf()),
+        temp_dir: temp.path().to_path_buf(),
+        ..HostEnv::default()
+    };
+    let run_dir = RunDir::create(&host).unwrap();
+    assert!(run_dir.0.starts_with(runtime.path()), "{:?}", run_dir.0);
+    // Too long for sun_path: the temporary directory instead.
+    let host = HostEnv {
+        runtime_dir: Some(runtime.path().join("r".repeat(100))),
+        ..host
+    };
+    let run_dir = RunDir::create(&host).unwrap();
+    assert!(run_dir.0.starts_with(temp.path()), "{:?}", run_dir.0);
 }
 
 #[test]
@@ -310,7 +331,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
     };
     // Another VM holds the disk: refused, saying so.
     let holder = RawImage::open(&disk).unwrap();
-    let run_dir = RunDir::create().unwrap();
+    let run_dir = RunDir::create(&HostEnv::default()).unwrap();
     match start_plain(plan_with_disk(&run_dir), run_dir).await {
         Err(e @ QemuError::SessionDisk(ImageError::Locked(_))) => {
             assert!(e.to_string().contains("in use by another VM"), "{e}")
@@ -320,7 +341,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
     }
     drop(holder);
     // A boot that fails after the disk was opened closes it again.
-    let run_dir = RunDir::create().unwrap();
+    let run_dir = RunDir::create(&HostEnv::default()).unwrap();
     match start_plain(plan_with_disk(&run_dir), run_dir).await {
         Err(QemuError::Spawn { .. }) => {}
         Err(e) => panic!("unexpected error: {e}"),
@@ -331,7 +352,7 @@ async fn the_session_disk_is_exclusive_and_released_when_boot_fails() {
 
 #[tokio::test]
 async fn a_missing_qemu_binary_is_a_clear_error() {
-    let run_dir = RunDir::create().unwrap();
+    let run_dir = RunDir::create(&HostEnv::default()).unwrap();
     let plan = fake_plan("/nonexistent/qemu-system-x86_64".into(), &run_dir);
     match start_plain(plan, run_dir).await {
         Err(QemuError::Spawn { qemu, .. }) => {

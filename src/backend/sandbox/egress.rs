@@ -28,6 +28,7 @@ use tokio::task::JoinHandle;
 
 use super::SandboxError;
 use crate::egress::EgressProxy;
+use crate::hostfs::{HostEnv, DEFAULT_TEMP_DIR};
 
 /// File name of the proxy's socket in the run directory (and in
 /// [`super::EGRESS_DIR`] inside the sandbox).
@@ -62,9 +63,10 @@ pub struct EgressSocket {
 }
 
 impl EgressSocket {
-    /// Creates the run directory, binds the socket in it and serves it with
-    /// `proxy` on a new task. Must be called within a tokio runtime.
-    pub fn open(proxy: EgressProxy) -> Result<EgressSocket, SandboxError> {
+    /// Creates the run directory (under `host`'s runtime or temporary
+    /// directory, see [`base_dir`]), binds the socket in it and serves it
+    /// with `proxy` on a new task. Must be called within a tokio runtime.
+    pub fn open(proxy: EgressProxy, host: &HostEnv) -> Result<EgressSocket, SandboxError> {
         let mut random = [0u8; RUN_DIR_RANDOM_BYTES];
         getrandom::getrandom(&mut random).map_err(|e| SandboxError::Io {
             what: "name the sandbox run directory",
@@ -76,7 +78,7 @@ impl EgressSocket {
             std::process::id(),
             RUN_DIR_SEQ.fetch_add(1, Ordering::Relaxed)
         );
-        let base = base_dir(&name);
+        let base = base_dir(&name, host);
         let dir = base.join(&name);
         let io_err = |what| move |source| SandboxError::Io { what, source };
         std::fs::create_dir_all(&base).map_err(io_err("create the sandbox run directory"))?;
@@ -141,17 +143,17 @@ impl Drop for DirGuard {
     }
 }
 
-/// `$XDG_RUNTIME_DIR`, else the temporary directory, else `/tmp`: the first
-/// under which the socket path of run directory `name` fits `sun_path`.
-fn base_dir(name: &str) -> PathBuf {
+/// `host`'s `$XDG_RUNTIME_DIR`, else its temporary directory, else `/tmp`:
+/// the first under which the socket path of run directory `name` fits
+/// `sun_path`.
+fn base_dir(name: &str, host: &HostEnv) -> PathBuf {
     let fits = |base: &Path| base.join(name).join(SOCKET_NAME).as_os_str().len() <= MAX_SOCKET_PATH;
-    std::env::var_os("XDG_RUNTIME_DIR")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([std::env::temp_dir()])
+    host.runtime_dir
+        .iter()
+        .chain([&host.temp_dir])
         .find(|b| b.is_absolute() && fits(b))
-        .unwrap_or_else(|| PathBuf::from("/tmp"))
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_TEMP_DIR))
 }
 
 /// The daemon pid in a run directory's name, if it is one.
@@ -201,7 +203,19 @@ mod tests {
     #[test]
     fn base_dir_fits_sun_path() {
         let longest = "cowork-sandbox-4294967295-18446744073709551615-0123456789abcdef";
-        let base = base_dir(longest);
+        let base = base_dir(longest, &HostEnv::default());
+        assert_eq!(base, Path::new("/tmp"));
+        let host = HostEnv {
+            runtime_dir: Some(PathBuf::from("/run/user/1000")),
+            ..HostEnv::default()
+        };
+        assert_eq!(base_dir(longest, &host), Path::new("/run/user/1000"));
+        let host = HostEnv {
+            runtime_dir: Some(PathBuf::from(format!("/{}", "r".repeat(60)))),
+            temp_dir: PathBuf::from("relative"),
+            ..HostEnv::default()
+        };
+        let base = base_dir(longest, &host);
         assert!(base.is_absolute());
         assert!(
             base.join(longest).join(SOCKET_NAME).as_os_str().len() <= MAX_SOCKET_PATH
@@ -212,8 +226,8 @@ mod tests {
     #[tokio::test]
     async fn socket_is_private_served_and_removed() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let proxy = EgressProxy::from_env();
-        let socket = EgressSocket::open(proxy).expect("open");
+        let proxy = EgressProxy::direct();
+        let socket = EgressSocket::open(proxy, &HostEnv::default()).expect("open");
         let dir = socket.dir().to_path_buf();
         let path = dir.join(SOCKET_NAME);
         let meta = std::fs::metadata(&dir).expect("dir");

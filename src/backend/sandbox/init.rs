@@ -75,8 +75,8 @@ const SANDBOX_HOME: &str = "/sessions";
 /// `LANG` inside the sandbox.
 const SANDBOX_LANG: &str = "C.UTF-8";
 
-/// Variables passed from the daemon's environment to the agent, when set.
-const PASSED_ENV: [&str; 1] = ["COWORK_LOG"];
+/// The agent's log filter variable, set from the spec's `log`.
+const AGENT_LOG_ENV: &str = "COWORK_LOG";
 
 /// Fixed arguments of the agent, after `argv[0]`.
 const AGENT_ARGS: [&str; 8] = [
@@ -114,10 +114,13 @@ impl Reporter {
     }
 }
 
-/// See [`super::init_main`].
+/// See [`super::init_main`]. Logging starts with the spec's filter (the
+/// helper's), or the default when the spec is unreadable.
 pub fn main(args: Vec<String>) -> i32 {
     let mut reporter = Reporter::take();
-    match run(&args, &mut reporter) {
+    let spec = parse_args(&args);
+    crate::logging::init(spec.as_ref().ok().and_then(|s| s.log.as_deref()));
+    match spec.and_then(|spec| run(spec, &mut reporter)) {
         Ok(status) => status,
         Err(failure) => fail(&reporter, failure),
     }
@@ -146,8 +149,7 @@ fn parse_args(args: &[String]) -> Result<InitSpec, Failure> {
     serde_json::from_str(encoded).map_err(|e| bad(format!("malformed spec: {e}")))
 }
 
-fn run(args: &[String], reporter: &mut Reporter) -> Result<i32, Failure> {
-    let spec = parse_args(args)?;
+fn run(spec: InitSpec, reporter: &mut Reporter) -> Result<i32, Failure> {
     if !sys::fd_is_open(AGENT_FD) {
         return Err(Failure {
             stage: Stage::Arguments,
@@ -426,7 +428,7 @@ fn pid1(
         });
     };
     let c_argv = CStringArray::new(&argv).context(Stage::Exec, || "agent arguments".to_string())?;
-    let c_env = CStringArray::new(&sandbox_env(egress_dir.is_some()))
+    let c_env = CStringArray::new(&sandbox_env(egress_dir.is_some(), spec.log.as_deref()))
         .context(Stage::Exec, || "agent environment".to_string())?;
 
     // The exec closes the pipe (close-on-exec): `exec` then end of file.
@@ -466,10 +468,11 @@ pub(super) fn agent_args(egress: bool) -> Vec<String> {
     args
 }
 
-/// The agent's environment: a fixed minimal one plus [`PASSED_ENV`], and
-/// with an egress socket, its path ([`EGRESS_SOCKET_ENV`]). The agent does
-/// not pass its own environment on to what it spawns.
-fn sandbox_env(egress: bool) -> Vec<String> {
+/// The agent's environment: a fixed minimal one, its log filter `log` (the
+/// helper's, from the spec) as `COWORK_LOG`, and with an egress socket, its
+/// path ([`EGRESS_SOCKET_ENV`]). The agent does not pass its own
+/// environment on to what it spawns.
+fn sandbox_env(egress: bool, log: Option<&str>) -> Vec<String> {
     let mut env = vec![
         format!("PATH={SANDBOX_PATH}"),
         format!("HOME={SANDBOX_HOME}"),
@@ -480,10 +483,8 @@ fn sandbox_env(egress: bool) -> Vec<String> {
             "{EGRESS_SOCKET_ENV}={EGRESS_DIR}/{EGRESS_SOCKET_NAME}"
         ));
     }
-    for name in PASSED_ENV {
-        if let Some(value) = std::env::var_os(name) {
-            env.push(format!("{name}={}", value.to_string_lossy()));
-        }
+    if let Some(filter) = log {
+        env.push(format!("{AGENT_LOG_ENV}={filter}"));
     }
     env
 }
@@ -599,6 +600,7 @@ mod tests {
             cgroup: None,
             rlimits: Rlimits::default(),
             session_oom_score_adj: None,
+            log: Some("debug".into()),
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         let full = vec![
@@ -624,8 +626,12 @@ mod tests {
 
     #[test]
     fn environment_is_minimal() {
-        let env = sandbox_env(false);
+        let env = sandbox_env(false, Some("debug"));
         assert!(env.contains(&format!("PATH={SANDBOX_PATH}")));
+        assert!(env.contains(&"COWORK_LOG=debug".to_string()));
+        assert!(!sandbox_env(false, None)
+            .iter()
+            .any(|kv| kv.starts_with("COWORK_LOG=")));
         assert!(env.contains(&"HOME=/sessions".to_string()));
         assert!(env.contains(&"LANG=C.UTF-8".to_string()));
         assert!(env
@@ -637,9 +643,9 @@ mod tests {
 
     #[test]
     fn egress_socket_is_for_the_agent_only() {
-        let env = sandbox_env(true);
+        let env = sandbox_env(true, None);
         assert!(env.contains(&"COWORK_EGRESS_SOCKET=/.egress/proxy.sock".to_string()));
-        assert!(!sandbox_env(false)
+        assert!(!sandbox_env(false, None)
             .iter()
             .any(|kv| kv.starts_with("COWORK_EGRESS_SOCKET=")));
         let args = agent_args(true);

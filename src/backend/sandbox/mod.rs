@@ -53,6 +53,7 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use crate::hostfs::HostEnv;
 use tokio::io::AsyncReadExt;
 use tokio::net::UnixStream;
 
@@ -119,6 +120,18 @@ pub struct SandboxConfig {
     /// (or the stand-ins, see [`limits`]) and its agent's sessions are the
     /// OOM killer's first choice; none: it shares the helper's cgroup.
     pub limits: Option<Limits>,
+    /// With [`SandboxConfig::limits`], place the sandbox in no cgroup at
+    /// all (the rlimit stand-ins only), as on a host without delegation:
+    /// the [`cgroup::DISABLE_ENV`] test hook.
+    pub cgroup_disabled: bool,
+    /// The log filter of the init and the agent (the helper's `--log`,
+    /// `COWORK_LOG`; the agent gets it as its `COWORK_LOG`); none: their
+    /// defaults.
+    pub log: Option<String>,
+    /// The helper's `PATH` (`systemd-run`), runtime directory (the
+    /// systemd user manager, the egress socket's directory) and temporary
+    /// directory.
+    pub host: HostEnv,
 }
 
 /// Environment variable of the agent-wrapper test hook: an absolute host
@@ -126,8 +139,9 @@ pub struct SandboxConfig {
 /// the agent's own command line (as a path under [`HOST_ROOT`]) as its
 /// arguments, so it can `exec` the real agent or stand in for it. The
 /// guest-hostility tests put a misbehaving fake agent there. Read from the
-/// helper's environment only (the client cannot set it); whoever sets the
-/// helper's environment can run any program as the helper's user anyway.
+/// helper's environment by [`crate::cli`] only, no flag (the client cannot
+/// set it); whoever sets the helper's environment can run any program as
+/// the helper's user anyway.
 pub const AGENT_WRAPPER_ENV: &str = "COWORK_TEST_SANDBOX_AGENT_WRAPPER";
 
 /// The [`SandboxConfig::command_override`] of the [`AGENT_WRAPPER_ENV`]
@@ -148,7 +162,9 @@ pub fn wrapped_agent_command(
 }
 
 impl SandboxConfig {
-    /// A configuration that runs the agent with no extra arguments.
+    /// A configuration that runs the agent with no extra arguments, no
+    /// egress, no limits, the default log filters and an empty host
+    /// environment (no `PATH`, so no systemd scope; sockets under `/tmp`).
     pub fn new(helper_exe: impl Into<PathBuf>, sessions_dir: impl Into<PathBuf>) -> Self {
         Self {
             helper_exe: helper_exe.into(),
@@ -157,6 +173,9 @@ impl SandboxConfig {
             command_override: None,
             egress: None,
             limits: None,
+            cgroup_disabled: false,
+            log: None,
+            host: HostEnv::default(),
         }
     }
 
@@ -207,6 +226,7 @@ impl SandboxConfig {
             cgroup: None,
             rlimits: limits::Rlimits::default(),
             session_oom_score_adj: self.limits.map(|_| SESSION_OOM_SCORE_ADJ),
+            log: self.log.clone(),
         })
     }
 }
@@ -349,13 +369,18 @@ impl Sandbox {
     ) -> Result<(Sandbox, UnixStream), SandboxError> {
         // Checked before anything is created.
         cfg.init_spec(None)?;
-        let egress = cfg.egress.clone().map(EgressSocket::open).transpose()?;
+        let egress = cfg
+            .egress
+            .clone()
+            .map(|proxy| EgressSocket::open(proxy, &cfg.host))
+            .transpose()?;
         let mut spec = cfg.init_spec(egress.as_ref().map(EgressSocket::dir))?;
         let placement = match cfg.limits {
             Some(limits) => {
                 let exe = cfg.helper_exe.clone();
+                let (host, hook_disabled) = (cfg.host.clone(), cfg.cgroup_disabled);
                 let placed = tokio::task::spawn_blocking(move || {
-                    let mut facts = cgroup::HostFacts::read();
+                    let mut facts = cgroup::HostFacts::read(&host, hook_disabled);
                     if no_cgroup.is_some() {
                         facts.disabled = no_cgroup;
                     }
@@ -541,7 +566,7 @@ impl Sandbox {
         if let Some(cg) = self.cgroup.as_mut() {
             if matches!(cg.origin(), cgroup::Origin::Systemd { .. }) {
                 cg.learn_scope(self.init_pid);
-                let no_swap = cgroup::HostFacts::read().swap_total_kib == Some(0);
+                let no_swap = cgroup::host_swap_total_kib() == Some(0);
                 let real = cg.verify(limits, no_swap);
                 let planned = self.enforcement.get_or_insert_with(Enforcement::default);
                 for l in Limit::ALL {
@@ -712,7 +737,6 @@ pub fn cgroup_probe_main() -> i32 {
 /// the process (the agent's, or [`SETUP_FAILED_STATUS`]); when the agent was
 /// killed by a signal the init kills itself with the same signal instead.
 pub fn init_main(args: Vec<String>) -> i32 {
-    crate::logging::init();
     init::main(args)
 }
 

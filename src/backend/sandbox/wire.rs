@@ -42,6 +42,11 @@ pub struct InitSpec {
     /// `oom_score_adj` the agent gives the processes it spawns.
     #[serde(default)]
     pub session_oom_score_adj: Option<i32>,
+    /// The helper's log filter (`--log`, `COWORK_LOG`): the init's own, and
+    /// the agent's `COWORK_LOG`; none: their defaults. The init reads no
+    /// environment variable: this spec is its whole input.
+    #[serde(default)]
+    pub log: Option<String>,
 }
 
 /// How the init gets into the sandbox's cgroup.
@@ -232,6 +237,7 @@ mod tests {
                 data: None,
             },
             session_oom_score_adj: Some(500),
+            log: None,
         };
         let json = serde_json::to_string(&spec).expect("serialize");
         assert_eq!(

@@ -51,6 +51,7 @@ use std::time::{Duration, Instant};
 
 use super::limits::{Enforcement, Hold, Limit, Limits, Rlimits};
 use super::wire::CgroupSpec;
+use crate::hostfs::HostEnv;
 
 pub use systemd::probe_main;
 
@@ -79,7 +80,8 @@ const REMOVE_RETRY: Duration = Duration::from_millis(10);
 
 /// Test hook: makes [`place`] find no cgroup at all, with this variable's
 /// name as the reason, so the fallback can be tested on a host that has
-/// cgroups. Read from the helper's environment only.
+/// cgroups. Read from the helper's environment by [`crate::cli`] only (no
+/// flag), which sets [`super::SandboxConfig::cgroup_disabled`].
 pub const DISABLE_ENV: &str = "COWORK_TEST_SANDBOX_NO_CGROUP";
 
 /// Distinguishes the cgroups of one helper's sandboxes.
@@ -395,13 +397,16 @@ const SYSTEM_MANAGER_SOCKET: &str = "/run/systemd/private";
 const USER_MANAGER_SOCKET: &str = "systemd/private";
 
 impl HostFacts {
-    /// The facts of this process.
-    pub fn read() -> HostFacts {
+    /// The facts of this process, with `host`'s `PATH` and
+    /// `$XDG_RUNTIME_DIR`; `hook_disabled`: the [`DISABLE_ENV`] test hook
+    /// is on.
+    pub fn read(host: &HostEnv, hook_disabled: bool) -> HostFacts {
         let read = |p: &str| fs::read_to_string(p).unwrap_or_default();
         // SAFETY: geteuid cannot fail.
         let euid = unsafe { libc::geteuid() };
-        let user_manager = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
+        let user_manager = host
+            .runtime_dir
+            .as_ref()
             .filter(|d| d.is_absolute())
             .is_some_and(|d| d.join(USER_MANAGER_SOCKET).exists());
         let manager = if user_manager {
@@ -416,11 +421,10 @@ impl HostFacts {
             proc_cgroup: read("/proc/self/cgroup"),
             pid: std::process::id(),
             euid,
-            swap_total_kib: swap_total_kib(&read("/proc/meminfo")),
-            systemd_run: crate::hostfs::on_path("systemd-run"),
+            swap_total_kib: host_swap_total_kib(),
+            systemd_run: host.on_path("systemd-run"),
             manager,
-            disabled: std::env::var_os(DISABLE_ENV)
-                .map(|_| format!("no cgroup: disabled by {DISABLE_ENV} (test hook)")),
+            disabled: hook_disabled.then(disabled_by_hook),
         }
     }
 
@@ -428,6 +432,16 @@ impl HostFacts {
     fn no_swap(&self) -> bool {
         self.swap_total_kib == Some(0)
     }
+}
+
+/// The reason [`place`] gets when the [`DISABLE_ENV`] test hook is on.
+pub fn disabled_by_hook() -> String {
+    format!("no cgroup: disabled by {DISABLE_ENV} (test hook)")
+}
+
+/// This host's `SwapTotal` (`/proc/meminfo`), in KiB.
+pub fn host_swap_total_kib() -> Option<u64> {
+    swap_total_kib(&fs::read_to_string("/proc/meminfo").unwrap_or_default())
 }
 
 /// `SwapTotal` of a `/proc/meminfo` text, in KiB.

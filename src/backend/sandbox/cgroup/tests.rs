@@ -566,7 +566,7 @@ fn a_scope_is_joined_by_the_init_itself() {
 #[test]
 fn without_a_cgroup_rlimits_stand_in() {
     let facts = HostFacts {
-        disabled: Some(format!("no cgroup: disabled by {DISABLE_ENV} (test hook)")),
+        disabled: Some(disabled_by_hook()),
         euid: 1000,
         swap_total_kib: Some(1024),
         ..HostFacts::default()
