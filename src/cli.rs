@@ -8,6 +8,15 @@
 //! `--data-dir`, ...) belong to the top level, `doctor` takes the two it
 //! explains (`--backend`, `--userland`), `bench` and `vm run` take theirs.
 //!
+//! Settings: this is the one module of the helper that reads the
+//! environment. Every flag's `COWORK_*` variable comes through clap's `env`;
+//! the test hooks and the host's standard variables (`PATH`, the XDG
+//! directories, the upstream proxy) are listed in [`ENV_ONLY`] and read by
+//! [`Environment::read`]. [`Cli::settings`] turns both into
+//! [`Settings`], which the daemon passes down as values (the machine's
+//! part as [`BootOptions`]); docs/configuration.md has the table, kept in
+//! step by a unit test.
+//!
 //! Serving ends on SIGTERM, SIGINT, or the client going away (its end of
 //! our stdin closing, see [`crate::shutdown`]): the socket is removed, every
 //! VM stopped (killed past [`crate::daemon::SHUTDOWN_BUDGET`]) and the
@@ -540,8 +549,9 @@ pub struct EnvOnly {
 
 /// Every environment variable the helper reads besides those of its flags
 /// (clap's `env`, see [`Cli`]): [`Environment::read`] reads these and no
-/// other, and docs/configuration.md documents each. Test hooks have no
-/// flag, so `--help` never shows them; the client cannot set any of them.
+/// other, and docs/configuration.md documents each (a unit test checks
+/// both lists against its tables). Test hooks have no flag, so `--help`
+/// never shows them; the client cannot set any of them.
 pub const ENV_ONLY: &[EnvOnly] = &[
     EnvOnly {
         name: crate::backend::guest::GUEST_ROOT_SESSION_ENV,
@@ -1364,5 +1374,282 @@ mod tests {
             assert!(top.contains(shown), "{shown} missing from --help:\n{top}");
         }
         assert!(top.contains(VM_HEADING), "{top}");
+    }
+
+    #[test]
+    fn the_env_only_registry_is_well_formed() {
+        let command = <Cli as clap::CommandFactory>::command();
+        let flag_vars = clap_env_vars(&command);
+        let mut seen = std::collections::HashSet::new();
+        for v in ENV_ONLY {
+            assert!(seen.insert(v.name), "{} listed twice", v.name);
+            assert!(!v.reader.is_empty() && !v.purpose.is_empty(), "{v:?}");
+            assert!(
+                !flag_vars.iter().any(|f| f.env == v.name),
+                "{} has a flag and is in ENV_ONLY",
+                v.name
+            );
+        }
+    }
+
+    /// An argument of the command line that has a variable.
+    #[derive(Debug)]
+    struct FlagVar {
+        env: String,
+        /// `--long`, after the subcommand path (`image build --cache`).
+        flag: String,
+        hidden: bool,
+    }
+
+    /// Every argument with an `env` in `command` and its subcommands.
+    fn clap_env_vars(command: &clap::Command) -> Vec<FlagVar> {
+        fn walk(c: &clap::Command, path: &str, out: &mut Vec<FlagVar>) {
+            for a in c.get_arguments() {
+                if let (Some(env), Some(long)) = (a.get_env(), a.get_long()) {
+                    out.push(FlagVar {
+                        env: env.to_string_lossy().into_owned(),
+                        flag: format!("{path}--{long}"),
+                        hidden: a.is_hide_set(),
+                    });
+                }
+            }
+            for sub in c.get_subcommands() {
+                walk(sub, &format!("{path}{} ", sub.get_name()), out);
+            }
+        }
+        let mut out = Vec::new();
+        walk(command, "", &mut out);
+        out
+    }
+
+    /// One row of a table of docs/configuration.md: the heading it is under
+    /// and its cells.
+    #[derive(Debug)]
+    struct DocRow {
+        heading: String,
+        cells: Vec<String>,
+    }
+
+    impl DocRow {
+        /// The variable names of the first cell (each in backticks).
+        fn names(&self) -> Vec<String> {
+            self.cells
+                .first()
+                .map(|c| backticked(c))
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|n| {
+                    n.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+                        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                })
+                .collect()
+        }
+    }
+
+    /// The spans of `text` in backticks.
+    fn backticked(text: &str) -> Vec<String> {
+        text.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The body rows of every table in `markdown`, with the heading each
+    /// is under (`\|` inside a cell is not a separator).
+    fn doc_rows(markdown: &str) -> Vec<DocRow> {
+        let lines: Vec<&str> = markdown.lines().collect();
+        let mut heading = String::new();
+        let mut rows = Vec::new();
+        for (i, line) in lines.iter().enumerate() {
+            if line.starts_with('#') {
+                heading = line.trim_start_matches('#').trim().to_string();
+                continue;
+            }
+            let separator = |l: &str| l.starts_with("|-") || l.starts_with("|:");
+            let header = lines.get(i + 1).is_some_and(|next| separator(next));
+            if !line.starts_with('|') || separator(line) || header {
+                continue;
+            }
+            let cells = line
+                .replace("\\|", "\u{1}")
+                .trim()
+                .trim_matches('|')
+                .split('|')
+                .map(|c| c.replace('\u{1}', "|").trim().to_string())
+                .collect();
+            rows.push(DocRow {
+                heading: heading.clone(),
+                cells,
+            });
+        }
+        rows
+    }
+
+    /// The rows under the heading `heading`, by variable name.
+    fn rows_under<'a>(rows: &'a [DocRow], heading: &str) -> Vec<(String, &'a DocRow)> {
+        let found: Vec<_> = rows
+            .iter()
+            .filter(|r| r.heading == heading)
+            .flat_map(|r| r.names().into_iter().map(move |n| (n, r)))
+            .collect();
+        assert!(!found.is_empty(), "no table under the heading {heading:?}");
+        found
+    }
+
+    /// The settings' reference, which this test keeps in step with the code.
+    const CONFIGURATION_MD: &str = include_str!("../docs/configuration.md");
+
+    /// `COWORK_` words in the sources that are not variables.
+    const NOT_VARIABLES: [&str; 1] = [
+        // A heredoc delimiter in tests/sandbox_limits.rs.
+        "COWORK_EOF",
+    ];
+
+    #[test]
+    fn the_configuration_table_matches_the_code() {
+        let rows = doc_rows(CONFIGURATION_MD);
+        let command = <Cli as clap::CommandFactory>::command();
+        let flags = clap_env_vars(&command);
+        let mut problems = Vec::new();
+
+        // Every variable with a flag is in "Settings", naming its flag, and
+        // that table lists no other.
+        let users = rows_under(&rows, "Settings");
+        for f in &flags {
+            match users.iter().find(|(n, _)| *n == f.env) {
+                None => problems.push(format!(
+                    "{} ({}) is missing from the \"Settings\" table",
+                    f.env, f.flag
+                )),
+                Some((_, row)) => {
+                    let flag_cell = row.cells.get(1).map(String::as_str).unwrap_or("");
+                    // `--flag`, or `--flag VALUE` / `--flag a\|b`.
+                    let names_flag = |span: &String| {
+                        span.strip_prefix(&f.flag)
+                            .is_some_and(|rest| rest.is_empty() || rest.starts_with(' '))
+                    };
+                    if !backticked(flag_cell).iter().any(names_flag) {
+                        problems.push(format!(
+                            "{}'s flag cell {flag_cell:?} does not name `{}`",
+                            f.env, f.flag
+                        ));
+                    }
+                    if f.hidden && !flag_cell.contains("hidden") {
+                        problems.push(format!(
+                            "{}'s flag {} is hidden from --help; its flag cell should say so",
+                            f.env, f.flag
+                        ));
+                    }
+                }
+            }
+        }
+        for (name, _) in &users {
+            if !flags.iter().any(|f| f.env == *name) {
+                problems.push(format!(
+                    "the \"Settings\" table lists {name}, which no flag of the helper reads"
+                ));
+            }
+        }
+
+        // The environment-only variables: the test hooks and the host's.
+        let hooks = rows_under(&rows, "Test hooks the helper reads");
+        let host = rows_under(&rows, "Read by the helper");
+        for v in ENV_ONLY {
+            let (table, list) = if v.name.starts_with("COWORK_") {
+                ("Test hooks the helper reads", &hooks)
+            } else {
+                ("Read by the helper", &host)
+            };
+            if !list.iter().any(|(n, _)| n == v.name) {
+                problems.push(format!(
+                    "{} (ENV_ONLY: {}) is missing from the {table:?} table",
+                    v.name, v.purpose
+                ));
+            }
+        }
+        for (name, _) in hooks.iter().chain(&host) {
+            if !ENV_ONLY.iter().any(|v| v.name == name) {
+                problems.push(format!(
+                    "{name} is documented as read by the helper but is not in cli::ENV_ONLY"
+                ));
+            }
+        }
+
+        // Every COWORK_ variable the repository names is in some table.
+        let documented: std::collections::HashSet<String> =
+            rows.iter().flat_map(DocRow::names).collect();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut named = std::collections::BTreeMap::new();
+        for dir in [
+            "src",
+            "vmm/src",
+            "devices/src",
+            "guest-agent/src",
+            "tests",
+            "benches",
+            "vmm/tests",
+            "vmm/benches",
+            "devices/tests",
+            "guest-agent/tests",
+            "scripts",
+            ".ci",
+            "packaging",
+        ] {
+            cowork_names(&root.join(dir), root, &mut named);
+        }
+        for (name, file) in &named {
+            if !documented.contains(name) && !NOT_VARIABLES.contains(&name.as_str()) {
+                problems.push(format!(
+                    "{name} (named in {file}) is in no table of docs/configuration.md"
+                ));
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "docs/configuration.md and the code disagree:\n  {}",
+            problems.join("\n  ")
+        );
+    }
+
+    /// Adds each `COWORK_[A-Z0-9_]+` word of the text files under `dir`
+    /// (recursively) to `named`, with the first file naming it.
+    fn cowork_names(
+        dir: &Path,
+        root: &Path,
+        named: &mut std::collections::BTreeMap<String, String>,
+    ) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                cowork_names(&path, root, named);
+                continue;
+            }
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            for (at, _) in text.match_indices("COWORK_") {
+                if text[..at]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    continue;
+                }
+                let word: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                    .collect();
+                if word.len() > "COWORK_".len() && !word.ends_with('_') {
+                    let file = path.strip_prefix(root).unwrap_or(&path);
+                    named
+                        .entry(word)
+                        .or_insert_with(|| file.display().to_string());
+                }
+            }
+        }
     }
 }
