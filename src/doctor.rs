@@ -425,19 +425,17 @@ fn kvm_line(kvm: &crate::backend::kvm::Probe) -> String {
             crate::backend::kvm::kernel_of(img).display()
         ),
         _ => {
-            let kvm_why = match vmm::kvm_check::check_capabilities() {
-                Err(e) => Some(format!("/dev/kvm unusable: {e}")),
-                Ok(_) => kvm.kvm.as_ref().err().map(|e| {
+            use crate::backend::guest::KvmUnavailable;
+            let kvm_why = kvm.kvm.as_ref().err().map(|e| match e {
+                KvmUnavailable::Unusable(e) => format!("/dev/kvm unusable: {e}"),
+                KvmUnavailable::NotForLinux(e) => {
                     format!("/dev/kvm works for small guests (`vm run`) but NOT for Linux: {e}")
-                }),
-            };
-            let missing: Vec<&str> = [
-                kvm_why.as_deref(),
-                kvm.image.as_ref().err().map(String::as_str),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
+                }
+            });
+            let missing: Vec<String> = [kvm_why, kvm.image.as_ref().err().map(ToString::to_string)]
+                .into_iter()
+                .flatten()
+                .collect();
             format!("UNAVAILABLE: {}", missing.join("; "))
         }
     }
@@ -452,14 +450,13 @@ fn qemu_line(probe: &crate::backend::qemu::Probe) -> String {
             accel.as_str()
         ),
         _ => {
-            let missing: Vec<&str> = [
-                probe.qemu.as_ref().err(),
-                probe.image.as_ref().err(),
-                probe.accel.as_ref().err(),
+            let missing: Vec<String> = [
+                probe.qemu.as_ref().err().map(ToString::to_string),
+                probe.image.as_ref().err().map(ToString::to_string),
+                probe.accel.as_ref().err().map(ToString::to_string),
             ]
             .into_iter()
             .flatten()
-            .map(String::as_str)
             .collect();
             format!("UNAVAILABLE: {}", missing.join("; "))
         }

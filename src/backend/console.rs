@@ -9,6 +9,7 @@
 //! than CSI and two-byte escapes leave their printable rest in the line.
 
 use std::collections::VecDeque;
+use std::fmt;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use vmm::sync::MutexExt;
@@ -42,19 +43,37 @@ impl Console {
         t.iter().cloned().collect()
     }
 
-    /// The last `n` lines, indented, for an error message.
-    pub(crate) fn quote(&self, n: usize) -> String {
+    /// The last `n` lines, for an error message.
+    pub(crate) fn quote(&self, n: usize) -> ConsoleQuote {
         let t = self.tail.locked();
-        if t.is_empty() {
-            return " (the console printed nothing)".into();
-        }
         let skip = t.len().saturating_sub(n);
-        let mut s = String::from("; last console lines:");
-        for l in t.iter().skip(skip) {
-            s.push_str("\n  ");
-            s.push_str(l);
+        ConsoleQuote {
+            lines: t.iter().skip(skip).cloned().collect(),
         }
-        s
+    }
+}
+
+/// The console's last lines as an error or a machine's end quotes them:
+/// appended to the message it follows, each line indented on its own line
+/// (the log escapes the line breaks, so a log line stays one line), or a
+/// note that the console printed nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConsoleQuote {
+    /// The quoted lines, oldest first, already cleaned
+    /// ([`clean_console_line`]).
+    pub lines: Vec<String>,
+}
+
+impl fmt::Display for ConsoleQuote {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.lines.is_empty() {
+            return f.write_str(" (the console printed nothing)");
+        }
+        f.write_str("; last console lines:")?;
+        for l in &self.lines {
+            write!(f, "\n  {l}")?;
+        }
+        Ok(())
     }
 }
 
@@ -180,7 +199,10 @@ mod tests {
         assert_eq!(tail[tail.len() - 2], "x".repeat(MAX_CONSOLE_LINE));
         assert_eq!(tail[tail.len() - 3], "half a line");
         assert_eq!(tail[tail.len() - 4], "line 59");
-        assert!(console.quote(1).ends_with("\n  xxxno newline"));
-        assert!(Console::default().quote(3).contains("printed nothing"));
+        assert!(console.quote(1).to_string().ends_with("\n  xxxno newline"));
+        assert!(Console::default()
+            .quote(3)
+            .to_string()
+            .contains("printed nothing"));
     }
 }

@@ -213,10 +213,21 @@ fn accept_streams<E: std::fmt::Display>(
     }
 }
 
+/// Why this host's `/dev/kvm` cannot boot the VM backends' Linux guest.
+#[derive(Debug, thiserror::Error)]
+pub enum KvmUnavailable {
+    /// `/dev/kvm` is missing or lacks what any guest needs.
+    #[error(transparent)]
+    Unusable(#[from] vmm::kvm_check::KvmCheckError),
+    /// `/dev/kvm` runs small guests but not Linux (PVM, no VT-x/AMD-V).
+    #[error(transparent)]
+    NotForLinux(#[from] vmm::kvm_check::KvmUnsuitable),
+}
+
 /// Whether `/dev/kvm` is usable and can boot Linux (why not otherwise).
-pub fn kvm_for_linux() -> Result<(), String> {
-    vmm::kvm_check::check_capabilities().map_err(|e| e.to_string())?;
-    vmm::kvm_check::linux_capable().map_err(|e| e.to_string())
+pub fn kvm_for_linux() -> Result<(), KvmUnavailable> {
+    vmm::kvm_check::check_capabilities()?;
+    Ok(vmm::kvm_check::linux_capable()?)
 }
 
 /// The kernel command-line word passing the guest's log filter

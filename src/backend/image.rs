@@ -34,6 +34,7 @@
 //! Limits: only the files' presence and the format line are checked here;
 //! a kernel or initramfs that does not boot is found out by booting it.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// Environment variable of `--guest-image-dir`, naming the guest image
@@ -63,10 +64,58 @@ pub const STATE_DIR: &str = "/var/lib/cowork-helper";
 /// directory (`rootfs.img` and `rootfs-info`).
 pub const USERLAND_DIR_NAME: &str = "userland";
 
-/// No guest image was found; says where it was looked for.
+/// Why a directory does not hold a guest image of ours.
 #[derive(Debug, thiserror::Error)]
-#[error("no guest image: {0}; install the cowork-helper package, build one in a checkout with scripts/setup.sh, or set {IMAGE_DIR_ENV}")]
-pub struct NoImage(pub String);
+pub enum NotAnImage {
+    /// One of [`IMAGE_FILES`] is not a file there.
+    #[error("{} is missing", .0.display())]
+    Missing(PathBuf),
+    /// Its `image-info` cannot be read.
+    #[error("cannot read {}/image-info ({source}): reinstall the package or rebuild the image with scripts/mkguestimage.sh", dir.display())]
+    Unreadable {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    /// Its `image-info` does not start with [`IMAGE_FORMAT`].
+    #[error("{}/image-info is not a {IMAGE_FORMAT} image (a corrupt or foreign image: reinstall the package or rebuild it with scripts/mkguestimage.sh)", .0.display())]
+    Foreign(PathBuf),
+}
+
+/// One place [`ImageSearch::locate`] tried, and why it holds no image.
+#[derive(Debug)]
+pub struct Tried {
+    /// How the message names the place when the path alone would not say
+    /// it (`bundlePath`, [`IMAGE_DIR_ENV`]).
+    pub label: Option<&'static str>,
+    pub why: NotAnImage,
+}
+
+impl fmt::Display for Tried {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.label {
+            Some(label) => write!(f, "{label}: {}", self.why),
+            None => write!(f, "{}", self.why),
+        }
+    }
+}
+
+/// No guest image was found; says where it was looked for and why each
+/// place held none.
+#[derive(Debug, thiserror::Error)]
+#[error("no guest image: {}; install the cowork-helper package, build one in a checkout with scripts/setup.sh, or set {IMAGE_DIR_ENV}", join_tried(.tried))]
+pub struct NoImage {
+    /// Every place tried, in order.
+    pub tried: Vec<Tried>,
+}
+
+/// The places' reasons, separated by `"; "`.
+fn join_tried(tried: &[Tried]) -> String {
+    tried
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
 
 /// A guest image directory of ours.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,26 +131,21 @@ pub struct GuestImage {
 impl GuestImage {
     /// The image in `dir`, or why `dir` does not hold one of ours. Its
     /// `rootfs` is `dir`'s own only.
-    pub fn at(dir: &Path) -> Result<GuestImage, String> {
+    pub fn at(dir: &Path) -> Result<GuestImage, NotAnImage> {
         for f in IMAGE_FILES {
             let p = dir.join(f);
             if !p.is_file() {
-                return Err(format!("{} is missing", p.display()));
+                return Err(NotAnImage::Missing(p));
             }
         }
-        let info = std::fs::read_to_string(dir.join("image-info")).map_err(|e| {
-            format!(
-                "cannot read {}/image-info ({e}): reinstall the package or rebuild the image \
-                     with scripts/mkguestimage.sh",
-                dir.display()
-            )
+        let info = std::fs::read_to_string(dir.join("image-info")).map_err(|source| {
+            NotAnImage::Unreadable {
+                dir: dir.to_path_buf(),
+                source,
+            }
         })?;
         if info.lines().next() != Some(IMAGE_FORMAT) {
-            return Err(format!(
-                "{}/image-info is not a {IMAGE_FORMAT} image (a corrupt or foreign image: \
-                 reinstall the package or rebuild it with scripts/mkguestimage.sh)",
-                dir.display()
-            ));
+            return Err(NotAnImage::Foreign(dir.to_path_buf()));
         }
         let rootfs = dir.join(ROOTFS_FILE);
         Ok(GuestImage {
@@ -241,19 +285,27 @@ impl ImageSearch {
             // bundlePath may come root-relative like the client's other host paths.
             match GuestImage::at(&Path::new("/").join(b)) {
                 Ok(img) => return Ok(self.with_userland(img)),
-                Err(why) => tried.push(format!("bundlePath: {why}")),
+                Err(why) => tried.push(Tried {
+                    label: Some("bundlePath"),
+                    why,
+                }),
             }
         }
         for (place, dir) in self.image_dirs() {
             match GuestImage::at(&dir) {
                 Ok(img) => return Ok(self.with_userland(img)),
                 Err(why) if place == Place::Env => {
-                    return Err(NoImage(format!("{IMAGE_DIR_ENV}: {why}")))
+                    return Err(NoImage {
+                        tried: vec![Tried {
+                            label: Some(IMAGE_DIR_ENV),
+                            why,
+                        }],
+                    })
                 }
-                Err(why) => tried.push(why),
+                Err(why) => tried.push(Tried { label: None, why }),
             }
         }
-        Err(NoImage(tried.join("; ")))
+        Err(NoImage { tried })
     }
 
     /// `img` with the first userland directory's `rootfs.img` when it has
@@ -343,13 +395,15 @@ mod tests {
 
         let other = image_dir("something-else/2");
         let e = GuestImage::at(other.path()).unwrap_err();
+        assert!(matches!(e, NotAnImage::Foreign(_)), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("is not a cowork-guest-image/1 image"), "{e}");
         assert!(e.contains("reinstall the package"), "{e}");
         std::fs::write(other.path().join("image-info"), [0xff, 0xfe, 0x00]).unwrap();
-        let e = GuestImage::at(other.path()).unwrap_err();
+        let e = GuestImage::at(other.path()).unwrap_err().to_string();
         assert!(e.contains("cannot read") && e.contains("reinstall"), "{e}");
         std::fs::remove_file(other.path().join("initramfs")).unwrap();
-        let e = GuestImage::at(other.path()).unwrap_err();
+        let e = GuestImage::at(other.path()).unwrap_err().to_string();
         assert!(e.contains("initramfs is missing"), "{e}");
     }
 

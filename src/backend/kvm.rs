@@ -74,8 +74,8 @@ use tokio::sync::oneshot;
 
 use super::console::{Console, ConsoleLines, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
-pub use super::guest::kvm_for_linux;
 use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
+pub use super::guest::{kvm_for_linux, KvmUnavailable};
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
@@ -114,7 +114,7 @@ pub enum KvmError {
     #[error(
         "this host's KVM cannot run Linux guests: {0}; use --backend qemu or --backend sandbox"
     )]
-    Unsuitable(String),
+    Unsuitable(#[source] KvmUnavailable),
     #[error(transparent)]
     Image(#[from] NoImage),
     #[error(transparent)]
@@ -181,8 +181,8 @@ pub fn cmdline(extra: &[String]) -> String {
 /// What the daemon needs to know about this backend here (for `auto` and `doctor`).
 #[derive(Debug)]
 pub struct Probe {
-    pub kvm: Result<(), String>,
-    pub image: Result<GuestImage, String>,
+    pub kvm: Result<(), KvmUnavailable>,
+    pub image: Result<GuestImage, NoImage>,
 }
 
 impl Probe {
@@ -190,7 +190,7 @@ impl Probe {
     pub fn run(images: &ImageSearch) -> Probe {
         Probe {
             kvm: kvm_for_linux(),
-            image: images.locate(None).map_err(|e| e.to_string()),
+            image: images.locate(None),
         }
     }
 
@@ -589,7 +589,7 @@ mod tests {
         .err()
         .unwrap();
         assert!(e.contains("cannot run Linux guests"), "{e}");
-        assert!(e.contains(&why), "{e}");
+        assert!(e.contains(&why.to_string()), "{e}");
         assert!(e.contains("--backend qemu"), "{e}");
     }
 }

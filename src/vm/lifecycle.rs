@@ -358,13 +358,11 @@ fn check_userland(
         None => (None, &[][..], None),
     };
     match crate::backend::userland::check_hello(plan, kind, fallbacks) {
-        Ok(line) => {
-            tracing::info!(os = os.unwrap_or("-"), "{line}");
+        Ok(report) => {
+            tracing::info!(os = os.unwrap_or("-"), "{report}");
             Ok(())
         }
-        Err(line) => Err(ProfileVmError::Start(format!(
-            "the guest did not boot the requested userland: {line}"
-        ))),
+        Err(e) => Err(ProfileVmError::Start(e.to_string())),
     }
 }
 

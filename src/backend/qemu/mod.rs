@@ -150,9 +150,10 @@ pub fn memory_mib(memory_gb: Option<f64>) -> u64 {
 /// What the daemon needs to know about QEMU here (for `auto` and `doctor`).
 #[derive(Debug)]
 pub struct Probe {
-    pub qemu: Result<PathBuf, String>,
-    pub image: Result<GuestImage, String>,
-    pub accel: Result<(Accel, String), String>,
+    pub qemu: Result<PathBuf, QemuError>,
+    pub image: Result<GuestImage, NoImage>,
+    /// The accelerator and why it was chosen.
+    pub accel: Result<(Accel, String), QemuError>,
 }
 
 impl Probe {
@@ -160,9 +161,9 @@ impl Probe {
     /// (`--qemu`, `--qemu-accel`, the image search, `PATH`).
     pub fn run(opts: &BootOptions) -> Probe {
         Probe {
-            qemu: find_qemu(opts.qemu.as_deref(), &opts.host).map_err(|e| e.to_string()),
-            image: opts.images.locate(None).map_err(|e| e.to_string()),
-            accel: choose_accel(opts.qemu_accel.as_deref()).map_err(|e| e.to_string()),
+            qemu: find_qemu(opts.qemu.as_deref(), &opts.host),
+            image: opts.images.locate(None),
+            accel: choose_accel(opts.qemu_accel.as_deref()),
         }
     }
 

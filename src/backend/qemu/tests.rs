@@ -174,7 +174,7 @@ async fn console_tail_is_bounded_and_long_lines_are_cut() {
     assert_eq!(tail[tail.len() - 2], "x".repeat(10));
     assert_eq!(tail[tail.len() - 3], "x".repeat(MAX_CONSOLE_LINE));
     assert_eq!(tail[tail.len() - 4], "line 99");
-    let q = console.quote(2);
+    let q = console.quote(2).to_string();
     assert_eq!(
         q,
         format!(
@@ -182,7 +182,10 @@ async fn console_tail_is_bounded_and_long_lines_are_cut() {
             "x".repeat(10)
         )
     );
-    assert!(Console::default().quote(3).contains("printed nothing"));
+    assert!(Console::default()
+        .quote(3)
+        .to_string()
+        .contains("printed nothing"));
 }
 
 /// A stand-in for QEMU: a script that ignores QEMU's arguments.

@@ -36,6 +36,7 @@
 //! Limits: 512-byte logical sectors only (what raw cloud images use); the
 //! GPT backup header is not consulted.
 
+use std::fmt;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -169,15 +170,54 @@ pub enum BundleError {
     },
 }
 
-/// Why no plan could be made.
+/// Why the userland `--userland` asks for cannot be had: no plan could be
+/// made on the host, or the guest did not boot into it.
 #[derive(Debug, thiserror::Error)]
 pub enum UserlandError {
+    #[error("--userland bundle: startVM gave no bundlePath")]
+    NoBundlePath,
     #[error("--userland bundle: {0}")]
-    Bundle(String),
+    Bundle(#[source] BundleError),
     #[error(
         "--userland default: no default userland (the guest image {0} has no rootfs.img, and none was built into a userland directory); build it with `cowork-helper image build` (scripts/setup.sh in a checkout)"
     )]
     NoDefault(PathBuf),
+    /// The agent's hello reports another userland than the forced one.
+    #[error("the guest did not boot the requested userland: {0}")]
+    NotBooted(UserlandReport),
+}
+
+/// The userland the agent reports in its hello, against the plan
+/// ([`check_hello`]); its text is the log line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UserlandReport {
+    /// The agent's word for the userland it took (`initramfs` when it named
+    /// none).
+    pub got: String,
+    /// What the plan expected.
+    pub expected: UserlandKind,
+    /// Why the agent rejected candidates (its words).
+    pub fallbacks: Vec<String>,
+}
+
+impl UserlandReport {
+    /// Whether the guest took the userland the plan expected.
+    pub fn as_expected(&self) -> bool {
+        self.got == self.expected.as_str()
+    }
+}
+
+impl fmt::Display for UserlandReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "userland {}", self.got)?;
+        if !self.as_expected() {
+            write!(f, " instead of {}", self.expected.as_str())?;
+        }
+        if !self.fallbacks.is_empty() {
+            write!(f, " (agent: {})", self.fallbacks.join("; "))?;
+        }
+        Ok(())
+    }
 }
 
 /// The bundle's root filesystem, as found on the host.
@@ -206,8 +246,8 @@ pub fn plan(
     let bundle = bundle_dir.map(|d| Path::new("/").join(d).join(BUNDLE_ROOTFS_FILE));
     // A missing file is inspect_bundle's open error (forced) or no
     // candidate at all (auto checks first).
-    let bundle_disk = |path: &Path| -> Result<RootDisk, String> {
-        inspect_bundle(path).map_err(|e| e.to_string())?;
+    let bundle_disk = |path: &Path| -> Result<RootDisk, BundleError> {
+        inspect_bundle(path)?;
         Ok(RootDisk {
             path: path.to_path_buf(),
             serial: BUNDLE_ROOTFS_SERIAL,
@@ -228,9 +268,7 @@ pub fn plan(
         },
         UserlandChoice::Bundle => {
             let Some(path) = bundle else {
-                return Err(UserlandError::Bundle(
-                    "startVM gave no bundlePath".to_string(),
-                ));
+                return Err(UserlandError::NoBundlePath);
             };
             bundle_disk(&path)
                 .map(|d| only(Some(d), UserlandKind::Bundle))
@@ -405,29 +443,22 @@ pub fn inspect_disk(
 }
 
 /// Checks the userland the agent reports in its hello against the plan:
-/// returns a line for the log, or an error when a forced choice was not met.
+/// returns the report for the log, or an error when a forced choice was not
+/// met.
 pub fn check_hello(
     plan: &UserlandPlan,
     got: Option<&str>,
     fallbacks: &[String],
-) -> Result<String, String> {
-    let got_word = got.unwrap_or("initramfs");
-    let why = if fallbacks.is_empty() {
-        String::new()
-    } else {
-        format!(" (agent: {})", fallbacks.join("; "))
+) -> Result<UserlandReport, UserlandError> {
+    let report = UserlandReport {
+        got: got.unwrap_or("initramfs").to_string(),
+        expected: plan.expected,
+        fallbacks: fallbacks.to_vec(),
     };
-    if got_word == plan.expected.as_str() {
-        return Ok(format!("userland {got_word}{why}"));
-    }
-    let line = format!(
-        "userland {got_word} instead of {}{why}",
-        plan.expected.as_str()
-    );
-    if plan.strict {
-        Err(line)
+    if plan.strict && !report.as_expected() {
+        Err(UserlandError::NotBooted(report))
     } else {
-        Ok(line)
+        Ok(report)
     }
 }
 

@@ -247,8 +247,10 @@ fn forced_choices_attach_one_disk_or_fail() {
 
     let bad = bundle_dir(false);
     let e = plan(UserlandChoice::Bundle, &img, Some(bad.path())).unwrap_err();
+    assert!(matches!(e, UserlandError::Bundle(_)), "{e:?}");
     assert!(e.to_string().starts_with("--userland bundle: "), "{e}");
     let e = plan(UserlandChoice::Bundle, &img, None).unwrap_err();
+    assert!(matches!(e, UserlandError::NoBundlePath), "{e:?}");
     assert!(e.to_string().contains("no bundlePath"), "{e}");
     let (_j, bare) = image(false);
     let e = plan(UserlandChoice::Default, &bare, None).unwrap_err();
@@ -260,15 +262,23 @@ fn the_agents_report_is_checked_against_the_plan() {
     let (_i, img) = image(true);
     let auto = plan(UserlandChoice::Auto, &img, None).unwrap();
     assert_eq!(
-        check_hello(&auto, Some("default"), &[]).unwrap(),
+        check_hello(&auto, Some("default"), &[])
+            .unwrap()
+            .to_string(),
         "userland default"
     );
     let fell = check_hello(&auto, Some("initramfs"), &["cowork-rootfs: no bash".into()]).unwrap();
+    assert!(!fell.as_expected());
+    let fell = fell.to_string();
     assert!(
         fell.contains("initramfs instead of default") && fell.contains("no bash"),
         "{fell}"
     );
     let forced = plan(UserlandChoice::Default, &img, None).unwrap();
     let e = check_hello(&forced, None, &[]).unwrap_err();
-    assert!(e.contains("initramfs instead of default"), "{e}");
+    assert!(matches!(e, UserlandError::NotBooted(_)), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "the guest did not boot the requested userland: userland initramfs instead of default"
+    );
 }
