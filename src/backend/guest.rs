@@ -32,7 +32,7 @@ use tokio::runtime::Handle;
 
 use crate::egress::EgressProxy;
 
-use super::console::{Console, QUOTED_LINES};
+use super::console::{Console, ConsoleQuote, QUOTED_LINES};
 use super::{AgentStream, HELLO_TIMEOUT};
 
 /// The guest's CID (each VM has its own device, so all can use the same).
@@ -230,6 +230,29 @@ pub fn kvm_for_linux() -> Result<(), KvmUnavailable> {
     Ok(vmm::kvm_check::linux_capable()?)
 }
 
+/// Why the agent link of a VM backend could not be had: the guest agent
+/// never dialled the helper, or its stream was unusable. Each message
+/// quotes the guest console's last lines, which usually say why the guest
+/// did not get as far as the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentDialError {
+    /// The agent dialled, but its stream cannot be used on the runtime.
+    #[error("cannot use the agent's vsock stream: {0}")]
+    Stream(#[source] std::io::Error),
+    /// The vsock device went away (the machine ended) before the agent dialled.
+    #[error("the vsock device stopped before the guest agent dialled in: {source}{console}")]
+    DeviceGone {
+        source: HostError,
+        console: ConsoleQuote,
+    },
+    /// The agent did not dial within [`AGENT_DIAL_TIMEOUT`].
+    #[error("the guest agent did not dial vsock port {AGENT_PORT} within {}s{console}", .waited.as_secs())]
+    Timeout {
+        waited: Duration,
+        console: ConsoleQuote,
+    },
+}
+
 /// The kernel command-line word passing the guest's log filter
 /// (`--guest-log`, [`GUEST_LOG_ENV`]) to the agent, when it is set and is
 /// one word of safe characters.
@@ -299,25 +322,25 @@ pub(crate) fn agent_stream(
                         ms = began.elapsed().as_millis() as u64,
                         "guest agent dialled vsock port {AGENT_PORT}"
                     );
-                    let wrap =
-                        |e: std::io::Error| format!("cannot use the agent's vsock stream: {e}");
-                    stream.set_nonblocking(true).map_err(wrap)?;
-                    return tokio::net::UnixStream::from_std(stream).map_err(wrap);
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(AgentDialError::Stream)?;
+                    return tokio::net::UnixStream::from_std(stream)
+                        .map_err(AgentDialError::Stream);
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    return Err(format!(
-                        "the vsock device stopped before the guest agent dialled in: {e}{}",
-                        console.quote(QUOTED_LINES)
-                    ))
+                Err(source) => {
+                    return Err(AgentDialError::DeviceGone {
+                        source,
+                        console: console.quote(QUOTED_LINES),
+                    })
                 }
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "the guest agent did not dial vsock port {AGENT_PORT} within {}s{}",
-                    AGENT_DIAL_TIMEOUT.as_secs(),
-                    console.quote(QUOTED_LINES)
-                ));
+                return Err(AgentDialError::Timeout {
+                    waited: AGENT_DIAL_TIMEOUT,
+                    console: console.quote(QUOTED_LINES),
+                });
             }
             tokio::time::sleep(ACCEPT_POLL).await;
         }

@@ -55,6 +55,7 @@
 //! the guest frees in runs of 2 MiB or more (free page reporting). Files in
 //! shared folders are created with the helper's uid, as with QEMU.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,7 +73,7 @@ use devices::vsock::{HostError, VsockConfig, VsockDevice, VsockDeviceError, Vsoc
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
 use tokio::sync::oneshot;
 
-use super::console::{Console, ConsoleLines, QUOTED_LINES};
+use super::console::{Console, ConsoleLines, ConsoleQuote, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
 use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
 pub use super::guest::{kvm_for_linux, KvmUnavailable};
@@ -200,14 +201,65 @@ impl Probe {
     }
 }
 
-/// How one run ended, in words (the controller reports it as text).
-fn describe(result: &Result<vmm::ExitReason, vmm::VmError>) -> String {
-    match result {
-        Ok(vmm::ExitReason::Reset) => "the guest reset the VM".into(),
-        Ok(vmm::ExitReason::Shutdown) => "the guest powered the VM off".into(),
-        Ok(vmm::ExitReason::GuestError(e)) => format!("the guest failed: {e}"),
-        Ok(vmm::ExitReason::Stopped) => "the host stopped the VM".into(),
-        Err(e) => format!("the VM failed: {e}"),
+/// How the VM thread's run ended.
+#[derive(Clone, Debug)]
+pub enum RunEnd {
+    /// `vmm::Vm::run` returned this reason.
+    Exit(vmm::ExitReason),
+    /// `vmm::Vm::run` failed (shared: a machine's end is reported more than
+    /// once).
+    Failed(Arc<vmm::VmError>),
+    /// The VM thread ended without reporting: it panicked.
+    Panicked,
+    /// The VM did not finish within this long after the host stopped it;
+    /// its thread is left behind.
+    StopTimedOut(Duration),
+}
+
+impl RunEnd {
+    fn of(result: Result<vmm::ExitReason, vmm::VmError>) -> RunEnd {
+        match result {
+            Ok(reason) => RunEnd::Exit(reason),
+            Err(e) => RunEnd::Failed(Arc::new(e)),
+        }
+    }
+}
+
+impl fmt::Display for RunEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RunEnd::Exit(vmm::ExitReason::Reset) => f.write_str("the guest reset the VM"),
+            RunEnd::Exit(vmm::ExitReason::Shutdown) => f.write_str("the guest powered the VM off"),
+            RunEnd::Exit(vmm::ExitReason::GuestError(e)) => write!(f, "the guest failed: {e}"),
+            RunEnd::Exit(vmm::ExitReason::Stopped) => f.write_str("the host stopped the VM"),
+            RunEnd::Failed(e) => write!(f, "the VM failed: {e}"),
+            RunEnd::Panicked => f.write_str("the VM thread ended without reporting (it panicked)"),
+            RunEnd::StopTimedOut(waited) => write!(
+                f,
+                "the VM did not finish within {}s of the stop; its thread is left behind",
+                waited.as_secs()
+            ),
+        }
+    }
+}
+
+/// How an in-process machine ended ([`KvmMachine::wait`]).
+#[derive(Clone, Debug)]
+pub struct KvmEnd {
+    /// How the run ended.
+    pub run: RunEnd,
+    /// The console's last lines, when the guest ended the run by itself
+    /// (unexpectedly, for the controller).
+    pub console: Option<ConsoleQuote>,
+}
+
+impl fmt::Display for KvmEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.run)?;
+        if let Some(console) = &self.console {
+            write!(f, "{console}")?;
+        }
+        Ok(())
     }
 }
 
@@ -228,7 +280,7 @@ fn boot_marks(marks: &[vmm::devices::boot_timer::BootMark]) -> String {
 fn vm_thread(
     config: vmm::Config,
     built: oneshot::Sender<Result<vmm::StopHandle, KvmError>>,
-    done: oneshot::Sender<String>,
+    done: oneshot::Sender<RunEnd>,
 ) {
     let kernel = config.kernel.clone();
     let mut vm = match vmm::Vm::build(config) {
@@ -244,8 +296,7 @@ fn vm_thread(
         return;
     }
     let started = Instant::now();
-    let result = vm.run();
-    let how = describe(&result);
+    let how = RunEnd::of(vm.run());
     let t = vm.timeline();
     tracing::info!(
         how = %how,
@@ -265,16 +316,6 @@ fn vm_thread(
 /// future of the agent's stream. The guest's egress connections are served
 /// by `egress` until the machine ends.
 pub async fn boot(
-    opts: &BootOptions,
-    session_disk: &Path,
-    egress: &EgressProxy,
-) -> Result<Booted, String> {
-    start(opts, session_disk, egress)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-async fn start(
     opts: &BootOptions,
     session_disk: &Path,
     egress: &EgressProxy,
@@ -393,11 +434,11 @@ pub struct KvmMachine {
     thread: Option<JoinHandle<()>>,
     stop: vmm::StopHandle,
     /// How the run ended (sent by the VM thread).
-    outcome: oneshot::Receiver<String>,
+    outcome: oneshot::Receiver<RunEnd>,
     console: Console,
     /// The agent dialled in (so a stop is expected to power the guest off).
     connected: Arc<AtomicBool>,
-    ended: Option<String>,
+    ended: Option<KvmEnd>,
     /// Serves the guest's egress connections; stopped when the run ends.
     egress: EgressAcceptor,
     /// Keeps the device's host side alive as long as the machine.
@@ -405,17 +446,17 @@ pub struct KvmMachine {
 }
 
 impl KvmMachine {
-    /// Waits until the guest ends the run by itself; describes how, quoting
+    /// Waits until the guest ends the run by itself; says how, quoting
     /// the console.
-    pub async fn wait(&mut self) -> String {
+    pub async fn wait(&mut self) -> KvmEnd {
         if let Some(how) = &self.ended {
             return how.clone();
         }
-        let how = match (&mut self.outcome).await {
-            Ok(how) => how,
-            Err(_) => "the VM thread ended without reporting (it panicked)".into(),
+        let run = (&mut self.outcome).await.unwrap_or(RunEnd::Panicked);
+        let how = KvmEnd {
+            run,
+            console: Some(self.console.quote(QUOTED_LINES)),
         };
-        let how = format!("{how}{}", self.console.quote(QUOTED_LINES));
         tracing::info!(how = %how, "kvm vm ended by itself");
         self.ended = Some(how.clone());
         self.egress.stop();
@@ -447,21 +488,17 @@ impl KvmMachine {
                     self.stop.stop();
                     match tokio::time::timeout(STOP_DEADLINE, &mut self.outcome).await {
                         Ok(h) => h,
-                        Err(_) => Ok(format!(
-                            "the VM did not finish within {}s of the stop; its thread is left behind",
-                            STOP_DEADLINE.as_secs()
-                        )),
+                        Err(_) => Ok(RunEnd::StopTimedOut(STOP_DEADLINE)),
                     }
                 }
             };
-            let how = how
-                .unwrap_or_else(|_| "the VM thread ended without reporting (it panicked)".into());
+            let run = how.unwrap_or(RunEnd::Panicked);
             tracing::info!(
-                how = %how,
+                how = %run,
                 ms = started.elapsed().as_millis() as u64,
                 "kvm vm stopped"
             );
-            self.ended = Some(how);
+            self.ended = Some(KvmEnd { run, console: None });
         }
         self.egress.stop();
         self.join_thread().await;
@@ -560,12 +597,21 @@ mod tests {
     #[test]
     fn exit_reasons_and_marks_in_words() {
         assert_eq!(
-            describe(&Ok(vmm::ExitReason::Shutdown)),
+            RunEnd::Exit(vmm::ExitReason::Shutdown).to_string(),
             "the guest powered the VM off"
         );
         assert!(
-            describe(&Ok(vmm::ExitReason::GuestError("triple fault".into())))
+            RunEnd::Exit(vmm::ExitReason::GuestError("triple fault".into()))
+                .to_string()
                 .contains("triple fault")
+        );
+        let ended = KvmEnd {
+            run: RunEnd::Panicked,
+            console: Some(ConsoleQuote::default()),
+        };
+        assert_eq!(
+            ended.to_string(),
+            "the VM thread ended without reporting (it panicked) (the console printed nothing)"
         );
         let marks = [vmm::devices::boot_timer::BootMark {
             at: Duration::from_millis(1500),
@@ -588,6 +634,8 @@ mod tests {
         .await
         .err()
         .unwrap();
+        assert!(matches!(e, KvmError::Unsuitable(_)), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("cannot run Linux guests"), "{e}");
         assert!(e.contains(&why.to_string()), "{e}");
         assert!(e.contains("--backend qemu"), "{e}");

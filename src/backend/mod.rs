@@ -15,6 +15,15 @@
 //! guest console's lines and tail), [`sizing`] (memory and vCPUs) and
 //! [`fsgrants`] (host folders granted through the virtio-fs share).
 //!
+//! Errors: what crosses this seam is typed. [`boot`] fails with a
+//! [`BootError`] (the backend's own error: [`SandboxError`],
+//! [`qemu::QemuError`] or [`kvm::KvmError`], each saying what to do),
+//! the agent's stream with a [`guest::AgentDialError`], a grant with a
+//! [`GrantError`]; a machine's end is a [`MachineEnd`]. Their texts are
+//! what the client reads in a failed `startVM` (or mount), so each names the
+//! cause and, where there is one, the remedy; `source()` keeps the cause
+//! for the log.
+//!
 //! Limits: one machine per [`boot`]; the VM backends are x86_64 only.
 
 pub mod choice;
@@ -28,6 +37,7 @@ pub mod sandbox;
 pub mod sizing;
 pub mod userland;
 
+use std::fmt;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -37,7 +47,8 @@ use guest_agent::proto::MountMode;
 use tokio::net::UnixStream;
 
 use crate::hostfs::HostEnv;
-use sandbox::{Sandbox, SandboxConfig};
+pub use fsgrants::GrantError;
+use sandbox::{Sandbox, SandboxConfig, SandboxError, SandboxExit};
 
 /// How long `startVM` waits for the agent's hello after the machine
 /// started booting; the VM backends bound their own wait for the agent's
@@ -111,7 +122,19 @@ impl VmConfig {
 }
 
 /// The agent link, once the agent has dialled in.
-pub type AgentStream = Pin<Box<dyn Future<Output = Result<UnixStream, String>> + Send>>;
+pub type AgentStream =
+    Pin<Box<dyn Future<Output = Result<UnixStream, guest::AgentDialError>> + Send>>;
+
+/// Why [`boot`] could not start a machine: the chosen backend's own error.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    #[error(transparent)]
+    Qemu(#[from] qemu::QemuError),
+    #[error(transparent)]
+    Kvm(#[from] kvm::KvmError),
+}
 
 /// How host paths appear to the agent.
 #[derive(Clone, Debug)]
@@ -133,21 +156,19 @@ impl HostPaths {
         mount_name: &str,
         host_rel: &str,
         mode: MountMode,
-    ) -> Result<String, String> {
+    ) -> Result<String, GrantError> {
         match self {
             Self::Prefix(p) => Ok(format!("{}/{}", p.trim_end_matches('/'), host_rel)),
-            Self::Shared(s) => s
-                .grant(session, mount_name, host_rel, mode)
-                .map_err(|e| e.to_string()),
+            Self::Shared(s) => s.grant(session, mount_name, host_rel, mode),
         }
     }
 
     /// Makes the SDK binary `host_rel` reachable read-only; returns the
     /// agent's path of the binary.
-    pub fn grant_sdk(&self, host_rel: &str) -> Result<String, String> {
+    pub fn grant_sdk(&self, host_rel: &str) -> Result<String, GrantError> {
         match self {
             Self::Prefix(p) => Ok(format!("{}/{}", p.trim_end_matches('/'), host_rel)),
-            Self::Shared(s) => s.grant_sdk(host_rel).map_err(|e| e.to_string()),
+            Self::Shared(s) => s.grant_sdk(host_rel),
         }
     }
 
@@ -169,13 +190,32 @@ pub enum BackendMachine {
     Kvm(kvm::KvmMachine),
 }
 
-impl BackendMachine {
-    /// Waits until the machine ends by itself; describes how.
-    pub async fn wait(&mut self) -> String {
+/// How a machine ended ([`BackendMachine::wait`]), by backend; its text is
+/// what the log and a `startVM` that failed on it say.
+#[derive(Clone, Debug)]
+pub enum MachineEnd {
+    Sandbox(SandboxExit),
+    Qemu(qemu::QemuEnd),
+    Kvm(kvm::KvmEnd),
+}
+
+impl fmt::Display for MachineEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Sandbox(s) => s.wait().await.to_string(),
-            Self::Qemu(q) => q.wait().await,
-            Self::Kvm(k) => k.wait().await,
+            Self::Sandbox(end) => end.fmt(f),
+            Self::Qemu(end) => end.fmt(f),
+            Self::Kvm(end) => end.fmt(f),
+        }
+    }
+}
+
+impl BackendMachine {
+    /// Waits until the machine ends by itself; says how.
+    pub async fn wait(&mut self) -> MachineEnd {
+        match self {
+            Self::Sandbox(s) => MachineEnd::Sandbox(s.wait().await),
+            Self::Qemu(q) => MachineEnd::Qemu(q.wait().await),
+            Self::Kvm(k) => MachineEnd::Kvm(k.wait().await),
         }
     }
 
@@ -256,7 +296,7 @@ pub struct BootOptions {
 }
 
 /// Boots `cfg.backend`.
-pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> {
+pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, BootError> {
     match cfg.backend {
         BackendKind::Sandbox => {
             // The guest-hostility tests' hook (see its docs): a program in
@@ -286,9 +326,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 log: opts.log.clone(),
                 host: opts.host.clone(),
             };
-            let (sandbox, stream) = Sandbox::start(sandbox_cfg)
-                .await
-                .map_err(|e| e.to_string())?;
+            let (sandbox, stream) = Sandbox::start(sandbox_cfg).await?;
             let host_paths = HostPaths::Prefix(sandbox.agent_path_for_host(""));
             Ok(Booted {
                 machine: BackendMachine::Sandbox(sandbox),
@@ -297,7 +335,7 @@ pub async fn boot(cfg: &VmConfig, opts: &BootOptions) -> Result<Booted, String> 
                 userland: None,
             })
         }
-        BackendKind::Qemu => qemu::boot(opts, &cfg.session_disk(), &cfg.egress).await,
-        BackendKind::Kvm => kvm::boot(opts, &cfg.session_disk(), &cfg.egress).await,
+        BackendKind::Qemu => Ok(qemu::boot(opts, &cfg.session_disk(), &cfg.egress).await?),
+        BackendKind::Kvm => Ok(kvm::boot(opts, &cfg.session_disk(), &cfg.egress).await?),
     }
 }

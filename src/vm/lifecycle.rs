@@ -20,7 +20,7 @@ use tokio::sync::{oneshot, watch};
 use super::link::{read_hello, AgentLink};
 use super::{ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
 use crate::backend::guest::POWEROFF_DEADLINE;
-use crate::backend::{BackendMachine, HostPaths, HELLO_TIMEOUT};
+use crate::backend::{BackendMachine, HostPaths, MachineEnd, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
 use vmm::sync::MutexExt;
 use vmm::sync::RwLockExt;
@@ -59,7 +59,7 @@ impl ProfileVm {
         }
         let booted = crate::backend::boot(&self.cfg, &boot)
             .await
-            .map_err(ProfileVmError::Start);
+            .map_err(|e| ProfileVmError::Start(e.to_string()));
         let crate::backend::Booted {
             machine: backend_machine,
             agent,
@@ -83,7 +83,7 @@ impl ProfileVm {
             .await;
 
         let (kill_tx, kill_rx) = oneshot::channel();
-        let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<String>();
+        let (machine_gone_tx, mut machine_gone_rx) = oneshot::channel::<MachineEnd>();
         let done = tokio::spawn(run_machine(backend_machine, kill_rx, machine_gone_tx));
         let (probe_stop, probe_rx) = watch::channel(false);
         let serial = NEXT_MACHINE.fetch_add(1, Ordering::Relaxed);
@@ -97,14 +97,18 @@ impl ProfileVm {
 
         let hello = tokio::select! {
             h = tokio::time::timeout(HELLO_TIMEOUT, async move {
-                let stream = agent.await.map_err(ProfileVmError::Start)?;
+                let stream = agent
+                    .await
+                    .map_err(|e| ProfileVmError::Start(e.to_string()))?;
                 read_hello(stream).await
             }) => match h {
                 Ok(Ok(h)) => Ok(h),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ProfileVmError::HelloTimeout(HELLO_TIMEOUT)),
             },
-            gone = &mut machine_gone_rx => Err(ProfileVmError::Start(gone.unwrap_or_else(|_| "the machine ended".into()))),
+            gone = &mut machine_gone_rx => Err(ProfileVmError::Start(
+                gone.map_or_else(|_| "the machine ended".into(), |end| end.to_string())
+            )),
         };
         let hello = hello.and_then(|(hello, stream)| {
             check_userland(userland.as_ref(), &hello)?;
@@ -153,9 +157,9 @@ impl ProfileVm {
         // Watch for the machine ending on its own.
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
-            if let Ok(reason) = machine_gone_rx.await {
+            if let Ok(end) = machine_gone_rx.await {
                 if let Some(vm) = me.upgrade() {
-                    vm.machine_gone(serial, &reason).await;
+                    vm.machine_gone(serial, &end).await;
                 }
             }
         });
@@ -244,14 +248,14 @@ impl ProfileVm {
 
     /// Machine `serial` ended on its own. A `startVM` that tore it down and
     /// booted another before this ran keeps its new machine.
-    async fn machine_gone(self: &Arc<Self>, serial: u64, reason: &str) {
+    async fn machine_gone(self: &Arc<Self>, serial: u64, end: &MachineEnd) {
         let mut lifecycle = self.lifecycle.lock().await;
         if lifecycle.as_ref().is_some_and(|m| m.serial != serial) {
-            tracing::debug!(reason, "an earlier machine's end, already handled");
+            tracing::debug!(reason = %end, "an earlier machine's end, already handled");
             return;
         }
         if let Some(m) = lifecycle.take() {
-            tracing::warn!(reason, "the VM ended unexpectedly");
+            tracing::warn!(reason = %end, "the VM ended unexpectedly");
             // The agent died with its machine even if no backend closed
             // the link yet: its processes end now (fatal error and exit),
             // not when (or if) the stream reports it.
@@ -372,7 +376,7 @@ fn check_userland(
 async fn run_machine(
     mut machine: BackendMachine,
     kill: oneshot::Receiver<Instant>,
-    gone: oneshot::Sender<String>,
+    gone: oneshot::Sender<MachineEnd>,
 ) {
     tokio::select! {
         how = machine.wait() => {
@@ -402,6 +406,11 @@ mod tests {
         })
     }
 
+    /// A machine's end saying `why`.
+    fn ended(why: &str) -> MachineEnd {
+        MachineEnd::Sandbox(crate::backend::sandbox::SandboxExit::Unknown(why.into()))
+    }
+
     /// Machine `serial` whose backend task has ended (its kill and probe
     /// channels lead nowhere).
     fn ended_machine(serial: u64) -> Running {
@@ -423,7 +432,7 @@ mod tests {
         // A startVM tore machine 6 down and booted machine 7; machine 6's
         // watcher only then reports its end.
         *vm.lifecycle.lock().await = Some(ended_machine(7));
-        vm.machine_gone(6, "machine 6 ended").await;
+        vm.machine_gone(6, &ended("machine 6 ended")).await;
         assert!(
             vm.lifecycle
                 .lock()
@@ -432,7 +441,7 @@ mod tests {
                 .is_some_and(|m| m.serial == 7),
             "machine 7 was taken for machine 6's end"
         );
-        vm.machine_gone(7, "machine 7 ended").await;
+        vm.machine_gone(7, &ended("machine 7 ended")).await;
         assert!(vm.lifecycle.lock().await.is_none());
     }
 
@@ -524,7 +533,7 @@ mod tests {
             &[],
         );
         agent.write_all(&frame).unwrap();
-        vm.machine_gone(1, "the agent died").await;
+        vm.machine_gone(1, &ended("the agent died")).await;
 
         let (answer, _) = call
             .wait(&link, Duration::from_secs(1))

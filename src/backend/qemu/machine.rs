@@ -7,7 +7,9 @@
 //! Limits: a server thread that does not end within [`VHOST_JOIN`] is left
 //! behind (logged); QEMU's output is drained for at most [`CONSOLE_DRAIN`].
 
+use std::fmt;
 use std::path::PathBuf;
+use std::process::ExitStatus;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::process::Child;
 
 use super::rundir::RunDir;
-use crate::backend::console::{Console, ConsoleLines, QUOTED_LINES};
+use crate::backend::console::{Console, ConsoleLines, ConsoleQuote, QUOTED_LINES};
 use crate::backend::guest::{EgressAcceptor, ACCEPT_POLL, POWEROFF_DEADLINE};
 
 /// How long the console readers get to drain QEMU's output after it exited.
@@ -62,6 +64,33 @@ pub(super) struct SingleQueueThreads {
 /// A vhost-user single-queue server thread, until joined.
 pub(super) type VhostThread = Option<std::thread::JoinHandle<Result<(), VhostUserServeError>>>;
 
+/// How a QEMU machine ended ([`QemuMachine::wait`]).
+#[derive(Clone, Debug)]
+pub enum QemuEnd {
+    /// QEMU exited by itself with `status`; the console's last lines say why.
+    Exited {
+        status: ExitStatus,
+        console: ConsoleQuote,
+    },
+    /// The helper ended QEMU ([`QemuMachine::kill_by`]: the guest powered
+    /// off when told to, or QEMU was killed); its status, when known.
+    Stopped(Option<ExitStatus>),
+    /// Waiting for QEMU failed (shared: a machine's end is reported more
+    /// than once).
+    WaitFailed(Arc<std::io::Error>),
+}
+
+impl fmt::Display for QemuEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            QemuEnd::Exited { status, console } => write!(f, "QEMU exited ({status}){console}"),
+            QemuEnd::Stopped(Some(status)) => write!(f, "QEMU ended ({status})"),
+            QemuEnd::Stopped(None) => f.write_str("QEMU ended (status unknown)"),
+            QemuEnd::WaitFailed(e) => write!(f, "cannot wait for QEMU: {e}"),
+        }
+    }
+}
+
 /// A running QEMU guest.
 pub struct QemuMachine {
     pub(super) child: Child,
@@ -83,22 +112,25 @@ pub struct QemuMachine {
     pub(super) egress: EgressAcceptor,
     /// Keeps the device's host side alive as long as the machine.
     pub(super) _host: VsockHost,
-    pub(super) ended: Option<String>,
+    pub(super) ended: Option<QemuEnd>,
     // Dropped last: the socket lives in it.
     pub(super) _run_dir: RunDir,
 }
 
 impl QemuMachine {
-    /// Waits until QEMU exits by itself; describes how, quoting the console.
-    pub async fn wait(&mut self) -> String {
+    /// Waits until QEMU exits by itself; says how, quoting the console.
+    pub async fn wait(&mut self) -> QemuEnd {
         if let Some(how) = &self.ended {
             return how.clone();
         }
         let status = self.child.wait().await;
         self.drain_console().await;
         let how = match status {
-            Ok(st) => format!("QEMU exited ({st}){}", self.console.quote(QUOTED_LINES)),
-            Err(e) => format!("cannot wait for QEMU: {e}"),
+            Ok(status) => QemuEnd::Exited {
+                status,
+                console: self.console.quote(QUOTED_LINES),
+            },
+            Err(e) => QemuEnd::WaitFailed(Arc::new(e)),
         };
         tracing::info!(pid = self.pid, how = %how, "qemu ended");
         self.ended = Some(how.clone());
@@ -134,10 +166,7 @@ impl QemuMachine {
                 let _ = self.child.start_kill();
                 status = self.child.wait().await.ok();
             }
-            let how = match status {
-                Some(st) => format!("QEMU ended ({st})"),
-                None => "QEMU ended (status unknown)".into(),
-            };
+            let how = QemuEnd::Stopped(status);
             tracing::info!(
                 pid = self.pid,
                 how = %how,

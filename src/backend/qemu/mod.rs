@@ -90,8 +90,8 @@ use super::sizing;
 use super::userland::{self, UserlandError, UserlandPlan};
 use super::{BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
-pub use machine::QemuMachine;
 use machine::{pump_console, SingleQueueThreads, VhostThread};
+pub use machine::{QemuEnd, QemuMachine};
 pub use plan::{
     choose_accel, find_qemu, qemu_opt_escape, Accel, QemuPlan, RootDiskSocket, ACCEL_ENV,
     DEFAULT_QEMU, FS_QUEUE_SIZE, KERNEL_CMDLINE, QEMU_ENV,
@@ -140,6 +140,19 @@ pub enum QemuError {
         qemu: PathBuf,
         source: std::io::Error,
     },
+    /// More than one of QEMU, the guest image and the accelerator is
+    /// missing (one alone is reported as itself).
+    #[error("{}", join_errors(.0))]
+    Unavailable(Vec<QemuError>),
+}
+
+/// Each error's message, separated by `"; "`.
+fn join_errors(errors: &[QemuError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Guest memory for a `startVM.memoryGB` value.
@@ -182,7 +195,7 @@ pub async fn boot(
     opts: &BootOptions,
     session_disk: &Path,
     egress: &EgressProxy,
-) -> Result<Booted, String> {
+) -> Result<Booted, QemuError> {
     let plan_parts = (
         find_qemu(opts.qemu.as_deref(), &opts.host),
         opts.images
@@ -193,18 +206,17 @@ pub async fn boot(
     let (qemu, image, (accel, accel_why)) = match plan_parts {
         (Ok(q), Ok(i), Ok(a)) => (q, i, a),
         (q, i, a) => {
-            let errs: Vec<String> = [q.err(), i.err(), a.err()]
-                .into_iter()
-                .flatten()
-                .map(|e| e.to_string())
-                .collect();
-            return Err(errs.join("; "));
+            let mut errs: Vec<QemuError> =
+                [q.err(), i.err(), a.err()].into_iter().flatten().collect();
+            return Err(match errs.len() {
+                1 => errs.remove(0),
+                _ => QemuError::Unavailable(errs),
+            });
         }
     };
     let host_cpus = sizing::host_cpus();
-    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())
-        .map_err(|e| e.to_string())?;
-    let run_dir = RunDir::create(&opts.host).map_err(|e| e.to_string())?;
+    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
+    let run_dir = RunDir::create(&opts.host)?;
     let root_disks = userland
         .disks
         .iter()
@@ -231,9 +243,7 @@ pub async fn boot(
             opts.guest_root_session.as_deref(),
         ),
     };
-    start(plan, run_dir, &accel_why, opts, userland, egress)
-        .await
-        .map_err(|e| e.to_string())
+    start(plan, run_dir, &accel_why, opts, userland, egress).await
 }
 
 async fn start(

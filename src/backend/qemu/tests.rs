@@ -231,6 +231,11 @@ async fn a_failed_boot_quotes_the_console_and_cleans_up() {
         panic!("not a QEMU machine")
     };
     let how = m.wait().await;
+    assert!(
+        matches!(&how, QemuEnd::Exited { status, .. } if status.code() == Some(1)),
+        "{how:?}"
+    );
+    let how = how.to_string();
     assert!(how.contains("exit status: 1"), "{how}");
     assert!(how.contains("Kernel panic - not syncing: VFS"), "{how}");
     assert!(how.contains("qemu: bad option"), "{how}");
@@ -283,7 +288,9 @@ async fn kill_before_the_agent_connected_does_not_wait() {
     );
     // Idempotent, and wait() reports the earlier end.
     m.kill().await;
-    assert!(m.wait().await.contains("QEMU ended"));
+    let how = m.wait().await;
+    assert!(matches!(how, QemuEnd::Stopped(_)), "{how:?}");
+    assert!(how.to_string().contains("QEMU ended"), "{how}");
 }
 
 #[test]
