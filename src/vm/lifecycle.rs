@@ -10,6 +10,7 @@
 //! The helper's own shutdown ([`ProfileVm::shut_down`]) gives both no more than
 //! its deadline.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,16 +18,50 @@ use std::time::Instant;
 use guest_agent::proto::{Hello, Op};
 use tokio::sync::{oneshot, watch};
 
-use super::link::{read_hello, AgentLink};
+use super::link::{read_hello, AgentLink, HelloError};
 use super::{ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
-use crate::backend::guest::POWEROFF_DEADLINE;
-use crate::backend::{BackendMachine, HostPaths, MachineEnd, HELLO_TIMEOUT};
+use crate::backend::guest::{AgentDialError, POWEROFF_DEADLINE};
+use crate::backend::userland::UserlandError;
+use crate::backend::{BackendMachine, BootError, HostPaths, MachineEnd, HELLO_TIMEOUT};
 use crate::protocol::{event, step};
 use vmm::sync::MutexExt;
 use vmm::sync::RwLockExt;
 
 /// Serial of the next machine booted (see `Running::serial`).
 static NEXT_MACHINE: AtomicU64 = AtomicU64::new(1);
+
+/// Why `startVM` could not bring the guest up; the client reads "the VM
+/// failed to start: " followed by this ([`ProfileVmError::Start`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The sandbox's sessions directory cannot be created.
+    #[error("cannot create {}: {source}", path.display())]
+    SessionsDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The backend could not boot the machine.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// The guest agent never dialled the helper.
+    #[error(transparent)]
+    AgentDial(#[from] AgentDialError),
+    /// The agent's first message was not an acceptable hello.
+    #[error(transparent)]
+    Hello(#[from] HelloError),
+    /// The machine ended before the agent's hello.
+    #[error("{0}")]
+    MachineEnded(MachineEnd),
+    /// The machine's task ended without saying how.
+    #[error("the machine ended")]
+    MachineGone,
+    /// The guest did not boot the userland `--userland` forced.
+    #[error(transparent)]
+    Userland(#[from] UserlandError),
+    /// The link's socketpair cannot be created (replaying an agent's bytes).
+    #[error("socketpair: {0}")]
+    Socketpair(#[source] std::io::Error),
+}
 
 impl ProfileVm {
     pub async fn start(
@@ -59,7 +94,7 @@ impl ProfileVm {
         }
         let booted = crate::backend::boot(&self.cfg, &boot)
             .await
-            .map_err(|e| ProfileVmError::Start(e.to_string()));
+            .map_err(|e| ProfileVmError::Start(e.into()));
         let crate::backend::Booted {
             machine: backend_machine,
             agent,
@@ -97,17 +132,17 @@ impl ProfileVm {
 
         let hello = tokio::select! {
             h = tokio::time::timeout(HELLO_TIMEOUT, async move {
-                let stream = agent
+                let stream = agent.await.map_err(|e| ProfileVmError::Start(e.into()))?;
+                read_hello(stream)
                     .await
-                    .map_err(|e| ProfileVmError::Start(e.to_string()))?;
-                read_hello(stream).await
+                    .map_err(|e| ProfileVmError::Start(e.into()))
             }) => match h {
                 Ok(Ok(h)) => Ok(h),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ProfileVmError::HelloTimeout(HELLO_TIMEOUT)),
             },
             gone = &mut machine_gone_rx => Err(ProfileVmError::Start(
-                gone.map_or_else(|_| "the machine ended".into(), |end| end.to_string())
+                gone.map_or(StartError::MachineGone, StartError::MachineEnded)
             )),
         };
         let hello = hello.and_then(|(hello, stream)| {
@@ -361,13 +396,10 @@ fn check_userland(
         ),
         None => (None, &[][..], None),
     };
-    match crate::backend::userland::check_hello(plan, kind, fallbacks) {
-        Ok(report) => {
-            tracing::info!(os = os.unwrap_or("-"), "{report}");
-            Ok(())
-        }
-        Err(e) => Err(ProfileVmError::Start(e.to_string())),
-    }
+    let report = crate::backend::userland::check_hello(plan, kind, fallbacks)
+        .map_err(|e| ProfileVmError::Start(e.into()))?;
+    tracing::info!(os = os.unwrap_or("-"), "{report}");
+    Ok(())
 }
 
 /// Owns the machine until it ends or is killed; reports how it ended.
@@ -423,6 +455,47 @@ mod tests {
             probe_stop,
             host_paths: HostPaths::Prefix("/".into()),
         }
+    }
+
+    /// A failed start reads as one sentence for the client, and the log
+    /// can still walk from it to the cause.
+    #[test]
+    fn a_start_error_keeps_its_text_and_its_cause() {
+        use std::error::Error as _;
+
+        use crate::backend::qemu::QemuError;
+
+        let cause = std::io::Error::from_raw_os_error(libc::EACCES);
+        let cause_text = cause.to_string();
+        let e = ProfileVmError::from(StartError::from(BootError::from(QemuError::RunDir {
+            path: "/run/user/1000/cowork-qemu-1-0".into(),
+            source: cause,
+        })));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "the VM failed to start: cannot create the VM's runtime directory \
+                 /run/user/1000/cowork-qemu-1-0: {cause_text}"
+            )
+        );
+        let mut chain = Vec::new();
+        let mut next = e.source();
+        while let Some(cause) = next {
+            chain.push(cause.to_string());
+            next = cause.source();
+        }
+        assert_eq!(chain.last(), Some(&cause_text), "{chain:?}");
+        assert!(matches!(
+            e,
+            ProfileVmError::Start(StartError::Boot(BootError::Qemu(QemuError::RunDir { .. })))
+        ));
+
+        // A machine that ended before the hello says how.
+        let e = ProfileVmError::from(StartError::MachineEnded(ended("the agent exited")));
+        assert_eq!(
+            e.to_string(),
+            "the VM failed to start: the sandbox ended in an unknown way: the agent exited"
+        );
     }
 
     #[tokio::test]

@@ -83,6 +83,24 @@ pub const MAX_PENDING_ENV: &str = "COWORK_MAX_PENDING_REQUESTS";
 /// slow event consumer, and keeps a machine's teardown from hanging on it.
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
+/// Why the agent's hello, its first message, was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    #[error("the guest agent closed the link before its hello")]
+    Closed,
+    #[error("reading the agent hello: {0}")]
+    Read(#[source] FrameError),
+    #[error(
+        "guest agent speaks protocol {agent} but this helper speaks {}",
+        proto::PROTOCOL_VERSION
+    )]
+    Protocol { agent: u32 },
+    #[error("the guest agent's first message was not a hello")]
+    NotHello,
+    #[error("malformed agent hello: {0}")]
+    Malformed(#[source] proto::ProtoError),
+}
+
 /// Answer of one agent request.
 struct Reply {
     result: Result<Value, String>,
@@ -336,8 +354,8 @@ impl ProfileVm {
         self: &Arc<Self>,
         data: Vec<u8>,
     ) -> Result<(), ProfileVmError> {
-        let (host, mut agent) =
-            UnixStream::pair().map_err(|e| ProfileVmError::Start(format!("socketpair: {e}")))?;
+        let (host, mut agent) = UnixStream::pair()
+            .map_err(|e| ProfileVmError::Start(super::StartError::Socketpair(e)))?;
         let feeder = tokio::spawn(async move {
             let _ = agent.write_all(&data).await;
             let _ = agent.shutdown().await;
@@ -349,7 +367,7 @@ impl ProfileVm {
             Ok(h) => h,
             Err(e) => {
                 feeder.abort();
-                return Err(e);
+                return Err(ProfileVmError::Start(e.into()));
             }
         };
         let (link, reader) = self.attach_tasks(hello, stream);
@@ -417,22 +435,12 @@ impl ProfileVm {
 }
 
 /// Reads the agent's first message, which must be its hello.
-pub(super) async fn read_hello(
-    mut stream: UnixStream,
-) -> Result<(Hello, UnixStream), ProfileVmError> {
+pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStream), HelloError> {
     let mut buf = Vec::new();
     match framing::read_frame(&mut stream, proto::MAX_MESSAGE, &mut buf).await {
         Ok(true) => {}
-        Ok(false) => {
-            return Err(ProfileVmError::Start(
-                "the guest agent closed the link before its hello".into(),
-            ))
-        }
-        Err(e) => {
-            return Err(ProfileVmError::Start(format!(
-                "reading the agent hello: {e}"
-            )))
-        }
+        Ok(false) => return Err(HelloError::Closed),
+        Err(e) => return Err(HelloError::Read(e)),
     }
     match proto::decode::<AgentMessage>(buf) {
         Ok(Envelope {
@@ -440,18 +448,12 @@ pub(super) async fn read_hello(
             ..
         }) => {
             if h.protocol != proto::PROTOCOL_VERSION {
-                return Err(ProfileVmError::Start(format!(
-                    "guest agent speaks protocol {} but this helper speaks {}",
-                    h.protocol,
-                    proto::PROTOCOL_VERSION
-                )));
+                return Err(HelloError::Protocol { agent: h.protocol });
             }
             Ok((h, stream))
         }
-        Ok(_) => Err(ProfileVmError::Start(
-            "the guest agent's first message was not a hello".into(),
-        )),
-        Err(e) => Err(ProfileVmError::Start(format!("malformed agent hello: {e}"))),
+        Ok(_) => Err(HelloError::NotHello),
+        Err(e) => Err(HelloError::Malformed(e)),
     }
 }
 

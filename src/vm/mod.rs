@@ -39,10 +39,16 @@ use tokio::sync::{oneshot, watch};
 
 use crate::backend::{HostPaths, VmConfig};
 use crate::events::EventHub;
-pub use link::{AgentLink, PendingCall, MAX_PENDING_ENV, MAX_PENDING_REQUESTS, MAX_QUEUED_BYTES};
+pub use lifecycle::StartError;
+pub use link::{
+    AgentLink, HelloError, PendingCall, MAX_PENDING_ENV, MAX_PENDING_REQUESTS, MAX_QUEUED_BYTES,
+};
 use processes::Procs;
-pub use processes::{SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV};
-pub use storage::{session_disk_bytes, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB};
+pub use processes::{MountError, SpawnRequest, EXITED_RECORDS, MAX_PROCESSES, MAX_PROCESSES_ENV};
+pub use sdk::SdkError;
+pub use storage::{
+    session_disk_bytes, StorageError, DEFAULT_SESSION_DISK_GIB, MAX_SESSION_DISK_GIB,
+};
 use vmm::sync::{MutexExt, RwLockExt};
 
 /// Default deadline of one agent request.
@@ -57,7 +63,7 @@ pub enum ProfileVmError {
     #[error("the VM is not running: call startVM first")]
     NotRunning,
     #[error("the VM failed to start: {0}")]
-    Start(String),
+    Start(#[from] StartError),
     #[error("the guest agent did not connect within {0:?}")]
     HelloTimeout(Duration),
     #[error("the guest agent disconnected")]
@@ -79,7 +85,11 @@ pub enum ProfileVmError {
     #[error("{0}")]
     Invalid(String),
     #[error("cannot prepare the session disk: {0}")]
-    SessionDisk(String),
+    SessionDisk(#[from] StorageError),
+    #[error(transparent)]
+    Mount(#[from] MountError),
+    #[error(transparent)]
+    Sdk(#[from] SdkError),
     #[error("{op} needs a connected guest under the {backend} backend: the sessions live in the ext4 session disk {disk}, which only the guest reads; call startVM first")]
     JanitorNeedsGuest {
         op: &'static str,

@@ -37,11 +37,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::Path;
 
+use guest_agent::names::NameError;
 use guest_agent::proto::{self, AgentMessage, MountMode, MountSpec, Op};
 use serde_json::{json, Value};
 
 use super::{ProfileVm, ProfileVmError, CALL_TIMEOUT};
-use crate::backend::HostPaths;
+use crate::backend::{GrantError, HostPaths};
 use crate::egress::secrets::{Carrier, RealSecret, SecretCell, SpawnSecrets, Substituter};
 use crate::egress::{self, Credential, EgressProxy, Policy, GUEST_PROXY_PORT};
 use crate::events;
@@ -51,6 +52,31 @@ use vmm::sync::MutexExt;
 
 /// Exited process records kept for `isProcessRunning`.
 pub const EXITED_RECORDS: usize = 4096;
+
+/// Why a session mount (a spawn's `additionalMounts` entry, or
+/// `mountPath`) was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// The mount name is not a valid name.
+    #[error(transparent)]
+    Name(NameError),
+    #[error("mount {name:?}: mode must be ro, rw or rwd, got {mode:?}")]
+    Mode { name: String, mode: String },
+    /// The host path is not a valid relative path.
+    #[error(transparent)]
+    Path(NameError),
+    #[error("mount {name:?}: host path /{rel}: {source}")]
+    HostPath {
+        name: String,
+        rel: String,
+        source: std::io::Error,
+    },
+    #[error("mount {name:?}: refusing to share the host root")]
+    HostRoot { name: String },
+    /// The backend could not make the path reachable for the guest.
+    #[error("mount {name:?}: {source}")]
+    Grant { name: String, source: GrantError },
+}
 
 /// Processes one profile's VM may run at once (spawns in flight count).
 /// Far above what a desktop session uses (a CLI and its tools), low
@@ -375,26 +401,38 @@ impl ProfileVm {
         name: &str,
         host_path: &str,
         mode: &str,
-    ) -> Result<MountSpec, String> {
-        guest_agent::names::mount_name(name).map_err(|e| e.to_string())?;
-        let mode = MountMode::parse(mode)
-            .ok_or_else(|| format!("mount {name:?}: mode must be ro, rw or rwd, got {mode:?}"))?;
-        let rel = guest_agent::names::host_relative_path(host_path).map_err(|e| e.to_string())?;
-        let real = std::fs::canonicalize(Path::new("/").join(&rel))
-            .map_err(|e| format!("mount {name:?}: host path /{rel}: {e}"))?;
+    ) -> Result<MountSpec, MountError> {
+        guest_agent::names::mount_name(name).map_err(MountError::Name)?;
+        let mode = MountMode::parse(mode).ok_or_else(|| MountError::Mode {
+            name: name.to_string(),
+            mode: mode.to_string(),
+        })?;
+        let rel = guest_agent::names::host_relative_path(host_path).map_err(MountError::Path)?;
+        let real = std::fs::canonicalize(Path::new("/").join(&rel)).map_err(|source| {
+            MountError::HostPath {
+                name: name.to_string(),
+                rel: rel.clone(),
+                source,
+            }
+        })?;
         let real_rel = real
             .strip_prefix("/")
             .ok()
             .and_then(|p| p.to_str())
             .filter(|p| !p.is_empty())
-            .ok_or_else(|| format!("mount {name:?}: refusing to share the host root"))?
+            .ok_or_else(|| MountError::HostRoot {
+                name: name.to_string(),
+            })?
             .to_string();
         Ok(MountSpec {
             session: session.to_string(),
             name: name.to_string(),
             source: host_paths
                 .grant(session, name, &real_rel, mode)
-                .map_err(|e| format!("mount {name:?}: {e}"))?,
+                .map_err(|source| MountError::Grant {
+                    name: name.to_string(),
+                    source,
+                })?,
             mode,
         })
     }
@@ -548,9 +586,7 @@ impl ProfileVm {
             ProfileVmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
         })?;
         let host_paths = self.current_host_paths().await?;
-        let spec = self
-            .mount_spec(&host_paths, &session, name, subpath, mode)
-            .map_err(ProfileVmError::Invalid)?;
+        let spec = self.mount_spec(&host_paths, &session, name, subpath, mode)?;
         link.call(Op::Mount(spec), &[], CALL_TIMEOUT)
             .await
             .map(|_| ())

@@ -128,12 +128,8 @@ pub enum StorageError {
     GuestFailed { disk: PathBuf, error: String },
     #[error("the guest did not find the session disk {disk} the host attached (the agent reported {state:?}); sessions would not be kept")]
     GuestMissing { disk: PathBuf, state: String },
-}
-
-impl From<StorageError> for ProfileVmError {
-    fn from(e: StorageError) -> Self {
-        ProfileVmError::SessionDisk(e.to_string())
-    }
+    #[error("the disk check failed: {0}")]
+    CheckTask(#[source] tokio::task::JoinError),
 }
 
 /// Bytes of a `createVM.diskSizeGB` value (GiB), or why it is refused.
@@ -357,11 +353,11 @@ impl ProfileVm {
     /// all (see the module docs).
     pub fn create_storage(&self, disk_size_gb: Option<u64>) -> Result<(), ProfileVmError> {
         if !self.cfg.uses_session_disk() {
-            return std::fs::create_dir_all(self.cfg.sessions_dir()).map_err(|e| {
-                ProfileVmError::Start(format!(
-                    "cannot create {}: {e}",
-                    self.cfg.sessions_dir().display()
-                ))
+            return std::fs::create_dir_all(self.cfg.sessions_dir()).map_err(|source| {
+                ProfileVmError::Start(super::StartError::SessionsDir {
+                    path: self.cfg.sessions_dir(),
+                    source,
+                })
             });
         }
         let requested = disk_size_gb.map(session_disk_bytes).transpose()?;
@@ -430,7 +426,7 @@ impl ProfileVm {
         let path = disk.clone();
         let contents = tokio::task::spawn_blocking(move || inspect_image(&path))
             .await
-            .map_err(|e| ProfileVmError::SessionDisk(format!("the disk check failed: {e}")))?
+            .map_err(StorageError::CheckTask)?
             .map_err(|source| StorageError::Inspect {
                 disk: disk.clone(),
                 source,
