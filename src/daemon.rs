@@ -6,6 +6,10 @@
 //! hub and state directory). A connection that never named a profile (the
 //! client's one-shot requests) uses the most recently configured one, or the
 //! `default` profile.
+//!
+//! Errors: a failed request is a [`DispatchError`] (the protocol's, the
+//! VM's, or the dispatcher's own) up to the reply, whose `error` string
+//! is its text.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -21,7 +25,7 @@ use serde_json::{json, Value};
 
 use crate::backend::{BackendKind, BootOptions, VmConfig};
 use crate::protocol::*;
-use crate::vm::{ProfileVm, SpawnRequest};
+use crate::vm::{ProfileVm, ProfileVmError, SpawnRequest};
 use vmm::sync::MutexExt;
 
 /// Name of the profile used before any `configure`.
@@ -261,7 +265,7 @@ impl Daemon {
             "writeStdin" => {
                 let params: WriteStdinParams = match req.params() {
                     Ok(p) => p,
-                    Err(e) => return Dispatch::Done(Err(e.to_string())),
+                    Err(e) => return Dispatch::Done(Err(e.into())),
                 };
                 let profile = self.profile_for(conn);
                 profile.vm.touch();
@@ -271,9 +275,9 @@ impl Daemon {
                     .await
                 {
                     Ok(ack) => Dispatch::Later(Box::pin(async move {
-                        ack.await.map(|()| Value::Null).map_err(|e| e.to_string())
+                        ack.await.map(|()| Value::Null).map_err(DispatchError::from)
                     })),
-                    Err(e) => Dispatch::Done(Err(e.to_string())),
+                    Err(e) => Dispatch::Done(Err(e.into())),
                 }
             }
             _ => {
@@ -285,13 +289,10 @@ impl Daemon {
     }
 
     /// Executes one request (everything but `subscribeEvents`).
-    pub async fn dispatch(&self, conn: &Connection, req: &Request) -> Result<Value, String> {
-        let method = req.method.as_str();
-        let p = |e: ProtocolError| e.to_string();
-        let vm_err = |e: crate::vm::ProfileVmError| e.to_string();
-        match method {
+    pub async fn dispatch(&self, conn: &Connection, req: &Request) -> Result<Value, DispatchError> {
+        match req.method.as_str() {
             "configure" => {
-                let params: ConfigureParams = req.params().map_err(p)?;
+                let params: ConfigureParams = req.params()?;
                 let profile = self.select_profile(
                     conn,
                     &ProfileParams {
@@ -312,11 +313,7 @@ impl Daemon {
             _ => {
                 let profile = self.profile_for(conn);
                 profile.vm.touch();
-                self.dispatch_vm(&profile, req).await.map_err(|e| match e {
-                    DispatchError::Protocol(e) => p(e),
-                    DispatchError::ProfileVm(e) => vm_err(e),
-                    DispatchError::Other(s) => s,
-                })
+                self.dispatch_vm(&profile, req).await
             }
         }
     }
@@ -357,15 +354,19 @@ impl Daemon {
                 let signal = match &params.signal {
                     None | Some(Value::Null) => guest_agent::signal::DEFAULT,
                     Some(Value::String(s)) => guest_agent::signal::parse(s)
-                        .ok_or_else(|| DispatchError::Other(format!("kill: unknown signal {s:?}")))?,
+                        .ok_or_else(|| DispatchError::UnknownSignal(s.clone()))?,
                     Some(Value::Number(n)) => n
                         .as_i64()
                         .and_then(|n| guest_agent::signal::parse(&n.to_string()))
-                        .ok_or_else(|| DispatchError::Other(format!("kill: invalid signal number {n}")))?,
+                        .ok_or_else(|| DispatchError::SignalNumber(n.clone()))?,
                     Some(other) => {
-                        return Err(DispatchError::Other(format!(
-                            "invalid params for kill: field `signal`: expected a name or number, got {other}"
-                        )))
+                        return Err(ProtocolError::Params {
+                            method: req.method.clone(),
+                            detail: format!(
+                                "field `signal`: expected a name or number, got {other}"
+                            ),
+                        }
+                        .into())
                     }
                 };
                 vm.kill(&params.id, signal).await?;
@@ -394,7 +395,7 @@ impl Daemon {
             }
             "setDebugLogging" => {
                 let params: DebugLoggingParams = req.params()?;
-                crate::logging::set_debug(params.enabled).map_err(DispatchError::Other)?;
+                crate::logging::set_debug(params.enabled)?;
                 tracing::info!(enabled = params.enabled, "debug logging");
                 Value::Null
             }
@@ -450,7 +451,7 @@ impl Daemon {
                 Value::Null
             }
             "getNetworkDrives" => json!({ "drives": [] }),
-            other => return Err(DispatchError::Other(unknown_method(other))),
+            other => return Err(DispatchError::UnknownMethod(other.to_string())),
         })
     }
 }
@@ -458,27 +459,34 @@ impl Daemon {
 /// How [`Daemon::begin`] left a request.
 pub enum Dispatch {
     /// Already answered.
-    Done(Result<Value, String>),
+    Done(Result<Value, DispatchError>),
     /// Answered when this future completes.
-    Later(Pin<Box<dyn Future<Output = Result<Value, String>> + Send>>),
+    Later(Pin<Box<dyn Future<Output = Result<Value, DispatchError>> + Send>>),
 }
 
-enum DispatchError {
-    Protocol(ProtocolError),
-    ProfileVm(crate::vm::ProfileVmError),
-    Other(String),
-}
-
-impl From<ProtocolError> for DispatchError {
-    fn from(e: ProtocolError) -> Self {
-        Self::Protocol(e)
-    }
-}
-
-impl From<crate::vm::ProfileVmError> for DispatchError {
-    fn from(e: crate::vm::ProfileVmError) -> Self {
-        Self::ProfileVm(e)
-    }
+/// Why a request failed. Its text is the reply's `error`, which only
+/// [`crate::protocol::reply`] writes; the log shows the same text with its
+/// causes one `source()` away.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    /// The request does not fit its method (a missing or mistyped field).
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The profile's VM refused or failed the request.
+    #[error(transparent)]
+    ProfileVm(#[from] ProfileVmError),
+    /// `kill` named a signal the helper does not know.
+    #[error("kill: unknown signal {0:?}")]
+    UnknownSignal(String),
+    /// `kill` gave a number that is no signal.
+    #[error("kill: invalid signal number {0}")]
+    SignalNumber(serde_json::Number),
+    /// `setDebugLogging` could not switch the log level.
+    #[error(transparent)]
+    Logging(#[from] crate::logging::LoggingError),
+    /// No such method (the text carries both spellings clients match on).
+    #[error("{}", unknown_method(.0))]
+    UnknownMethod(String),
 }
 
 fn spawn_request(p: SpawnParams) -> SpawnRequest {
@@ -545,5 +553,30 @@ mod tests {
         assert!(a.starts_with("Claude-"));
         let weird = profile_key(Some("../x/y"), None);
         assert!(!weird.contains('/') && !weird.contains(".."), "{weird}");
+    }
+
+    /// The reply's `error` is the error's text: the dispatcher's own
+    /// errors read as they always have (clients match on some of them).
+    #[test]
+    fn dispatch_errors_keep_their_texts() {
+        let unknown = DispatchError::UnknownMethod("frob".into()).to_string();
+        assert_eq!(unknown, "Unknown method: frob (unknown method)");
+        assert_eq!(
+            DispatchError::UnknownSignal("SIGFOO".into()).to_string(),
+            r#"kill: unknown signal "SIGFOO""#
+        );
+        assert_eq!(
+            DispatchError::SignalNumber(99.into()).to_string(),
+            "kill: invalid signal number 99"
+        );
+        let reply: Value = serde_json::from_slice(&crate::protocol::reply(
+            Some(&json!(4)),
+            Err(DispatchError::from(ProfileVmError::NotRunning)),
+        ))
+        .unwrap();
+        assert_eq!(
+            reply,
+            json!({"id": 4, "success": false, "error": "the VM is not running: call startVM first"})
+        );
     }
 }

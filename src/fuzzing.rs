@@ -96,8 +96,8 @@ pub fn client(data: &[u8]) {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(FrameError::TooLarge { len, max }) => {
-                    let msg = format!("frame of {len} bytes exceeds the {max}-byte limit");
-                    drop(protocol::reply(None, Err(msg)));
+                    let refused = crate::server::ServerError::FrameTooLarge { len, max };
+                    drop(protocol::reply(None, Err(refused)));
                     break;
                 }
                 Err(_) => break,
@@ -105,7 +105,7 @@ pub fn client(data: &[u8]) {
             let req = match Request::parse(&buf) {
                 Ok(r) => r,
                 Err((id, e)) => {
-                    drop(protocol::reply(id.as_ref(), Err(e.to_string())));
+                    drop(protocol::reply(id.as_ref(), Err(e)));
                     continue;
                 }
             };
@@ -132,7 +132,6 @@ pub fn client(data: &[u8]) {
                     continue;
                 }
             };
-            let outcome = outcome.map_err(|e| e.to_string());
             drop(protocol::reply(req.id.as_ref(), outcome));
         }
         for (id, work) in later {

@@ -62,21 +62,33 @@ where
         .with_target(false)
 }
 
+/// Why `setDebugLogging` could not switch the log level.
+#[derive(Debug, thiserror::Error)]
+pub enum LoggingError {
+    #[error("logging is not initialised")]
+    NotInitialised,
+    #[error("bad log filter {spec:?}: {source}")]
+    Filter {
+        spec: String,
+        source: tracing_subscriber::filter::ParseError,
+    },
+    #[error("cannot switch log level: {0}")]
+    Reload(#[source] reload::Error),
+}
+
 /// Switches debug logging on or off (back to the initial filter).
-pub fn set_debug(enabled: bool) -> Result<(), String> {
-    let handle = HANDLE
-        .get()
-        .ok_or_else(|| "logging is not initialised".to_string())?;
+pub fn set_debug(enabled: bool) -> Result<(), LoggingError> {
+    let handle = HANDLE.get().ok_or(LoggingError::NotInitialised)?;
     let spec = if enabled {
         DEBUG_FILTER
     } else {
         handle.initial.as_str()
     };
-    let filter = EnvFilter::try_new(spec).map_err(|e| format!("bad log filter {spec:?}: {e}"))?;
-    handle
-        .reload
-        .reload(filter)
-        .map_err(|e| format!("cannot switch log level: {e}"))
+    let filter = EnvFilter::try_new(spec).map_err(|source| LoggingError::Filter {
+        spec: spec.to_string(),
+        source,
+    })?;
+    handle.reload.reload(filter).map_err(LoggingError::Reload)
 }
 
 #[cfg(test)]

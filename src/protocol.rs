@@ -85,8 +85,10 @@ impl Request {
     }
 }
 
-/// Builds a reply body.
-pub fn reply(id: Option<&Value>, outcome: Result<Value, String>) -> Vec<u8> {
+/// Builds a reply body. This is where a failed request's typed error
+/// becomes the protocol's `error` string: its `Display`, which is one
+/// sentence saying what failed and what to do (its causes included).
+pub fn reply<E: std::fmt::Display>(id: Option<&Value>, outcome: Result<Value, E>) -> Vec<u8> {
     let mut obj = Map::new();
     match outcome {
         Ok(result) => {
@@ -97,7 +99,7 @@ pub fn reply(id: Option<&Value>, outcome: Result<Value, String>) -> Vec<u8> {
         }
         Err(error) => {
             obj.insert("success".into(), Value::Bool(false));
-            obj.insert("error".into(), Value::String(error));
+            obj.insert("error".into(), Value::String(error.to_string()));
         }
     }
     if let Some(id) = id {
@@ -344,15 +346,24 @@ mod tests {
     fn envelope_id_is_echoed_exactly() {
         let r = Request::parse(br#"{"method":"isRunning","id":7}"#).unwrap();
         assert_eq!(
-            reply(r.id.as_ref(), Ok(json!({"running": false}))),
+            reply(
+                r.id.as_ref(),
+                Ok::<_, ProtocolError>(json!({"running": false}))
+            ),
             br#"{"id":7,"result":{"running":false},"success":true}"#.to_vec()
         );
         let r = Request::parse(br#"{"method":"isRunning","id":"x"}"#).unwrap();
-        let v: Value = serde_json::from_slice(&reply(r.id.as_ref(), Ok(Value::Null))).unwrap();
+        let v: Value =
+            serde_json::from_slice(&reply(r.id.as_ref(), Ok::<_, ProtocolError>(Value::Null)))
+                .unwrap();
         assert_eq!(v, json!({"success": true, "id": "x"}));
         let r = Request::parse(br#"{"method":"isRunning"}"#).unwrap();
-        let v: Value = serde_json::from_slice(&reply(r.id.as_ref(), Err("no".into()))).unwrap();
-        assert_eq!(v, json!({"success": false, "error": "no"}));
+        let v: Value =
+            serde_json::from_slice(&reply(r.id.as_ref(), Err(ProtocolError::NoMethod))).unwrap();
+        assert_eq!(
+            v,
+            json!({"success": false, "error": "request has no string field \"method\""})
+        );
     }
 
     #[test]

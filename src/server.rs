@@ -23,9 +23,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
-use crate::daemon::{Connection, ConnectionGuard, Daemon, Dispatch};
+use crate::daemon::{Connection, ConnectionGuard, Daemon, Dispatch, DispatchError};
 use crate::events::Frame;
-use crate::protocol::{self, ProfileParams, Request};
+use crate::protocol::{self, ProfileParams, ProtocolError, Request};
 
 /// Replies queued per connection before request tasks wait.
 const REPLY_QUEUE: usize = 128;
@@ -89,7 +89,8 @@ fn socket_dir_kind(owner: u32, mode: u32, uid: u32) -> Result<DirKind, String> {
     Ok(DirKind::Private)
 }
 
-/// Errors that keep the server from starting.
+/// Errors that keep the server from starting, and the server's own
+/// answers to a connection it will not serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("another cowork-helper is already serving on {0}; stop it first (or pass a different -socket)")]
@@ -101,6 +102,12 @@ pub enum ServerError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// Refused: the connection is one over the cap.
+    #[error("the helper already serves {cap} client connections, its limit; close idle connections and retry")]
+    TooManyConnections { cap: usize },
+    /// Refused: the client sent a frame over the limit.
+    #[error("frame of {len} bytes exceeds the {max}-byte limit; closing connection")]
+    FrameTooLarge { len: usize, max: usize },
 }
 
 fn path_err(path: &Path, what: impl Into<String>) -> ServerError {
@@ -253,7 +260,8 @@ async fn idle_policy(daemon: Arc<Daemon>, limit: Duration) {
     }
 }
 
-fn reply_frame(id: Option<&Value>, outcome: Result<Value, String>) -> Frame {
+/// The framed reply to a request (see [`protocol::reply`]).
+fn reply_frame<E: std::fmt::Display>(id: Option<&Value>, outcome: Result<Value, E>) -> Frame {
     let body = protocol::reply(id, outcome);
     let mut out = Vec::with_capacity(body.len() + 4);
     framing::encode_frame_into(&mut out, &body);
@@ -262,11 +270,7 @@ fn reply_frame(id: Option<&Value>, outcome: Result<Value, String>) -> Frame {
 
 /// Tells a connection beyond the cap why it is closed, then closes it.
 async fn refuse_connection(mut stream: UnixStream, cap: usize) {
-    let msg = format!(
-        "the helper already serves {cap} client connections, its limit; close idle \
-         connections and retry"
-    );
-    let frame = reply_frame(None, Err(msg));
+    let frame = reply_frame(None, Err(ServerError::TooManyConnections { cap }));
     let _ = tokio::time::timeout(Duration::from_secs(5), stream.write_all(&frame)).await;
     let _ = stream.shutdown().await;
 }
@@ -283,10 +287,12 @@ async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream, _guard: Conn
             Ok(false) => break,
             Err(FrameError::TooLarge { len, max }) => {
                 tracing::warn!(len, "oversized frame; closing connection");
-                let msg = format!(
-                    "frame of {len} bytes exceeds the {max}-byte limit; closing connection"
-                );
-                let _ = tx.send(reply_frame(None, Err(msg))).await;
+                let _ = tx
+                    .send(reply_frame(
+                        None,
+                        Err(ServerError::FrameTooLarge { len, max }),
+                    ))
+                    .await;
                 break;
             }
             Err(e) => {
@@ -298,11 +304,7 @@ async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream, _guard: Conn
             Ok(r) => r,
             Err((id, e)) => {
                 tracing::debug!(error = %e, "bad request");
-                if tx
-                    .send(reply_frame(id.as_ref(), Err(e.to_string())))
-                    .await
-                    .is_err()
-                {
+                if tx.send(reply_frame(id.as_ref(), Err(e))).await.is_err() {
                     break;
                 }
                 continue;
@@ -312,14 +314,17 @@ async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream, _guard: Conn
             let params: ProfileParams = match req.params() {
                 Ok(p) => p,
                 Err(e) => {
-                    let _ = tx
-                        .send(reply_frame(req.id.as_ref(), Err(e.to_string())))
-                        .await;
+                    let _ = tx.send(reply_frame(req.id.as_ref(), Err(e))).await;
                     continue;
                 }
             };
             let profile = daemon.select_profile(&conn, &params, false);
-            let _ = tx.send(reply_frame(req.id.as_ref(), Ok(Value::Null))).await;
+            let _ = tx
+                .send(reply_frame(
+                    req.id.as_ref(),
+                    Ok::<_, ProtocolError>(Value::Null),
+                ))
+                .await;
             tracing::info!(profile = %profile.key, "event subscriber connected");
             stream_events(profile.vm.hub.clone(), tx.clone(), &mut rd).await;
             break;
@@ -348,7 +353,7 @@ async fn handle_connection(daemon: Arc<Daemon>, stream: UnixStream, _guard: Conn
     let _ = writer.await;
 }
 
-fn log_outcome(method: &str, started: std::time::Instant, outcome: &Result<Value, String>) {
+fn log_outcome(method: &str, started: std::time::Instant, outcome: &Result<Value, DispatchError>) {
     match outcome {
         Ok(_) => tracing::debug!(method, ms = started.elapsed().as_secs_f64() * 1e3, "rpc ok"),
         Err(e) => tracing::info!(method, error = %e, "rpc failed"),
