@@ -34,10 +34,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use guest_agent::janitor::JanitorError;
+use guest_agent::names::NameError;
 use guest_agent::proto;
 use tokio::sync::{oneshot, watch};
 
 use crate::backend::{HostPaths, VmConfig};
+use crate::egress::EgressError;
 use crate::events::EventHub;
 pub use lifecycle::StartError;
 pub use link::{
@@ -80,10 +83,41 @@ pub enum ProfileVmError {
     ShuttingDown,
     #[error("the VM was still starting when the helper's shutdown deadline passed; it ends with the helper")]
     StillStarting,
+    /// The guest agent's own error for a request, or why the agent link
+    /// ended (the agent broke its protocol): the guest's words, or the
+    /// link's, never the client's.
     #[error("{0}")]
     Agent(String),
-    #[error("{0}")]
-    Invalid(String),
+    /// A session or process name the agent would refuse.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    #[error("spawn: id must not be empty")]
+    EmptyId,
+    #[error("a process with id {0:?} is already running")]
+    AlreadyRunning(String),
+    #[error("mountPath: unknown process {0:?}")]
+    UnknownProcess(String),
+    /// A credential of the spawn cannot be replaced by a placeholder.
+    #[error("spawn: {0}")]
+    Credentials(#[source] EgressError),
+    #[error("cannot issue the process's network credential: {0}")]
+    NetworkCredential(#[source] EgressError),
+    #[error("createVM: diskSizeGB {0} is out of range; give 1 to {MAX_SESSION_DISK_GIB} (GiB)")]
+    DiskSize(u64),
+    /// The sandbox's sessions directory cannot be made for the janitor.
+    #[error("{}: {source}", root.display())]
+    JanitorRoot {
+        root: PathBuf,
+        source: std::io::Error,
+    },
+    /// The host-side janitor (sandbox backend) failed.
+    #[error(transparent)]
+    Janitor(#[from] JanitorError),
+    #[error("janitor task failed: {0}")]
+    JanitorTask(#[source] tokio::task::JoinError),
+    /// An agent request only the guest serves, asked of the host janitor.
+    #[error("{0} needs a running VM")]
+    NeedsVm(&'static str),
     #[error("cannot prepare the session disk: {0}")]
     SessionDisk(#[from] StorageError),
     #[error(transparent)]

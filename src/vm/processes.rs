@@ -108,11 +108,7 @@ impl SpawnEgress {
     ) -> Result<Self, ProfileVmError> {
         let cred = proxy
             .issue_with_secrets(session, policy, secrets)
-            .map_err(|e| {
-                ProfileVmError::Agent(format!(
-                    "cannot issue the process's network credential: {e}"
-                ))
-            })?;
+            .map_err(ProfileVmError::NetworkCredential)?;
         Ok(SpawnEgress {
             proxy: proxy.clone(),
             cred,
@@ -149,7 +145,7 @@ pub(crate) fn substitute_credentials(
     track_oauth: &mut dyn FnMut(&SecretCell),
 ) -> Result<SpawnSecrets, ProfileVmError> {
     let mut subs = Substituter::default();
-    let bad = |e: egress::EgressError| ProfileVmError::Invalid(format!("spawn: {e}"));
+    let bad = ProfileVmError::Credentials;
     if let Some(token) = spec.oauth_token.take() {
         let cell = SecretCell::new(RealSecret::new(token.0.clone()).map_err(bad)?);
         track_oauth(&cell);
@@ -439,12 +435,9 @@ impl ProfileVm {
 
     pub async fn spawn(&self, req: SpawnRequest) -> Result<Value, ProfileVmError> {
         let SpawnRequest { mut spec, mounts } = req;
-        guest_agent::names::session_name(&spec.name)
-            .map_err(|e| ProfileVmError::Invalid(e.to_string()))?;
+        guest_agent::names::session_name(&spec.name)?;
         if spec.id.is_empty() {
-            return Err(ProfileVmError::Invalid(
-                "spawn: id must not be empty".into(),
-            ));
+            return Err(ProfileVmError::EmptyId);
         }
         let link = self.connected_link()?;
         let host_paths = self.current_host_paths().await?;
@@ -480,10 +473,7 @@ impl ProfileVm {
         {
             let mut procs = self.procs.locked();
             if procs.map.get(&spec.id).is_some_and(|r| r.running) {
-                return Err(ProfileVmError::Invalid(format!(
-                    "a process with id {:?} is already running",
-                    spec.id
-                )));
+                return Err(ProfileVmError::AlreadyRunning(spec.id.clone()));
             }
             let limit = self.cfg.max_processes;
             if procs.running_count() >= limit {
@@ -582,9 +572,9 @@ impl ProfileVm {
         mode: &str,
     ) -> Result<(), ProfileVmError> {
         let link = self.connected_link()?;
-        let session = self.session_of(process_id).ok_or_else(|| {
-            ProfileVmError::Invalid(format!("mountPath: unknown process {process_id:?}"))
-        })?;
+        let session = self
+            .session_of(process_id)
+            .ok_or_else(|| ProfileVmError::UnknownProcess(process_id.to_string()))?;
         let host_paths = self.current_host_paths().await?;
         let spec = self.mount_spec(&host_paths, &session, name, subpath, mode)?;
         link.call(Op::Mount(spec), &[], CALL_TIMEOUT)
@@ -593,8 +583,7 @@ impl ProfileVm {
     }
 
     pub async fn read_file(&self, session: &str, path: &str) -> Result<Vec<u8>, ProfileVmError> {
-        guest_agent::names::session_name(session)
-            .map_err(|e| ProfileVmError::Invalid(e.to_string()))?;
+        guest_agent::names::session_name(session)?;
         let link = self.connected_link()?;
         let op = Op::ReadFile {
             session: session.to_string(),

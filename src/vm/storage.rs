@@ -135,9 +135,7 @@ pub enum StorageError {
 /// Bytes of a `createVM.diskSizeGB` value (GiB), or why it is refused.
 pub fn session_disk_bytes(disk_size_gb: u64) -> Result<u64, ProfileVmError> {
     if disk_size_gb == 0 || disk_size_gb > MAX_SESSION_DISK_GIB {
-        return Err(ProfileVmError::Invalid(format!(
-            "createVM: diskSizeGB {disk_size_gb} is out of range; give 1 to {MAX_SESSION_DISK_GIB} (GiB)"
-        )));
+        return Err(ProfileVmError::DiskSize(disk_size_gb));
     }
     Ok(disk_size_gb * GIB)
 }
@@ -497,8 +495,10 @@ impl ProfileVm {
         let live = self.live_sessions();
         tokio::task::spawn_blocking(move || {
             use guest_agent::janitor;
-            std::fs::create_dir_all(&root)
-                .map_err(|e| ProfileVmError::Agent(format!("{}: {e}", root.display())))?;
+            std::fs::create_dir_all(&root).map_err(|source| ProfileVmError::JanitorRoot {
+                root: root.clone(),
+                source,
+            })?;
             let outcome = match op {
                 Op::DiskInfo { low_water_bytes } => janitor::disk_info(&root, low_water_bytes),
                 Op::DeleteSessionDirs { names } => {
@@ -515,17 +515,12 @@ impl ProfileVm {
                     session_tmp_older_than_seconds,
                     &live,
                 ),
-                other => {
-                    return Err(ProfileVmError::Invalid(format!(
-                        "{} needs a running VM",
-                        op_name(&other)
-                    )))
-                }
+                other => return Err(ProfileVmError::NeedsVm(op_name(&other))),
             };
-            outcome.map_err(|e| ProfileVmError::Agent(e.to_string()))
+            Ok(outcome?)
         })
         .await
-        .map_err(|e| ProfileVmError::Agent(format!("janitor task failed: {e}")))?
+        .map_err(ProfileVmError::JanitorTask)?
     }
 }
 
@@ -644,6 +639,23 @@ mod tests {
             .await
             .unwrap();
         assert!(info["totalBytes"].as_u64().unwrap_or(0) > 0, "{info}");
+        // A request only the guest serves is refused by the host janitor.
+        let e = vm.janitor(Op::Ping).await.unwrap_err();
+        assert!(matches!(e, ProfileVmError::NeedsVm("ping")), "{e:?}");
+        assert_eq!(e.to_string(), "ping needs a running VM");
+    }
+
+    #[test]
+    fn a_disk_size_out_of_range_says_the_range() {
+        let e = session_disk_bytes(0).unwrap_err();
+        assert!(matches!(e, ProfileVmError::DiskSize(0)), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "createVM: diskSizeGB 0 is out of range; give 1 to {MAX_SESSION_DISK_GIB} (GiB)"
+            )
+        );
+        assert_eq!(session_disk_bytes(1).unwrap(), GIB);
     }
 
     /// A file of `len` bytes (sparse) with `data` written at `at`.
