@@ -24,6 +24,7 @@ pub mod daemon;
 pub mod doctor;
 pub mod egress;
 pub mod events;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod hostfs;

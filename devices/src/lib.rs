@@ -25,6 +25,7 @@
 pub mod balloon;
 pub mod blk;
 pub mod fs;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod rng;

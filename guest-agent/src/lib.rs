@@ -25,6 +25,7 @@ pub mod agent;
 pub mod egress;
 pub mod extfs;
 pub mod framing;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod janitor;

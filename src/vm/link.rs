@@ -349,6 +349,7 @@ impl ProfileVm {
     /// Runs the host end of the link over `data`, the bytes an agent sends
     /// (its hello first), until the link ends; the fuzz target of the link
     /// reader. Nothing the host sends is answered.
+    #[cfg(feature = "fuzzing")]
     #[doc(hidden)]
     pub async fn replay_agent_stream(
         self: &Arc<Self>,

@@ -22,6 +22,7 @@ pub mod cli;
 pub mod cpuid;
 pub mod devices;
 pub mod exit;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod kvm_check;

@@ -31,6 +31,9 @@ pub mod drain;
 pub mod in_process;
 pub mod mmio;
 pub mod single_queue;
+// Test support, not in the product: the transport's unit tests, the
+// tiny-guest suites and the mmio fuzz target drive it.
+#[cfg(any(test, feature = "test-devices"))]
 pub mod testdev;
 pub mod worker;
 

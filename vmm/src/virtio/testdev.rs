@@ -1,7 +1,8 @@
 //! A virtio test device: fills the driver's buffers with a known pattern.
 //!
-//! It exists to exercise the transport end to end (unit tests and the KVM
-//! guest test): on every kick of a queue its worker thread takes each
+//! It exists to exercise the transport end to end (unit tests, the KVM
+//! guest tests and the mmio fuzz target) and is compiled only for them
+//! (`cfg(test)` or the `test-devices` feature), never into the product: on every kick of a queue its worker thread takes each
 //! available descriptor chain, writes `seed + i` (mod 256) into byte `i` of
 //! the chain's device-writable buffers, puts the chain in the used ring with
 //! the number of bytes written, and signals the used queue.
