@@ -8,9 +8,7 @@
 //! * [`vsock`]: TX packets (well-formed headers over any descriptor layout,
 //!   or raw descriptors), RX and event buffers, and the host side (accepting,
 //!   writing to and closing host streams) through the muxer's state machine.
-//! * [`blk`]: request chains against a raw image or a copy-on-write overlay,
-//!   then a differential run of the overlay against an in-memory disk
-//!   (writes, zeroes, discards, flushes, close and reopen).
+//! * [`blk`]: request chains against a raw image, writable or read-only.
 //! * [`fs`]: FUSE requests in descriptor chains served by the virtio-fs
 //!   server over a [`SessionFs`] with `ro`, `rw` and `rwd` grants; afterwards
 //!   the host file outside every grant must be untouched.
@@ -18,8 +16,8 @@
 //! Checks beyond "no panic": every used-ring entry names a chain the driver
 //! posted and claims no more bytes than the chain's device-writable buffers
 //! hold (not checkable once a raw chain used an indirect table, whose
-//! entries may aim the device at the driver's own rings); the overlay reads
-//! back what was written; nothing outside the grants changes. A panic
+//! entries may aim the device at the driver's own rings); nothing outside
+//! the grants changes. A panic
 //! inside the FUSE server (which the device catches and turns into
 //! DEVICE_NEEDS_RESET) is raised here as a failure.
 //!
@@ -44,7 +42,6 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm::virtio::GuestMemoryMmap;
 
 use crate::blk::image::{BlockBackend, RawImage};
-use crate::blk::overlay::CowImage;
 use crate::blk::{BlkConfig, BlkModel};
 use crate::fs::device::{serve_chain, FsDeviceStats, WorkerError};
 use crate::fs::{GrantMode, SessionFs, SessionFsOptions};
@@ -72,10 +69,8 @@ const MAX_STEPS: usize = 64;
 const GUEST_CID: u64 = 3;
 /// The vsock port the host listens on.
 const LISTEN_PORT: u32 = 1234;
-/// Disk size of the blk targets (a few overlay chunks).
+/// Disk size of the blk target.
 const DISK_SIZE: u64 = 64 * 1024;
-/// Chunk shift of the overlay under test (4 KiB, the smallest).
-const COW_CHUNK_SHIFT: u32 = 12;
 /// Sector size of the disk model.
 const SECTOR: u64 = 512;
 
@@ -556,37 +551,18 @@ impl Drop for Scratch {
     }
 }
 
-/// One operation of the overlay's differential run.
-#[derive(Arbitrary, Debug)]
-pub enum DiskOp {
-    Write { offset: u32, len: u16, fill: u8 },
-    Read { offset: u32, len: u16 },
-    Zeroes { offset: u32, len: u16 },
-    Discard { offset: u32, len: u16 },
-    Flush,
-    Reopen,
-}
-
-/// A blk script: request chains, then overlay operations.
+/// A blk script: the request chains, served from a raw image.
 #[derive(Arbitrary, Debug)]
 pub struct BlkScript {
-    /// Serve the chains from an overlay (else a raw image).
-    cow: bool,
+    /// Unused. Its byte once chose a copy-on-write overlay (removed with the
+    /// overlay); it stays so the committed corpus, picked with it, still
+    /// decodes to the chains it was picked for.
+    _retired_backend_choice: bool,
     read_only: bool,
     chains: Vec<ChainSpec>,
-    ops: Vec<DiskOp>,
 }
 
-/// Sector-aligned `(offset, len)` inside the disk, as the request parser
-/// hands them to a backend.
-fn disk_range(offset: u32, len: u16) -> (u64, u64) {
-    let off = (u64::from(offset) * SECTOR) % DISK_SIZE;
-    let len = (u64::from(len) * SECTOR).min(DISK_SIZE - off);
-    (off, len)
-}
-
-/// Serves request chains against a raw image or an overlay, then runs the
-/// overlay against an in-memory disk.
+/// Serves request chains against a raw image, writable or read-only.
 pub fn blk(data: &[u8]) {
     let mut u = Unstructured::new(data);
     let Ok(script) = BlkScript::arbitrary(&mut u) else {
@@ -596,18 +572,11 @@ pub fn blk(data: &[u8]) {
         return;
     };
     let base = dir.0.join("base.img");
-    let overlay = dir.0.join("overlay.cow");
-    let base_bytes = base_image();
-    if std::fs::write(&base, base_bytes).is_err() {
+    if std::fs::write(&base, base_image()).is_err() {
         return;
     }
     // Request parsing over the real queue.
-    let backend: Box<dyn BlockBackend> = if script.cow {
-        match CowImage::create(&base, &overlay, COW_CHUNK_SHIFT) {
-            Ok(c) => Box::new(c),
-            Err(_) => return,
-        }
-    } else if script.read_only {
+    let backend: Box<dyn BlockBackend> = if script.read_only {
         match RawImage::open_read_only(&base) {
             Ok(r) => Box::new(r),
             Err(_) => return,
@@ -618,27 +587,23 @@ pub fn blk(data: &[u8]) {
             Err(_) => return,
         }
     };
-    {
-        let mem = guest_memory();
-        let Ok(mut model) = BlkModel::new(backend, &BlkConfig::new("fuzz-serial")) else {
-            return;
-        };
-        let mut drv = DriverQueue::new(&mem, 0);
-        let mut q = drv.queue();
-        let mut alloc = Alloc { next: DATA_BASE };
-        for chunk in script.chains.chunks(8).take(MAX_STEPS / 8) {
-            for spec in chunk {
-                drv.post(&mem, &mut alloc, spec);
-            }
-            if model.process_queue(&mem, &mut q).is_err() {
-                break;
-            }
-            let trusted = !drv.raw_indirect;
-            drv.check_used(&mem, "blk", trusted);
+    let mem = guest_memory();
+    let Ok(mut model) = BlkModel::new(backend, &BlkConfig::new("fuzz-serial")) else {
+        return;
+    };
+    let mut drv = DriverQueue::new(&mem, 0);
+    let mut q = drv.queue();
+    let mut alloc = Alloc { next: DATA_BASE };
+    for chunk in script.chains.chunks(8).take(MAX_STEPS / 8) {
+        for spec in chunk {
+            drv.post(&mem, &mut alloc, spec);
         }
+        if model.process_queue(&mem, &mut q).is_err() {
+            break;
+        }
+        let trusted = !drv.raw_indirect;
+        drv.check_used(&mem, "blk", trusted);
     }
-    let _ = std::fs::remove_file(&overlay);
-    cow_differential(&base, &overlay, base_bytes, &script.ops);
 }
 
 /// Content of the base image: sector `n` filled with `n ^ 0x5a`. Built once
@@ -647,120 +612,6 @@ pub fn blk(data: &[u8]) {
 fn base_image() -> &'static [u8] {
     static BASE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
     BASE.get_or_init(|| (0..DISK_SIZE).map(|i| (i / SECTOR) as u8 ^ 0x5a).collect())
-}
-
-/// Appends `len` bytes of the write pattern for `fill` (byte `i` is
-/// `fill ^ i`, so it repeats every 256 bytes) to `buf`; `len` is a whole
-/// number of sectors. The 256 periods come from a table built once.
-fn extend_pattern(buf: &mut Vec<u8>, fill: u8, len: u64) {
-    static TABLE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    let table = TABLE.get_or_init(|| {
-        (0..=255u8)
-            .flat_map(|f| (0..=255u8).map(move |i| f ^ i))
-            .collect()
-    });
-    let period = &table[usize::from(fill) * 256..][..256];
-    for _ in 0..len / 256 {
-        buf.extend_from_slice(period);
-    }
-}
-
-/// Runs `ops` on a fresh overlay over `base` and on an in-memory copy of the
-/// disk; every read must agree, except sectors a discard left unspecified.
-fn cow_differential(base: &Path, overlay: &Path, base_bytes: &[u8], ops: &[DiskOp]) {
-    let Ok(mut cow) = CowImage::create(base, overlay, COW_CHUNK_SHIFT) else {
-        return;
-    };
-    let mut model = base_bytes.to_vec();
-    // Sectors whose content is unspecified (discarded); every operation is
-    // sector-aligned ([`disk_range`]).
-    let mut loose = vec![false; (DISK_SIZE / SECTOR) as usize];
-    let sectors = |off: u64, len: u64| (off / SECTOR) as usize..((off + len) / SECTOR) as usize;
-    let mut buf = Vec::new();
-    for op in ops.iter().take(MAX_STEPS) {
-        match *op {
-            DiskOp::Write { offset, len, fill } => {
-                let (off, len) = disk_range(offset, len);
-                buf.clear();
-                extend_pattern(&mut buf, fill, len);
-                if cow.write_at(&buf, off).is_ok() {
-                    model[off as usize..(off + len) as usize].copy_from_slice(&buf);
-                    loose[sectors(off, len)].fill(false);
-                } else {
-                    return;
-                }
-            }
-            DiskOp::Read { offset, len } => {
-                let (off, len) = disk_range(offset, len);
-                buf.clear();
-                buf.resize(len as usize, 0);
-                if cow.read_at(&mut buf, off).is_err() {
-                    return;
-                }
-                compare(&buf, &model, &loose, off);
-            }
-            DiskOp::Zeroes { offset, len } => {
-                let (off, len) = disk_range(offset, len);
-                if cow.write_zeroes(off, len).is_err() {
-                    return;
-                }
-                model[off as usize..(off + len) as usize].fill(0);
-                loose[sectors(off, len)].fill(false);
-            }
-            DiskOp::Discard { offset, len } => {
-                let (off, len) = disk_range(offset, len);
-                if cow.discard(off, len).is_err() {
-                    return;
-                }
-                loose[sectors(off, len)].fill(true);
-            }
-            DiskOp::Flush => {
-                if cow.flush().is_err() {
-                    return;
-                }
-            }
-            DiskOp::Reopen => {
-                if cow.flush().is_err() {
-                    return;
-                }
-                drop(cow);
-                cow = match CowImage::open(base, overlay) {
-                    Ok(c) => c,
-                    Err(e) => panic!("a flushed overlay does not reopen: {e}"),
-                };
-            }
-        }
-    }
-    buf.clear();
-    buf.resize(model.len(), 0);
-    if cow.read_at(&mut buf, 0).is_ok() {
-        compare(&buf, &model, &loose, 0);
-    }
-}
-
-/// Checks `got`, read at the sector-aligned `off`, against the model, one
-/// sector at a time (slice comparisons: memcmp, not a per-byte loop),
-/// skipping loose sectors.
-fn compare(got: &[u8], model: &[u8], loose: &[bool], off: u64) {
-    let first = (off / SECTOR) as usize;
-    for (i, sector) in got.chunks(SECTOR as usize).enumerate() {
-        let s = first + i;
-        let want = &model[s * SECTOR as usize..][..sector.len()];
-        if loose[s] || sector == want {
-            continue;
-        }
-        let k = sector
-            .iter()
-            .zip(want)
-            .position(|(a, b)| a != b)
-            .unwrap_or(0);
-        panic!(
-            "overlay byte {} reads {:#04x}, expected {:#04x}",
-            s * SECTOR as usize + k,
-            sector[k],
-            want[k]
-        );
-    }
 }
 
 /// A virtio-fs script: which options the filesystem has, then the FUSE

@@ -11,9 +11,6 @@
 //! * [`image`]: the [`BlockBackend`] trait and [`RawImage`], a raw image
 //!   file opened read-write (the session disk) or read-only, plus
 //!   [`create_sparse_image`] for `createVM {diskSizeGB}`.
-//! * [`overlay`]: [`CowImage`], a read-only base image (a downloaded
-//!   `rootfs.img` that must stay pristine) under a copy-on-write overlay
-//!   file whose format is documented there.
 //!
 //! Requests served: `IN`, `OUT`, `FLUSH` (fdatasync of every file behind the
 //! disk), `GET_ID` (the serial), `DISCARD` and `WRITE_ZEROES` (holes punched
@@ -29,7 +26,6 @@
 
 pub mod device;
 pub mod image;
-pub mod overlay;
 pub mod request;
 
 #[cfg(test)]
@@ -39,7 +35,6 @@ mod tests;
 
 pub use device::{BlkConfig, BlkDevice, BlkDeviceError, BlkModel, BlkStats, VIRTIO_ID_BLOCK};
 pub use image::{create_sparse_image, BlockBackend, ImageError, RawImage};
-pub use overlay::{CowImage, OverlayError};
 
 /// Size of a virtio-blk sector: offsets and lengths in requests are counted
 /// in these units whatever the reported `blk_size` (virtio 1.2 §5.2.6).

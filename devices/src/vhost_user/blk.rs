@@ -11,9 +11,8 @@
 //!
 //! QEMU reads capacity, limits and the like through the config space
 //! (`VHOST_USER_PROTOCOL_F_CONFIG`) and passes every request, GET_ID
-//! included, to this backend. The disk is flushed (fdatasync, and the
-//! overlay's bitmap for a copy-on-write image) when the frontend resets the
-//! device or disconnects.
+//! included, to this backend. The disk is flushed (fdatasync) when the
+//! frontend resets the device or disconnects.
 //!
 //! Limits: those of `vhost_user::single_queue` (one frontend per server, one
 //! worker thread) and of [`crate::blk`] (one request queue: start QEMU with
