@@ -587,8 +587,4 @@ impl RawConn {
         let (s, buf) = (&mut self.stream, &mut self.buf);
         with_timeout(timeout, read_json(s, buf)).await
     }
-
-    pub fn into_stream(self) -> UnixStream {
-        self.stream
-    }
 }

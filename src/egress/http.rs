@@ -35,9 +35,6 @@ pub const PROXY_ERROR_HEADER: &str = "x-proxy-error";
 pub const BLOCKED: &str = "blocked-by-allowlist";
 const BLOCKED_BODY: &str = "Connection blocked by network allowlist\n";
 
-/// The realm of our 407 challenge.
-pub const REALM: &str = "cowork";
-
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy ones; never forwarded.
 const HOP_BY_HOP: [&str; 9] = [
     "connection",

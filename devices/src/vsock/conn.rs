@@ -192,11 +192,6 @@ impl Conn {
         &self.stream
     }
 
-    /// Current state.
-    pub fn state(&self) -> State {
-        self.state
-    }
-
     /// When the pending timer (connect or close) expires.
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline

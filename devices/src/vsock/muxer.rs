@@ -28,7 +28,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::timerfd::TimerFd;
 
 use super::backend::{ConnectError, Request, Shared, Target};
-use super::conn::{Conn, State, Verdict};
+use super::conn::{Conn, Verdict};
 use super::packet::{ChainReader, Header, OP_REQUEST, OP_RST, TYPE_STREAM, VSOCK_HOST_CID};
 use super::VsockConfig;
 
@@ -582,12 +582,6 @@ impl Muxer {
     /// Re-arms the timer after RX/TX processing may have changed deadlines.
     pub fn after_processing(&mut self) -> Result<(), MuxerError> {
         self.arm_timer()
-    }
-
-    /// State of the connection (local port, guest port), for tests and
-    /// diagnostics.
-    pub fn connection_state(&self, local_port: u32, peer_port: u32) -> Option<State> {
-        self.conns.get(&(local_port, peer_port)).map(|c| c.state())
     }
 
     /// Credit the guest grants on a connection, for tests and diagnostics.

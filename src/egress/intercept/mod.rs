@@ -145,12 +145,6 @@ impl Interceptor {
         Ok(Interceptor { ca, upstream })
     }
 
-    /// Interception of `hosts` trusting the host's store: `SSL_CERT_FILE` /
-    /// `SSL_CERT_DIR` when set, else the system's.
-    pub fn with_native_roots(hosts: &[String]) -> Result<Interceptor, InterceptError> {
-        Self::new(hosts, native_roots())
-    }
-
     /// The CA certificate the guest must trust, PEM.
     pub fn ca_pem(&self) -> &str {
         self.ca.pem()
