@@ -18,14 +18,14 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
 use support::gate::{qemu_gate, qemu_missing};
 use support::nested;
-use support::vm_helper;
+use support::vm_helper::{self, built_helper};
 
 /// Every phase key the JSON must hold (`bench::boot::phases::Phase::ALL`).
 const PHASES: [&str; 10] = [
@@ -57,14 +57,10 @@ const HARNESS_LIMIT: Duration = Duration::from_secs(720);
 /// Nested attempts (QEMU TCG's SVM emulation now and then kills a boot).
 const NESTED_ATTEMPTS: u32 = 3;
 
-fn helper_exe() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
-}
-
 /// Runs `bench boot --backend BACKEND -n 1 --warmup 0 --json --chart CHART`
 /// with its temporary files under `tmp`; returns the parsed JSON.
 fn run_bench(backend: &str, tmp: &Path, chart: &Path) -> Value {
-    let mut cmd = Command::new(helper_exe());
+    let mut cmd = Command::new(built_helper());
     cmd.args([
         "bench",
         "boot",
@@ -158,7 +154,7 @@ fn bench_boot_qemu_json_and_chart() {
         "the bench boot QEMU test",
         [
             qemu_missing(),
-            vm_helper::userland_image_missing(&helper_exe()),
+            vm_helper::userland_image_missing(&built_helper()),
         ],
     ) {
         return;
@@ -188,7 +184,7 @@ fn bench_boot_kvm_nested() {
             harness_timeout: HARNESS_LIMIT,
             attempts: NESTED_ATTEMPTS,
         },
-        || vm_helper::userland_image_missing(&helper_exe()),
+        || vm_helper::userland_image_missing(&built_helper()),
         kvm_body,
     );
 }

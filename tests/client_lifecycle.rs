@@ -33,16 +33,14 @@
 //! under `COWORK_NESTED_TESTS=1`). Both need the guest image with its
 //! default userland.
 
-mod common;
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cowork_helper::cli::{EXIT_LIMIT, SOCKET_NAME};
@@ -50,6 +48,7 @@ use cowork_helper::client::{Pipe, Subscription};
 use guest_agent::extfs::{self, Superblock};
 use serde_json::{json, Value};
 use support::gate::{qemu_gate, qemu_missing};
+use support::helper_process::{print_log_if_failing, wait_listening, CapturedLog};
 use support::nested;
 use support::procfs::children_named;
 use support::session::{self, read_file};
@@ -150,7 +149,7 @@ struct ClientStarted {
     /// `$XDG_RUNTIME_DIR/claude-cowork-vm.sock`.
     socket: PathBuf,
     /// What the helper wrote to stdout and stderr.
-    log: Arc<Mutex<String>>,
+    log: Arc<CapturedLog>,
 }
 
 impl ClientStarted {
@@ -198,20 +197,12 @@ impl ClientStarted {
                 pty_master = Some(master);
             }
         }
-        let log = Arc::new(Mutex::new(String::new()));
+        let log = CapturedLog::new();
         let mut outputs = Vec::new();
         for _ in 0..2 {
             let (theirs, ours) = socketpair();
             outputs.push(theirs);
-            let log = log.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(ours).lines() {
-                    let Ok(line) = line else { break };
-                    let mut log = log.lock().unwrap();
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            });
+            log.capture(ours);
         }
         let stderr = outputs.pop().expect("two outputs");
         let stdout = outputs.pop().expect("two outputs");
@@ -226,16 +217,7 @@ impl ClientStarted {
             socket,
             log,
         };
-        let t0 = Instant::now();
-        while UnixStream::connect(&h.socket).is_err() {
-            assert!(
-                t0.elapsed() < LISTEN_LIMIT,
-                "the helper did not listen on {}: {}",
-                h.socket.display(),
-                h.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(&h.socket, LISTEN_LIMIT, || h.log());
         h
     }
 
@@ -245,7 +227,7 @@ impl ClientStarted {
 
     /// Everything the helper wrote so far.
     fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
+        self.log.text()
     }
 
     /// Closes the client's end of the helper's stdin; returns when.
@@ -318,27 +300,13 @@ impl Drop for ClientStarted {
             let _ = c.kill();
             let _ = c.wait();
         }
-        if std::thread::panicking() {
-            eprintln!("---- helper log ----\n{}---- end ----", self.log());
-        }
+        print_log_if_failing(&self.log(), None);
     }
 }
 
 /// A configured pipe and a subscription of [`PROFILE`] on `socket`.
 async fn client(socket: &Path, limit: Duration) -> (Pipe, Subscription) {
-    let pipe = Pipe::connect_with_timeout(socket, limit)
-        .await
-        .expect("connect");
-    pipe.call(
-        "configure",
-        json!({"userDataName": PROFILE, "userDataRoot": ROOT, "sessionOnly": true}),
-    )
-    .await
-    .expect("configure");
-    let sub = Subscription::connect(socket, PROFILE, ROOT)
-        .await
-        .expect("subscribeEvents");
-    (pipe, sub)
+    session::client_at(socket, PROFILE, ROOT, limit).await
 }
 
 /// startVM with `params`, within [`VM_T`]; panics with the helper's log.
@@ -392,11 +360,11 @@ async fn sandbox_case(how: End, case: u32) {
     let mut h = ClientStarted::start(dir.path(), "sandbox", Input::ClientPipe);
     let (pipe, _sub) = client(&h.socket, T).await;
     start_vm(&pipe, &h, json!({})).await;
-    common::wait_guest(&pipe, true).await;
+    support::daemon::wait_guest(&pipe, true).await;
     let marker = marker(case);
     spawn_sleeper(&pipe, "sleeper", "s1", &marker).await;
     assert!(
-        !common::pids_with_arg(&marker).is_empty(),
+        !support::daemon::pids_with_arg(&marker).is_empty(),
         "the session's sleep is not running on the host"
     );
 
@@ -405,7 +373,7 @@ async fn sandbox_case(how: End, case: u32) {
         End::Sigint => (h.signal(libc::SIGINT), "SIGINT received; shutting down"),
     };
     let took = h.assert_clean_exit(since, trigger);
-    let left = common::wait_no_process(&marker, GONE_LIMIT);
+    let left = support::daemon::wait_no_process(&marker, GONE_LIMIT);
     assert!(
         left.is_empty(),
         "the session process outlived the helper: {left:?}"
@@ -459,7 +427,7 @@ async fn a_hung_agent_is_killed_and_the_helper_still_exits_in_time() {
     );
     let (pipe, _sub) = client(&h.socket, T).await;
     start_vm(&pipe, &h, json!({})).await;
-    common::wait_guest(&pipe, true).await;
+    support::daemon::wait_guest(&pipe, true).await;
     // From now on the agent answers nothing, not even the shutdown.
     pipe.call(
         "spawn",

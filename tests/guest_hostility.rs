@@ -24,14 +24,13 @@
 //! makes missing prerequisites a failure), the kvm case like the other
 //! nested suites (`COWORK_NESTED_TESTS=1`).
 
-mod common;
 mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Opts, Profile, T};
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::{json, Value};
+use support::daemon::{Daemon, Opts, Profile, T};
 
 /// The fake agent binary.
 fn fake_agent() -> &'static str {
@@ -106,7 +105,7 @@ impl Client {
     }
 
     async fn start(&self, d: &Daemon) {
-        common::start_vm(d, &self.pipe, json!({})).await;
+        support::daemon::start_vm(d, &self.pipe, json!({})).await;
     }
 
     async fn spawn(&self, id: &str, command: &str, args: &[&str]) -> Result<Value, String> {
@@ -137,7 +136,7 @@ impl Client {
     }
 
     async fn wait_disconnected(&self) {
-        common::wait_guest(&self.pipe, false).await;
+        support::daemon::wait_guest(&self.pipe, false).await;
     }
 }
 

@@ -18,15 +18,15 @@
 //!
 //! The client-connection cap has its own test in `protocol_socket.rs`.
 
-mod common;
+mod support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{start_vm, Daemon, Opts, Profile, T};
 use cowork_helper::client::Pipe;
 use guest_agent::agent::process::MAX_QUEUED_STDIN;
 use serde_json::json;
+use support::daemon::{start_vm, Daemon, Opts, Profile, T};
 
 /// Process cap the process-limit test runs the helper with.
 const TEST_MAX_PROCESSES: usize = 3;

@@ -3,7 +3,7 @@
 //! isolation, and stopVM. One shared helper; every test uses its own
 //! profiles (hence its own sandboxes), since these are per-profile facts.
 
-mod common;
+mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::*;
 use cowork_helper::client::{encode_frame, request, ClientError, RawConn, Subscription};
 use serde_json::{json, Value};
+use support::daemon::*;
 
 fn is_step(ev: &Value, step: &str, status: &str) -> bool {
     ev["type"] == json!("startupStep") && ev["step"] == json!(step) && ev["status"] == json!(status)

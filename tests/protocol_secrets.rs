@@ -5,10 +5,10 @@
 //! the helper exited (debug logging on from the start and switched on again
 //! at runtime).
 
-mod common;
+mod support;
 
-use common::*;
 use serde_json::{json, Value};
+use support::daemon::*;
 
 /// Prints a variable's value as hex (so its plain text never travels in
 /// arguments or output), or `unset`.

@@ -3,15 +3,15 @@
 //! tests of this file share one helper and one started sandbox (profile
 //! `shared`); each uses its own session names and process ids.
 
-mod common;
+mod support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use common::*;
 use cowork_helper::client::{encode_frame, request, ClientError, Pipe, RawConn, Subscription};
 use serde_json::{json, Value};
+use support::daemon::*;
 
 async fn setup() -> (&'static Daemon, Pipe, Subscription) {
     let (d, p) = shared_vm().await;

@@ -2,15 +2,15 @@
 //! frames, security, socket lifecycle and signals. Needs no sandbox except
 //! where noted.
 
-mod common;
+mod support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
-use common::*;
 use cowork_helper::client::{encode_frame, request, Client, ClientError, Pipe, RawConn};
 use serde_json::{json, Value};
+use support::daemon::*;
 
 fn is_error_reply(v: &Value) -> bool {
     v["success"] == json!(false) && v["error"].as_str().is_some_and(|s| !s.trim().is_empty())

@@ -34,10 +34,7 @@
 //! (about 0.6 GiB for a few seconds), a 0.5 GiB hog, two busy threads held
 //! to one CPU.
 
-mod common;
-#[path = "support/nested.rs"]
-#[allow(dead_code)]
-mod nested;
+mod support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -46,11 +43,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{run, run_ok, sh, uid, Daemon, Opts, Profile};
 use cowork_helper::backend::sandbox::cgroup::{self, parse_mountinfo};
 use cowork_helper::backend::sandbox::limits::PIDS_MAX;
 use cowork_helper::client::{Pipe, Subscription};
 use serde_json::{json, Value};
+use support::daemon::{run, run_ok, uid, Daemon, Opts, Profile};
+use support::helper_process::built_helper;
+use support::nested;
+use support::session::sh;
 
 /// Bound for anything that takes milliseconds here (seconds in L1).
 const T: Duration = Duration::from_secs(120);
@@ -136,7 +136,7 @@ async fn vm(d: &Daemon, name: &str, extra: Value) -> (Pipe, Subscription) {
     let p = Profile::new(d, name);
     let pipe = p.pipe(d).await;
     let sub = p.subscribe(d).await;
-    common::start_vm(d, &pipe, extra).await;
+    support::daemon::start_vm(d, &pipe, extra).await;
     (pipe, sub)
 }
 
@@ -580,7 +580,7 @@ async fn bomb_body(extra_env: &[(&str, &str)]) {
         "the host's process table is at {after}, was {before}"
     );
     assert!(
-        common::wait_no_process(BOMB_MARK, T).is_empty(),
+        support::daemon::wait_no_process(BOMB_MARK, T).is_empty(),
         "bomb processes left on the host"
     );
     sentinel.assert_alive();
@@ -594,7 +594,7 @@ async fn bomb_body(extra_env: &[(&str, &str)]) {
 
     pipe.call("stopVM", json!({})).await.expect("stopVM");
     assert!(cg.wait_gone(T), "the cgroup is removed at stopVM: {cg:?}");
-    assert!(common::wait_no_process(BOMB_MARK, T).is_empty());
+    assert!(support::daemon::wait_no_process(BOMB_MARK, T).is_empty());
 }
 
 /// `cpuCount` 1 holds two busy threads to about one CPU.
@@ -862,7 +862,7 @@ fn without_a_cgroup_rlimits_stand_in_and_the_log_says_why() {
     }
     let me = std::env::current_exe().expect("this test binary");
     reachable_by_nobody(&me);
-    reachable_by_nobody(Path::new(common::helper_exe()));
+    reachable_by_nobody(&built_helper());
     // The client must be the helper's user: the whole check runs as nobody.
     let out = Command::new(&me)
         .args([
@@ -896,7 +896,7 @@ fn without_a_cgroup_rlimits_stand_in_and_the_log_says_why() {
     }
 
     // doctor says the same.
-    let out = Command::new(common::helper_exe())
+    let out = Command::new(built_helper())
         .args(["doctor", "--backend", "sandbox"])
         .uid(NOBODY)
         .gid(NOBODY)
@@ -1032,7 +1032,7 @@ async fn inner_nobody() {
         .await
         .unwrap();
     sub.collect_process("bomb", T).await.expect("the bomb ends");
-    assert!(common::wait_no_process(BOMB_MARK, T).is_empty());
+    assert!(support::daemon::wait_no_process(BOMB_MARK, T).is_empty());
     another_session_answers(&pipe, &mut sub).await;
     println!("{REPORT}no cgroup (nobody): hog ENOMEM at RLIMIT_DATA; bomb: {line}");
     pipe.call("stopVM", json!({})).await.unwrap();
@@ -1046,7 +1046,7 @@ fn doctor_names_the_sandbox_limits() {
         return;
     }
     let doctor = |env: &[(&str, &str)]| {
-        let mut c = Command::new(common::helper_exe());
+        let mut c = Command::new(built_helper());
         c.args(["doctor", "--backend", "sandbox"])
             .stdout(std::process::Stdio::piped());
         for (k, v) in env {

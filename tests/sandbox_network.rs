@@ -8,14 +8,14 @@
 //! spawn's credential and applies its guard. Nothing here leaves the
 //! machine (the one name resolved on the host is `localhost`).
 
-mod common;
+mod support;
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::*;
 use serde_json::{json, Value};
+use support::daemon::*;
 
 /// The egress socket as the agent sees it.
 const AGENT_SOCKET: &str = "/.egress/proxy.sock";

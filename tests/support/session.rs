@@ -29,7 +29,17 @@ pub async fn client(
     root: &str,
     call_limit: Duration,
 ) -> (Pipe, Subscription) {
-    let pipe = Pipe::connect_with_timeout(&helper.socket, call_limit)
+    client_at(&helper.socket, profile, root, call_limit).await
+}
+
+/// [`client`] of the helper listening on `socket`.
+pub async fn client_at(
+    socket: &Path,
+    profile: &str,
+    root: &str,
+    call_limit: Duration,
+) -> (Pipe, Subscription) {
+    let pipe = Pipe::connect_with_timeout(socket, call_limit)
         .await
         .expect("connect");
     pipe.call(
@@ -38,7 +48,7 @@ pub async fn client(
     )
     .await
     .expect("configure");
-    let sub = Subscription::connect(&helper.socket, profile, root)
+    let sub = Subscription::connect(socket, profile, root)
         .await
         .expect("subscribe");
     (pipe, sub)

@@ -3,18 +3,16 @@
 //! backend on a socket in a directory of the test's, stdout and stderr in a
 //! log file there; stopped with SIGTERM, or killed on drop with its log
 //! printed when the test is failing. (The sandbox protocol tests use
-//! `tests/common`, which keeps the log in memory and runs many helpers at
-//! once.)
+//! [`super::daemon`], which keeps the log in memory and runs many helpers at
+//! once; both are built on [`super::helper_process`].)
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// The helper binary cargo built for the test.
-pub fn built_helper() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_cowork-helper"))
-}
+pub use super::helper_process::built_helper;
+use super::helper_process::{print_log_if_failing, stop_child, wait_listening};
 
 /// The guest image the helper binary `exe` will use, or why there is none.
 pub fn image_for(exe: &Path) -> Result<cowork_helper::backend::image::GuestImage, String> {
@@ -119,15 +117,7 @@ impl VmHelper {
             log,
             _tmp: None,
         };
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&h.socket).is_err() {
-            assert!(
-                t0.elapsed() < listen_limit,
-                "helper did not listen: {}",
-                h.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_listening(&h.socket, listen_limit, || h.log_text());
         h
     }
 
@@ -192,18 +182,7 @@ impl VmHelper {
 
     /// SIGTERM, then the exit status (killed after [`STOP_LIMIT`]).
     pub fn stop(&mut self) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while t0.elapsed() < STOP_LIMIT {
-            if let Ok(Some(st)) = child.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait().ok()
+        stop_child(&mut self.child.take()?, STOP_LIMIT)
     }
 
     /// [`VmHelper::stop`], then asserts a clean exit; prints the whole log
@@ -228,8 +207,6 @@ impl Drop for VmHelper {
             let _ = c.kill();
             let _ = c.wait();
         }
-        if std::thread::panicking() {
-            eprintln!("---- helper log ----\n{}\n---- end ----", self.log_text());
-        }
+        print_log_if_failing(&self.log_text(), None);
     }
 }

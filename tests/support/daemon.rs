@@ -1,13 +1,14 @@
-//! Shared harness of the protocol tests: starts the built `cowork-helper` on a
-//! temporary socket with its own data dir, captures its stderr, and stops it
-//! (SIGTERM, then SIGKILL) when dropped. A per-binary shared helper with one
-//! started sandbox lets a test file reuse a VM where isolation allows.
+//! The harness of the sandbox protocol suites (`protocol_*`, `sandbox_*`,
+//! `limits`, `guest_hostility`): starts the built `cowork-helper` with
+//! `--backend sandbox` on a temporary socket with its own data dir, keeps
+//! its stdout and stderr in memory, and stops it (SIGTERM, then SIGKILL)
+//! when dropped; many such helpers run at once. A per-binary shared helper
+//! with one started sandbox lets a test file reuse a VM where isolation
+//! allows. Also the protocol steps those suites share: profiles, startVM,
+//! spawning and collecting a process.
 
-#![allow(dead_code)]
-
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -16,12 +17,26 @@ use std::time::{Duration, Instant};
 use cowork_helper::client::{ClientError, Pipe, ProcessOutput, Subscription};
 use serde_json::{json, Value};
 
+use super::helper_process::{self, built_helper, CapturedLog};
+use super::session::assert_exit_0;
+// The session steps the protocol suites use with the ones above.
+#[allow(unused_imports)]
+pub use super::session::{rel, sh};
+
 /// Generous bound for anything that should take milliseconds.
 pub const T: Duration = Duration::from_secs(20);
 
-pub fn helper_exe() -> &'static str {
-    env!("CARGO_BIN_EXE_cowork-helper")
-}
+/// How long a helper gets to listen on its socket.
+const LISTEN_LIMIT: Duration = Duration::from_secs(15);
+
+/// How long a stopping helper gets after SIGTERM before it is killed.
+const STOP_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long the shared helper gets after SIGTERM when the test binary exits.
+const SHARED_STOP_LIMIT: Duration = Duration::from_secs(5);
+
+/// Lines of the log a failing test prints.
+const LOG_TAIL: usize = 80;
 
 /// Spawns every helper from one thread that lives as long as the test
 /// process, so that `PR_SET_PDEATHSIG` (tied to the spawning thread) fires
@@ -93,8 +108,7 @@ pub struct Daemon {
     /// Root of this helper's temporary files.
     pub dir: PathBuf,
     tmp: Option<tempfile::TempDir>,
-    log: Arc<Mutex<String>>,
-    log_done: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    log: Arc<CapturedLog>,
 }
 
 impl Daemon {
@@ -120,7 +134,7 @@ impl Daemon {
             .clone()
             .unwrap_or_else(|| dir.join("run").join("helper.sock"));
         let data_dir = dir.join("data");
-        let mut cmd = Command::new(helper_exe());
+        let mut cmd = Command::new(built_helper());
         match opts.socket_flag {
             SocketFlag::GoStyle => {
                 cmd.arg("-socket").arg(&socket);
@@ -150,35 +164,10 @@ impl Daemon {
             cmd.env(k, v);
         }
         let mut child = spawn_from_keeper(cmd).expect("start cowork-helper");
-        let log = Arc::new(Mutex::new(String::new()));
-        let log_done = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         // stderr and stdout both go to the log (the client logs both).
-        let remaining = Arc::new(Mutex::new(2usize));
-        for stream in [
-            Box::new(child.stderr.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stdout.take().unwrap()),
-        ] {
-            let (log, done, remaining) = (log.clone(), log_done.clone(), remaining.clone());
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(stream);
-                let mut line = Vec::new();
-                while let Ok(n) = r.read_until(b'\n', &mut line) {
-                    if n == 0 {
-                        break;
-                    }
-                    log.lock()
-                        .unwrap()
-                        .push_str(&String::from_utf8_lossy(&line));
-                    line.clear();
-                }
-                let mut left = remaining.lock().unwrap();
-                *left -= 1;
-                if *left == 0 {
-                    *done.0.lock().unwrap() = true;
-                    done.1.notify_all();
-                }
-            });
-        }
+        let log = CapturedLog::new();
+        log.capture(child.stderr.take().unwrap());
+        log.capture(child.stdout.take().unwrap());
         let d = Daemon {
             child: Some(child),
             socket,
@@ -186,7 +175,6 @@ impl Daemon {
             dir,
             tmp: None,
             log,
-            log_done,
         };
         if opts.wait_ready {
             d.wait_ready();
@@ -196,20 +184,7 @@ impl Daemon {
 
     /// Polls until the socket accepts a connection (bounded).
     pub fn wait_ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
-                return;
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "helper did not accept on {} within 15 s; log:\n{}",
-                    self.socket.display(),
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        helper_process::wait_listening(&self.socket, LISTEN_LIMIT, || self.log());
     }
 
     pub fn pid(&self) -> u32 {
@@ -218,16 +193,13 @@ impl Daemon {
 
     /// Everything the helper wrote to stderr/stdout so far.
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
+        self.log.text()
     }
 
     /// Waits until the helper's stderr and stdout are closed (after exit)
     /// so that [`Daemon::log`] is complete.
     pub fn wait_log_closed(&self, timeout: Duration) -> bool {
-        let (m, cv) = &*self.log_done;
-        let g = m.lock().unwrap();
-        let (g, _) = cv.wait_timeout_while(g, timeout, |done| !*done).unwrap();
-        *g
+        self.log.wait_closed(timeout)
     }
 
     /// Polls the captured log until `pred` holds (bounded).
@@ -269,21 +241,7 @@ impl Daemon {
     /// SIGTERM, wait, SIGKILL as a last resort.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            if let Ok(None) = child.try_wait() {
-                // SAFETY: kill takes no pointers; the pid is this helper's.
-                unsafe {
-                    libc::kill(child.id() as i32, libc::SIGTERM);
-                }
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while Instant::now() < deadline {
-                    if let Ok(Some(_)) = child.try_wait() {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                let _ = child.kill();
-            }
-            let _ = child.wait();
+            helper_process::stop_child(&mut child, STOP_LIMIT);
         }
     }
 }
@@ -291,15 +249,7 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
-        if std::thread::panicking() {
-            let log = self.log();
-            let lines: Vec<&str> = log.lines().collect();
-            eprintln!(
-                "---- helper log (last 80 of {} lines) ----\n{}",
-                lines.len(),
-                lines[lines.len().saturating_sub(80)..].join("\n")
-            );
-        }
+        helper_process::print_log_if_failing(&self.log(), Some(LOG_TAIL));
     }
 }
 
@@ -314,24 +264,11 @@ pub fn shared() -> &'static Daemon {
             .keep();
         extern "C" fn cleanup() {
             if let Some(d) = SHARED_PID.get() {
-                // SAFETY: kill takes no pointers; the pid is the shared helper's.
-                unsafe {
-                    libc::kill(d.0 as i32, libc::SIGTERM);
-                }
-                let deadline = Instant::now() + Duration::from_secs(5);
-                while Instant::now() < deadline {
+                helper_process::terminate(d.0, SHARED_STOP_LIMIT, || {
                     let mut st = 0;
                     // SAFETY: `st` is a writable int that waitpid fills.
-                    let r = unsafe { libc::waitpid(d.0 as i32, &mut st, libc::WNOHANG) };
-                    if r != 0 {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                // SAFETY: kill takes no pointers; the pid is the shared helper's.
-                unsafe {
-                    libc::kill(d.0 as i32, libc::SIGKILL);
-                }
+                    unsafe { libc::waitpid(d.0 as i32, &mut st, libc::WNOHANG) != 0 }
+                });
                 let _ = std::fs::remove_dir_all(&d.1);
             }
         }
@@ -427,26 +364,10 @@ pub async fn shared_vm() -> (&'static Daemon, Profile) {
     (d, p)
 }
 
-/// A spawn request for `sh -c script` in `session`.
-pub fn sh(id: &str, session: &str, script: &str) -> Value {
-    json!({
-        "id": id,
-        "name": session,
-        "command": "/bin/sh",
-        "args": ["-c", script],
-        "isResume": false,
-    })
-}
-
-/// Spawns and waits for the process's exit, returning what it printed.
+/// Spawns and waits (up to [`T`]) for the process's exit, returning what
+/// it printed.
 pub async fn run(pipe: &Pipe, sub: &mut Subscription, spawn: Value) -> ProcessOutput {
-    let id = spawn["id"].as_str().expect("id").to_string();
-    pipe.call("spawn", spawn.clone())
-        .await
-        .unwrap_or_else(|e| panic!("spawn {spawn}: {e}"));
-    sub.collect_process(&id, T)
-        .await
-        .unwrap_or_else(|e| panic!("process {id}: {e}"))
+    super::session::run(pipe, sub, spawn, T).await
 }
 
 /// Runs `sh -c script` in `session`, asserting exit code 0; returns stdout.
@@ -458,14 +379,7 @@ pub async fn run_ok(
     script: &str,
 ) -> String {
     let out = run(pipe, sub, sh(id, session, script)).await;
-    assert_eq!(
-        out.exit_code(),
-        Some(0),
-        "{script:?} failed: exit {} stdout {:?} stderr {:?}",
-        out.exit,
-        out.stdout_str(),
-        out.stderr_str()
-    );
+    assert_exit_0(&format!("{script:?}"), &out);
     out.stdout_str()
 }
 
@@ -474,11 +388,6 @@ pub fn uid(prefix: &str) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     format!("{prefix}-{}", N.fetch_add(1, Ordering::Relaxed))
-}
-
-/// A host path as the client sends it: relative to `/`.
-pub fn rel(p: &Path) -> String {
-    p.to_string_lossy().trim_start_matches('/').to_string()
 }
 
 /// Asserts that a call failed with the helper's `success:false`, returning the text.
