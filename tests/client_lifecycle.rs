@@ -10,7 +10,7 @@
 //!   [`EXIT_LIMIT`], its socket removed and the session process gone; the
 //!   same on SIGINT ([`sandbox_stdin_eof_stops_the_sessions_and_exits`],
 //!   [`sandbox_sigint_stops_the_sessions_and_exits`]);
-//! - an agent that answers nothing (the fake agent of `tests/fake_agent`)
+//! - an agent that answers nothing (the fake agent of `tests/support/fake_agent.rs`)
 //!   is given up on and the helper still exits 0 within [`EXIT_LIMIT`]
 //!   ([`a_hung_agent_is_killed_and_the_helper_still_exits_in_time`]);
 //! - stdin `/dev/null`, or a terminal whose other side hangs up: the helper
@@ -396,10 +396,7 @@ async fn sandbox_sigint_stops_the_sessions_and_exits() {
     sandbox_case(End::Sigint, 2).await;
 }
 
-/// The fake agent binary (see `tests/fake_agent/fake_agent.rs`).
-fn fake_agent() -> &'static str {
-    env!("CARGO_BIN_EXE_cowork-fake-agent")
-}
+support::fake_agent::fake_agent_test!();
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_agent_is_killed_and_the_helper_still_exits_in_time() {
@@ -407,7 +404,7 @@ async fn a_hung_agent_is_killed_and_the_helper_still_exits_in_time() {
         .prefix("cowork-lifecycle-")
         .tempdir()
         .expect("tempdir");
-    // The fake agent (see tests/fake_agent) serves the profile whose
+    // The fake agent (see support::fake_agent) serves the profile whose
     // session directory holds its marker.
     let key = cowork_helper::daemon::profile_key(Some(PROFILE), Some(ROOT));
     let sessions = vm_helper::data_dir(dir.path())
@@ -422,7 +419,7 @@ async fn a_hung_agent_is_killed_and_the_helper_still_exits_in_time() {
         Input::ClientPipe,
         &[(
             cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV,
-            fake_agent(),
+            support::fake_agent::wrapper(),
         )],
     );
     let (pipe, _sub) = client(&h.socket, T).await;

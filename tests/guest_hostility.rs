@@ -1,7 +1,8 @@
 //! Guest hostility (issue 11 item 3): a guest agent that misbehaves must
 //! not crash, hang or bloat the helper, nor steer the client.
 //!
-//! The misbehaving agent is `cowork-fake-agent` (`tests/fake_agent`), run
+//! The misbehaving agent is the fake agent of `tests/support/fake_agent.rs`
+//! (this test binary itself, as its ignored test `fake_agent`), run
 //! by the sandbox backend in place of the real agent through the helper's
 //! agent-wrapper test hook (`COWORK_TEST_SANDBOX_AGENT_WRAPPER`, read from
 //! the helper's environment only). Only profiles whose session directory
@@ -32,10 +33,7 @@ use cowork_helper::client::{Pipe, Subscription};
 use serde_json::{json, Value};
 use support::daemon::{Daemon, Opts, Profile, T};
 
-/// The fake agent binary.
-fn fake_agent() -> &'static str {
-    env!("CARGO_BIN_EXE_cowork-fake-agent")
-}
+support::fake_agent::fake_agent_test!();
 
 /// One case at a time: the floods are CPU heavy and peak memory is read
 /// per helper (each test has its own).
@@ -149,7 +147,7 @@ impl Rig {
                 ("COWORK_LOG".into(), "info".into()),
                 (
                     cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV.into(),
-                    fake_agent().into(),
+                    support::fake_agent::wrapper().into(),
                 ),
             ],
             ..Opts::default()

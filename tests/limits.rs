@@ -12,7 +12,7 @@
 //!   whole and in order;
 //! - requests awaiting the agent (`COWORK_MAX_PENDING_REQUESTS`, default
 //!   `cowork_helper::vm::MAX_PENDING_REQUESTS`): against an agent that stops
-//!   answering (the fake agent of `tests/fake_agent`), the request past the
+//!   answering (the fake agent of `tests/support/fake_agent.rs`), the request past the
 //!   limit fails at once, stopVM still ends the VM (failing the waiting
 //!   ones) and startVM works again.
 //!
@@ -37,10 +37,7 @@ const TEST_MAX_PENDING: usize = 4;
 /// Size of one stdin write in the stdin test (ASCII lines).
 const STDIN_CHUNK: usize = 1024 * 1024;
 
-/// The fake agent binary (see `tests/fake_agent/fake_agent.rs`).
-fn fake_agent() -> &'static str {
-    env!("CARGO_BIN_EXE_cowork-fake-agent")
-}
+support::fake_agent::fake_agent_test!();
 
 fn sleeper(id: &str) -> serde_json::Value {
     json!({"id": id, "name": "limits", "command": "/bin/sh", "args": ["-c", "exec sleep 600"], "isResume": false})
@@ -220,7 +217,7 @@ async fn requests_beyond_the_pending_limit_fail_at_once_and_stop_still_works() {
             ),
             (
                 cowork_helper::backend::sandbox::AGENT_WRAPPER_ENV.into(),
-                fake_agent().into(),
+                support::fake_agent::wrapper().into(),
             ),
         ],
         ..Opts::default()
@@ -323,7 +320,7 @@ async fn requests_beyond_the_pending_limit_fail_at_once_and_stop_still_works() {
     pipe.call("stopVM", json!({})).await.expect("stopVM");
 }
 
-/// Spawn parameters of a fake-agent directive (see `tests/fake_agent`).
+/// Spawn parameters of a fake-agent directive (see `support::fake_agent`).
 fn fake_spawn(id: &str, directive: &str, args: &[&str]) -> serde_json::Value {
     json!({"id": id, "name": "hostile", "command": directive, "args": args, "isResume": false})
 }

@@ -7,6 +7,8 @@
 //! - [`daemon`]: the sandbox protocol suites' helpers (`--backend sandbox`,
 //!   many at once, logs in memory, a shared one per test binary) and the
 //!   protocol steps they share;
+//! - [`fake_agent`]: the misbehaving guest agent of the hostility tests, run
+//!   by the sandbox from the suite's own test binary;
 //! - [`gate`]: whether a QEMU suite may run here (a loud skip, or a failure
 //!   under `COWORK_QEMU_TESTS=1`);
 //! - [`nested`]: the nested-KVM harness and the guest-image scripts, and the
@@ -41,6 +43,7 @@
 pub mod claude_cli;
 pub mod daemon;
 pub mod debroot;
+pub mod fake_agent;
 pub mod fsync_records;
 pub mod gate;
 pub mod helper_process;

@@ -1,7 +1,15 @@
-//! `cowork-fake-agent`: a guest agent that misbehaves on command, for the
-//! guest-hostility tests (`tests/guest_hostility.rs`, `tests/limits.rs`).
-//! Test code only: the helper never runs it unless its environment names it
+//! The fake agent: a guest agent that misbehaves on command, for the
+//! guest-hostility tests (`tests/guest_hostility.rs`, `tests/limits.rs`,
+//! `tests/client_lifecycle.rs`). Test code only, in no binary of the
+//! product: the helper runs it only when its environment names it
 //! (`COWORK_TEST_SANDBOX_AGENT_WRAPPER`, see `cowork_helper::backend::sandbox`).
+//!
+//! The suite's own test binary is the fake agent. [`wrapper`] writes a
+//! script next to it, named in that variable, which re-runs the binary as
+//! the suite's ignored test `fake_agent` (declared with [`fake_agent_test`])
+//! with [`FAKE_AGENT_ENV`] set and the real agent's command line after
+//! `--`; that test runs [`run_if_asked`], which is the agent. Its libtest
+//! output goes to `/dev/null` (the sandbox's stdout is the helper's log).
 //!
 //! Under the sandbox backend's agent-wrapper hook it is PID 1 of the
 //! sandbox, given the real agent's command line as its arguments. When the
@@ -40,6 +48,8 @@
 use std::io::{Read, Write};
 use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use guest_agent::framing::PREFIX_LEN;
@@ -49,6 +59,73 @@ use serde_json::{json, Value};
 /// File in the profile's session directory that turns the fake agent on
 /// (without it, the real agent runs).
 const MARKER: &str = "/sessions/.cowork-fake-agent";
+
+/// Set (to `1`) by the [`wrapper`] script only: the suite's `fake_agent`
+/// test is the agent then, and does nothing otherwise.
+pub const FAKE_AGENT_ENV: &str = "COWORK_FAKE_AGENT";
+
+/// Declares the suite's `fake_agent` test, which the [`wrapper`] script
+/// runs as the sandbox's PID 1 (an ignored test: a plain `cargo test`
+/// skips it, and without [`FAKE_AGENT_ENV`] it does nothing).
+#[allow(unused_macros)] // Used by the three suites that run the fake agent.
+macro_rules! fake_agent_test {
+    () => {
+        #[test]
+        #[ignore = "the fake agent: run by the sandbox through support::fake_agent::wrapper"]
+        fn fake_agent() {
+            support::fake_agent::run_if_asked();
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use fake_agent_test;
+
+/// The program to name in `COWORK_TEST_SANDBOX_AGENT_WRAPPER`: a script
+/// next to this test binary (written once per process) that runs the
+/// binary's `fake_agent` test as the agent.
+pub fn wrapper() -> &'static str {
+    static WRAPPER: OnceLock<String> = OnceLock::new();
+    WRAPPER.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test binary");
+        // The sandbox sees the host's `/` under HOST_ROOT.
+        let inside = format!(
+            "{}{}",
+            cowork_helper::backend::sandbox::HOST_ROOT,
+            exe.to_str().expect("a UTF-8 path of the test binary")
+        );
+        let script = format!(
+            "#!/bin/sh\n\
+             # The fake agent of tests/support/fake_agent.rs: this test binary's\n\
+             # ignored test fake_agent, the agent's command line after --.\n\
+             {FAKE_AGENT_ENV}=1 exec '{}' --exact fake_agent --ignored --nocapture \
+             --test-threads=1 -q -- \"$@\" >/dev/null\n",
+            inside.replace('\'', r"'\''")
+        );
+        let mut path = exe.into_os_string();
+        path.push(".fake-agent");
+        let path = PathBuf::from(path);
+        // Written aside and renamed: other processes of this binary may be
+        // running the script.
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(format!(".{}", std::process::id()));
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o755)
+                .open(&tmp)
+                .expect("write the fake agent's script");
+            f.write_all(script.as_bytes())
+                .expect("write the fake agent's script");
+        }
+        std::fs::rename(&tmp, &path).expect("put the fake agent's script in place");
+        path.into_os_string()
+            .into_string()
+            .expect("a UTF-8 path of the test binary")
+    })
+}
 
 /// A log line the fake agent's hello tries to smuggle into the helper's
 /// log (`tests/guest_hostility.rs` checks it never starts a line).
@@ -84,8 +161,14 @@ struct Agent {
     answers: Answers,
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+/// The fake agent, when this process was started by the [`wrapper`]
+/// script (it then never returns); nothing otherwise.
+pub fn run_if_asked() {
+    if std::env::var(FAKE_AGENT_ENV).as_deref() != Ok("1") {
+        return;
+    }
+    // The agent's command line: what the script passed after `--`.
+    let args: Vec<String> = std::env::args().skip_while(|a| a != "--").skip(1).collect();
     if !std::path::Path::new(MARKER).exists() {
         exec_real_agent(&args);
     }
@@ -127,7 +210,10 @@ fn exec_real_agent(args: &[String]) -> ! {
         eprintln!("fake agent: no marker and no agent command line");
         std::process::exit(2);
     };
-    let err = std::process::Command::new(program).args(rest).exec();
+    let err = std::process::Command::new(program)
+        .args(rest)
+        .env_remove(FAKE_AGENT_ENV)
+        .exec();
     eprintln!("fake agent: exec {program}: {err}");
     std::process::exit(2);
 }
