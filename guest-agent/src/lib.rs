@@ -12,7 +12,9 @@
 //! * **Host-or-guest services**: the session-disk [`janitor`], which the
 //!   agent serves and the host runs itself when no agent runs, over the
 //!   system-call wrappers (`sys`, crate-internal) and this process's mount
-//!   table ([`mounttable`]).
+//!   table ([`mounttable`]); the loopback set-up ([`net`]) also serves the
+//!   host's namespace sandbox, which does the agent's init duties for a
+//!   sandbox.
 //! * **The agent** ([`agent`]): the guest's init in a VM, or a plain process
 //!   inside the namespace sandbox; it dials the host and serves spawn/exec,
 //!   files, mounts and the janitor. It uses everything above. It is public
@@ -33,6 +35,7 @@ pub mod logline;
 pub mod milestone;
 pub mod mounttable;
 pub mod names;
+pub mod net;
 pub mod proto;
 pub mod signal;
 pub mod sync;

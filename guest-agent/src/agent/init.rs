@@ -12,7 +12,8 @@
 //! arguments) does everything a VM's init must before the agent dials the
 //! host: the mounts, the kernel modules ([`super::modules`]), the clock
 //! ([`super::clock`]), the loopback interface (with a second address,
-//! [`SECOND_LOOPBACK_ADDR`]), the session userland and
+//! [`crate::net::SECOND_LOOPBACK_ADDR`]; the sandbox's init does the same
+//! through [`crate::net`]), the session userland and
 //! session disk ([`super::userland`], which may switch the root away from
 //! the initramfs and sets up host name, `/etc` and limits) and the host's
 //! session share. Powering off at the end is [`super::power`].
@@ -30,11 +31,11 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use super::{clock, modules, userland};
 use crate::mounttable;
+use crate::net::{self, LOOPBACK, LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR};
 use crate::proto;
 use crate::sys;
 
@@ -46,9 +47,6 @@ const DEVPTS_MAGIC: u64 = libc::DEVPTS_SUPER_MAGIC as u64;
 
 /// `statfs` magic of tmpfs.
 const TMPFS_MAGIC: u64 = libc::TMPFS_MAGIC as u64;
-
-/// The loopback interface brought up by [`run_machine_init`].
-pub const LOOPBACK: &CStr = c"lo";
 
 /// sysfs directory listing the virtio devices bound to the virtio-fs driver.
 pub const VIRTIOFS_DRIVER_DIR: &str = "/sys/bus/virtio/drivers/virtiofs";
@@ -211,91 +209,13 @@ pub fn run_early_init() {
 
 /// Brings the loopback interface up (the kernel then gives it 127.0.0.1).
 pub fn loopback_up() -> Result<(), InitError> {
-    // SAFETY: plain socket(2).
-    let fd =
-        // SAFETY: socket() takes no pointers; the descriptor is owned at once below.
-        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })
-            .map_err(InitError::Loopback)?;
-    // SAFETY: a new descriptor owned by nobody else.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ifreq is plain data; zero is valid.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(LOOPBACK.to_bytes()) {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: SIOCGIFFLAGS fills the flags of a valid ifreq.
-    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) })
-        .map_err(InitError::Loopback)?;
-    // SAFETY: reading the union member SIOCGIFFLAGS just wrote.
-    let flags = unsafe { req.ifr_ifru.ifru_flags };
-    if flags & libc::IFF_UP as libc::c_short != 0 {
-        return Ok(());
-    }
-    req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
-    // SAFETY: SIOCSIFFLAGS reads a valid ifreq.
-    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) })
-        .map_err(InitError::Loopback)?;
-    Ok(())
+    net::set_link_up(LOOPBACK).map_err(InitError::Loopback)
 }
-
-/// A second loopback address, added to `lo` as [`LOOPBACK_ALIAS`]. glibc's
-/// `getaddrinfo` with `AI_ADDRCONFIG` (`getent ahostsv4`, curl `-4`, python's
-/// `socket.create_connection` through it) answers nothing for IPv4 on a
-/// system whose only IPv4 address is 127.0.0.1, which it ignores; the VM has
-/// no NIC, so without this the DNS stub's fake addresses would never reach
-/// such programs. 127.0.0.2 already belongs to the 127.0.0.0/8 that `lo`
-/// serves: it makes nothing new reachable.
-pub const SECOND_LOOPBACK_ADDR: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
-
-/// The interface label of [`SECOND_LOOPBACK_ADDR`] (an alias of `lo`).
-pub const LOOPBACK_ALIAS: &CStr = c"lo:1";
 
 /// Adds [`SECOND_LOOPBACK_ADDR`] to `lo` (as [`LOOPBACK_ALIAS`]); adding it
 /// again is harmless.
 pub fn loopback_alias() -> Result<(), InitError> {
-    add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR).map_err(InitError::Loopback)
-}
-
-/// Gives the interface (or alias) `label` the IPv4 address `addr`
-/// (`SIOCSIFADDR`). Used by the VM's init and by the sandbox's.
-pub fn add_ipv4_address(label: &CStr, addr: std::net::Ipv4Addr) -> io::Result<()> {
-    let name = label.to_bytes();
-    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a valid interface name",
-        ));
-    }
-    // SAFETY: plain socket(2).
-    let fd =
-        // SAFETY: socket() takes no pointers; the descriptor is owned at once below.
-        sys::cvt(unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: a new descriptor owned by nobody else.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ifreq is plain data; zero is valid.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
-        *dst = *src as libc::c_char;
-    }
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: 0,
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(addr).to_be(),
-        },
-        sin_zero: [0; 8],
-    };
-    // SAFETY: a sockaddr_in (16 bytes) fits the ifreq's sockaddr (16 bytes).
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            (&sin as *const libc::sockaddr_in).cast::<u8>(),
-            std::ptr::addr_of_mut!(req.ifr_ifru.ifru_addr).cast::<u8>(),
-            std::mem::size_of::<libc::sockaddr_in>(),
-        );
-    }
-    // SAFETY: SIOCSIFADDR reads a valid ifreq.
-    sys::cvt(unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) })?;
-    Ok(())
+    net::add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR).map_err(InitError::Loopback)
 }
 
 /// Whether a virtio device is bound to the virtio-fs driver (a share may be

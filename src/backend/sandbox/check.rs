@@ -16,6 +16,8 @@ use std::ffi::CStr;
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 
+use guest_agent::net::{self, LOOPBACK};
+
 use super::sys;
 use super::wire::{Failure, Stage};
 use super::{error_from_failure, SandboxError};
@@ -23,9 +25,6 @@ use super::{error_from_failure, SandboxError};
 /// The init's network namespace step, as named in failures (the daemon
 /// recognises a refused network namespace by it).
 pub const UNSHARE_NET: &str = "unshare(CLONE_NEWNET)";
-
-/// The loopback interface, the only one in the sandbox's network namespace.
-pub const LOOPBACK: &str = "lo";
 
 /// Index of the network namespace step in [`PROBE_STEPS`].
 const STEP_NET: usize = 3;
@@ -160,7 +159,7 @@ pub fn probe() -> Result<(), SandboxError> {
         (c"/proc/self/gid_map", gid_map.as_bytes()),
     ];
     let io_err = |what| move |source| SandboxError::Io { what, source };
-    let mut lo = sys::ifreq_for(LOOPBACK).map_err(io_err("name the loopback interface"))?;
+    let mut lo = net::ifreq_for(LOOPBACK).map_err(io_err("name the loopback interface"))?;
     let (read_end, write_end) = sys::pipe().map_err(io_err("create the probe's pipe"))?;
 
     // SAFETY: the child runs async-signal-safe system calls only, then _exit.
@@ -239,7 +238,7 @@ fn probe_child(writes: &[(&CStr, &[u8]); 3], lo: &mut libc::ifreq) -> (usize, i3
         if libc::unshare(libc::CLONE_NEWNET) != 0 {
             return (STEP_NET, errno());
         }
-        if let Err(e) = sys::set_link_up_raw(lo) {
+        if let Err(e) = net::set_link_up_raw(lo) {
             return (STEP_NET + 1, e);
         }
         let none = std::ptr::null::<libc::c_char>();

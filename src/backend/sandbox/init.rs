@@ -33,10 +33,14 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 
+// The loopback interface with its second address (glibc's `AI_ADDRCONFIG`
+// ignores 127.0.0.1, so IPv4-only lookups would answer nothing): the VM's
+// init sets up the same, with the same functions.
+use guest_agent::net::{self, LOOPBACK, LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR};
 use guest_agent::proto::EGRESS_SOCKET_ENV;
 
 use super::cgroup;
-use super::check::{LOOPBACK, UNSHARE_NET};
+use super::check::UNSHARE_NET;
 use super::limits::Rlimits;
 use super::rootfs;
 use super::sys::{self, CStringArray};
@@ -48,11 +52,6 @@ use super::{
 
 /// The sandbox's host name.
 pub const HOSTNAME: &str = "cowork-sandbox";
-
-// The second loopback address on `lo` (glibc's `AI_ADDRCONFIG` ignores
-// 127.0.0.1, so IPv4-only lookups would answer nothing): the VM's init adds
-// the same one, with the same function.
-use guest_agent::agent::init::{add_ipv4_address, LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR};
 
 /// Signals the init passes on to PID 1.
 const FORWARDED_SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
@@ -192,8 +191,8 @@ fn run(spec: InitSpec, reporter: &mut Reporter) -> Result<i32, Failure> {
         })?;
     // Its own call, so a kernel refusing network namespaces is named as such.
     sys::unshare(libc::CLONE_NEWNET).context(Stage::Network, || UNSHARE_NET.to_string())?;
-    sys::set_link_up(LOOPBACK).context(Stage::Network, || format!("bring up {LOOPBACK}"))?;
-    if let Err(e) = add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR) {
+    net::set_link_up(LOOPBACK).context(Stage::Network, || format!("bring up {LOOPBACK}"))?;
+    if let Err(e) = net::add_ipv4_address(LOOPBACK_ALIAS, SECOND_LOOPBACK_ADDR) {
         tracing::warn!(
             error = %e,
             "cannot add {SECOND_LOOPBACK_ADDR} to {LOOPBACK}; IPv4-only name lookups with \

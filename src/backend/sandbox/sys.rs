@@ -1,6 +1,6 @@
 //! Checked wrappers over the raw Linux calls the sandbox uses: mounts,
-//! namespaces, pipes, capabilities, pidfds, exec and bringing a network
-//! interface up.
+//! namespaces, pipes, capabilities, pidfds and exec. Bringing an interface
+//! up and giving it an address are [`guest_agent::net`]'s.
 //!
 //! Every wrapper returns `io::Result` with the thread's errno; none of them
 //! allocates after a `fork` unless its doc says so. System calls that glibc
@@ -334,59 +334,6 @@ pub fn execve(path: &Path, argv: &CStringArray, envp: &CStringArray) -> io::Erro
     io::Error::last_os_error()
 }
 
-/// An `ifreq` naming `name` (at most `IFNAMSIZ - 1` bytes), for the
-/// interface ioctls. Prepared before a `fork` when the child uses it.
-pub fn ifreq_for(name: &str) -> io::Result<libc::ifreq> {
-    let bytes = name.as_bytes();
-    if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.contains(&0) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a valid interface name",
-        ));
-    }
-    // SAFETY: ifreq is plain old data; all zeroes is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, &src) in req.ifr_name.iter_mut().zip(bytes) {
-        *dst = src as libc::c_char;
-    }
-    Ok(req)
-}
-
-/// Sets `IFF_UP` on the interface `req` names, in the calling thread's
-/// network namespace (needs CAP_NET_ADMIN over it). Async-signal-safe: raw
-/// system calls on the caller's `ifreq` only; returns the raw errno.
-pub fn set_link_up_raw(req: &mut libc::ifreq) -> Result<(), i32> {
-    let errno = || {
-        io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EIO)
-    };
-    // SAFETY: socket, ioctl on a valid ifreq, close: plain system calls.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(errno());
-        }
-        let mut result = Ok(());
-        if libc::ioctl(fd, libc::SIOCGIFFLAGS, req as *mut libc::ifreq) != 0 {
-            result = Err(errno());
-        } else {
-            req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-            if libc::ioctl(fd, libc::SIOCSIFFLAGS, req as *mut libc::ifreq) != 0 {
-                result = Err(errno());
-            }
-        }
-        libc::close(fd);
-        result
-    }
-}
-
-/// [`set_link_up_raw`] for an interface name, with an `io::Error`.
-pub fn set_link_up(name: &str) -> io::Result<()> {
-    let mut req = ifreq_for(name)?;
-    set_link_up_raw(&mut req).map_err(io::Error::from_raw_os_error)
-}
-
 /// `waitpid(pid, 0)` retrying on `EINTR`; returns the raw wait status.
 pub fn waitpid(pid: libc::pid_t) -> io::Result<libc::c_int> {
     loop {
@@ -429,18 +376,6 @@ mod tests {
         // SAFETY: three pointers were pushed: two strings and the NULL.
         let last = unsafe { *arr.as_ptr().add(2) };
         assert!(last.is_null());
-    }
-
-    #[test]
-    fn interface_names_are_checked() {
-        assert!(ifreq_for("").is_err());
-        assert!(ifreq_for("a-name-that-is-too-long").is_err());
-        assert!(ifreq_for("l\0o").is_err());
-        let req = ifreq_for("lo").expect("valid");
-        assert_eq!(
-            &req.ifr_name[..3],
-            &[b'l' as libc::c_char, b'o' as libc::c_char, 0]
-        );
     }
 
     #[test]
