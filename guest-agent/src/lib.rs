@@ -11,10 +11,10 @@
 //!   one line ([`logline`]).
 //! * **Host-or-guest services**: the session-disk [`janitor`], which the
 //!   agent serves and the host runs itself when no agent runs, over the
-//!   system-call wrappers (`sys`, crate-internal) and this process's mount
-//!   table ([`mounttable`]); the loopback set-up ([`net`]) also serves the
-//!   host's namespace sandbox, which does the agent's init duties for a
-//!   sandbox.
+//!   system-call wrappers ([`sys`]) and this process's mount table
+//!   ([`mounttable`]); the wrappers and the loopback set-up ([`net`]) also
+//!   serve the host's namespace sandbox, which does the agent's init duties
+//!   for a sandbox.
 //! * **The agent** ([`agent`]): the guest's init in a VM, or a plain process
 //!   inside the namespace sandbox; it dials the host and serves spawn/exec,
 //!   files, mounts and the janitor. It uses everything above. It is public
@@ -39,4 +39,4 @@ pub mod net;
 pub mod proto;
 pub mod signal;
 pub mod sync;
-pub(crate) mod sys;
+pub mod sys;

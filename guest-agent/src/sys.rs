@@ -3,9 +3,14 @@
 //! `mount_setattr`), `statx` mount information, classic `mount`/`umount2`,
 //! `statvfs`/`statfs`, clocks, `uname` and descriptor flags.
 //!
-//! A library-level module: the [`crate::janitor`] (which the host runs too)
-//! and the agent both use it, so neither reaches into the other's internals.
-//! Everything is `pub(crate)`: it is no API of the crate.
+//! The one set of such wrappers in the workspace: the [`crate::janitor`]
+//! (which the host runs too) and the agent use it, and so does the host's
+//! namespace sandbox (`cowork_helper::backend::sandbox`, whose own `sys`
+//! keeps only what nothing else needs: namespaces, capabilities, pidfds,
+//! exec), so none of them reaches into another's internals. What the
+//! sandbox uses is `pub` ([`cstring`], [`cvt`], [`cvt_long`], [`open`],
+//! [`mount`], [`mount_path`], [`umount2`], [`statvfs`], [`set_cloexec`]);
+//! the rest is `pub(crate)`.
 //!
 //! Every wrapper returns `std::io::Error` with the raw errno so callers can
 //! decide about fallbacks (`ENOSYS` on old kernels). Nothing here allocates
@@ -20,12 +25,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 /// Converts a path to a C string; an interior NUL is `EINVAL`.
-pub(crate) fn cstring(path: impl AsRef<OsStr>) -> io::Result<CString> {
+pub fn cstring(path: impl AsRef<OsStr>) -> io::Result<CString> {
     CString::new(path.as_ref().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))
 }
 
 /// Maps a `-1` return to the current `errno`.
-pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+pub fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
     if ret == -1 {
         Err(io::Error::last_os_error())
     } else {
@@ -33,7 +38,8 @@ pub(crate) fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-fn cvt_long(ret: libc::c_long) -> io::Result<libc::c_long> {
+/// [`cvt`] for calls returning `c_long` (`libc::syscall`).
+pub fn cvt_long(ret: libc::c_long) -> io::Result<libc::c_long> {
     if ret == -1 {
         Err(io::Error::last_os_error())
     } else {
@@ -97,7 +103,7 @@ pub(crate) fn openat(
 }
 
 /// `open(path, flags | O_CLOEXEC)`.
-pub(crate) fn open(path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
+pub fn open(path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
     let c = cstring(path)?;
     // SAFETY: plain syscall with a NUL-terminated path.
     let fd = cvt(unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) })?;
@@ -233,8 +239,8 @@ pub(crate) fn fd_is_mount_root(fd: BorrowedFd<'_>, parent: BorrowedFd<'_>) -> io
     Ok(fstat(parent)?.dev != st.dev)
 }
 
-/// Classic `mount(2)`.
-pub(crate) fn mount(
+/// Classic `mount(2)`. Allocates nothing (usable in a forked child).
+pub fn mount(
     source: Option<&CStr>,
     target: &CStr,
     fstype: Option<&CStr>,
@@ -247,8 +253,30 @@ pub(crate) fn mount(
         .map(drop)
 }
 
+/// [`mount`] of paths and strings, each converted with [`cstring`] (so it
+/// allocates).
+pub fn mount_path(
+    source: Option<&Path>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> io::Result<()> {
+    let source = source.map(cstring).transpose()?;
+    let target = cstring(target)?;
+    let fstype = fstype.map(cstring).transpose()?;
+    let data = data.map(cstring).transpose()?;
+    mount(
+        source.as_deref(),
+        &target,
+        fstype.as_deref(),
+        flags,
+        data.as_deref(),
+    )
+}
+
 /// `umount2(path, flags)`.
-pub(crate) fn umount2(path: &CStr, flags: libc::c_int) -> io::Result<()> {
+pub fn umount2(path: &CStr, flags: libc::c_int) -> io::Result<()> {
     // SAFETY: NUL-terminated path.
     cvt(unsafe { libc::umount2(path.as_ptr(), flags) }).map(drop)
 }
@@ -311,7 +339,7 @@ pub(crate) fn mount_setattr(
 }
 
 /// `statvfs(path)`: (total bytes, bytes available to unprivileged users, mount flags).
-pub(crate) fn statvfs(path: &Path) -> io::Result<(u64, u64, libc::c_ulong)> {
+pub fn statvfs(path: &Path) -> io::Result<(u64, u64, libc::c_ulong)> {
     let c = cstring(path)?;
     // SAFETY: statvfs is plain data.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
@@ -373,7 +401,7 @@ pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
 }
 
 /// Sets `FD_CLOEXEC` on `fd`.
-pub(crate) fn set_cloexec(fd: BorrowedFd<'_>) -> io::Result<()> {
+pub fn set_cloexec(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: fcntl on a descriptor we borrow.
     let flags = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) })?;
     // SAFETY: as above.
@@ -433,6 +461,30 @@ mod tests {
             ..inside
         };
         assert_eq!(other_mount.crosses_mount_from(&base), base.mnt_id.is_some());
+    }
+
+    #[test]
+    fn cstring_refuses_nul() {
+        assert!(cstring("a\0b").is_err());
+        assert_eq!(
+            cstring("/usr").map(|c| c.into_bytes()).ok(),
+            Some(b"/usr".to_vec())
+        );
+    }
+
+    #[test]
+    fn cloexec_is_set() {
+        let (r, _w) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        let fd = r.as_raw_fd();
+        // SAFETY: F_SETFD/F_GETFD only write and read this test's own
+        // descriptor's flags.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
+        set_cloexec(r.as_fd()).expect("set");
+        assert_ne!(
+            // SAFETY: as above.
+            unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
+            0
+        );
     }
 
     #[test]

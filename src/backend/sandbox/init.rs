@@ -29,7 +29,7 @@
 
 use std::convert::Infallible;
 use std::fs;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -97,11 +97,17 @@ struct Reporter(Option<OwnedFd>);
 
 impl Reporter {
     fn take() -> Self {
-        if !sys::fd_is_open(STATUS_FD) || sys::set_cloexec(STATUS_FD, true).is_err() {
+        if !sys::fd_is_open(STATUS_FD) {
             return Self(None);
         }
         // SAFETY: fd 4 is open and was given to us to own by the daemon.
-        Self(Some(unsafe { OwnedFd::from_raw_fd(STATUS_FD) }))
+        let fd = unsafe { OwnedFd::from_raw_fd(STATUS_FD) };
+        if sys::set_cloexec(fd.as_fd()).is_err() {
+            // Not usable as the status pipe: left open as it was found.
+            let _ = fd.into_raw_fd();
+            return Self(None);
+        }
+        Self(Some(fd))
     }
 
     fn send(&self, report: &Report) {
@@ -200,7 +206,7 @@ fn run(spec: InitSpec, reporter: &mut Reporter) -> Result<i32, Failure> {
         );
     }
     sys::sethostname(HOSTNAME).context(Stage::Namespaces, || format!("sethostname {HOSTNAME}"))?;
-    sys::mount(
+    sys::mount_path(
         None,
         Path::new("/"),
         None,
@@ -267,7 +273,10 @@ fn cloexec_inherited_fds() -> Result<(), Failure> {
         // read_dir's own descriptor is already close-on-exec; entries closed
         // since the listing are skipped.
         if fd > STATUS_FD && sys::fd_is_open(fd) {
-            sys::set_cloexec(fd, true)
+            // SAFETY: `fd` was just seen open, and nothing closes it
+            // meanwhile (the init is single-threaded).
+            let inherited = unsafe { BorrowedFd::borrow_raw(fd) };
+            sys::set_cloexec(inherited)
                 .context(Stage::Arguments, || format!("mark fd {fd} close-on-exec"))?;
         }
     }

@@ -116,7 +116,7 @@ pub fn build_and_enter(sessions_dir: &Path, egress_dir: Option<&Path>) -> Result
     usr_local_bin(root)?;
 
     let proc_dir = mkdir(root, "proc")?;
-    sys::mount(
+    sys::mount_path(
         Some(Path::new("proc")),
         &proc_dir,
         Some("proc"),
@@ -140,7 +140,7 @@ pub fn build_and_enter(sessions_dir: &Path, egress_dir: Option<&Path>) -> Result
     bind(&sessions_src, &sessions_dst)?;
     // Mounts the agent adds later under /sessions reach the mount
     // namespaces of the session processes.
-    sys::mount(
+    sys::mount_path(
         None,
         &sessions_dst,
         None,
@@ -157,7 +157,7 @@ pub fn build_and_enter(sessions_dir: &Path, egress_dir: Option<&Path>) -> Result
         remount_readonly_trees(std::slice::from_ref(&dst))?;
     }
 
-    sys::mount(
+    sys::mount_path(
         None,
         root,
         None,
@@ -178,9 +178,11 @@ fn bind_host_root(root: &Path, stage: &Path) -> Result<(), Failure> {
     let host = mkdir(root, HOST_ROOT.trim_start_matches('/'))?;
     bind(Path::new("/"), &host)?;
     let copy = host.join(stage.strip_prefix("/").unwrap_or(stage));
-    sys::umount2(&copy, libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW).context(Stage::Root, || {
-        format!("remove the sandbox root's own copy at {}", copy.display())
-    })
+    sys::cstring(&copy)
+        .and_then(|c| sys::umount2(&c, libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW))
+        .context(Stage::Root, || {
+            format!("remove the sandbox root's own copy at {}", copy.display())
+        })
 }
 
 /// Binds or re-links the host's system directories; returns the bound ones.
@@ -255,7 +257,7 @@ fn dev(root: &Path) -> Result<(), Failure> {
         })?;
     }
     let pts = mkdir(&dev, "pts")?;
-    match sys::mount(
+    match sys::mount_path(
         Some(Path::new("devpts")),
         &pts,
         Some("devpts"),
@@ -308,7 +310,7 @@ fn own_name_files(root: &Path) -> Result<(), Failure> {
             .open(&staged)
             .and_then(|mut f| io::Write::write_all(&mut f, content.as_bytes()))
             .context(Stage::Root, || format!("write {}", staged.display()))?;
-        sys::mount(Some(&staged), &place, None, libc::MS_BIND, None).context(
+        sys::mount_path(Some(&staged), &place, None, libc::MS_BIND, None).context(
             Stage::Root,
             || {
                 format!(
@@ -406,7 +408,7 @@ fn enter(root: &Path) -> Result<(), Failure> {
     sys::pivot_root(Path::new("."), Path::new(".")).context(Stage::Root, || {
         format!("pivot_root into {}", root.display())
     })?;
-    sys::umount2(Path::new("."), libc::MNT_DETACH)
+    sys::umount2(c".", libc::MNT_DETACH)
         .context(Stage::Root, || "detach the host's root".to_string())?;
     std::env::set_current_dir("/").context(Stage::Root, || "chdir /".to_string())
 }
@@ -422,7 +424,7 @@ fn mkdir(parent: &Path, name: &str) -> Result<PathBuf, Failure> {
 }
 
 fn tmpfs(target: &Path, flags: libc::c_ulong, options: &str) -> Result<(), Failure> {
-    sys::mount(
+    sys::mount_path(
         Some(Path::new("tmpfs")),
         target,
         Some("tmpfs"),
@@ -436,7 +438,7 @@ fn tmpfs(target: &Path, flags: libc::c_ulong, options: &str) -> Result<(), Failu
 
 /// Recursive bind of `src` on `dst`.
 fn bind(src: &Path, dst: &Path) -> Result<(), Failure> {
-    sys::mount(Some(src), dst, None, libc::MS_BIND | libc::MS_REC, None)
+    sys::mount_path(Some(src), dst, None, libc::MS_BIND | libc::MS_REC, None)
         .context(Stage::Root, || {
             format!("bind {} on {}", src.display(), dst.display())
         })
@@ -454,7 +456,7 @@ fn remount_readonly_trees(tops: &[PathBuf]) -> Result<(), Failure> {
         let flags = sys::preserved_mount_flags(&point).context(Stage::Root, || {
             format!("read the mount flags of {}", point.display())
         })?;
-        sys::mount(
+        sys::mount_path(
             None,
             &point,
             None,

@@ -1,6 +1,9 @@
-//! Checked wrappers over the raw Linux calls the sandbox uses: mounts,
-//! namespaces, pipes, capabilities, pidfds and exec. Bringing an interface
-//! up and giving it an address are [`guest_agent::net`]'s.
+//! Checked wrappers over the raw Linux calls only the sandbox uses:
+//! namespaces, `pivot_root`, pipes, capabilities, pidfds, exec and the
+//! mount flags a remount must keep. The ones the agent uses too (C strings,
+//! errno, `open`, `mount`, `umount2`, `statvfs`, close-on-exec) are
+//! [`guest_agent::sys`]'s, re-exported here; bringing an interface up and
+//! giving it an address are [`guest_agent::net`]'s.
 //!
 //! Every wrapper returns `io::Result` with the thread's errno; none of them
 //! allocates after a `fork` unless its doc says so. System calls that glibc
@@ -10,69 +13,12 @@
 use std::ffi::{CString, OsStr};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+pub use guest_agent::sys::{cstring, cvt, cvt_long, mount_path, open, set_cloexec, umount2};
 
 /// Version 3 of the capability ABI: two 32-bit words per set (caps 0..63).
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-
-/// Turns a `-1` return into the thread's errno.
-pub fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
-    if ret == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
-
-/// Same as [`cvt`] for calls returning `c_long` (`libc::syscall`).
-fn cvt_long(ret: libc::c_long) -> io::Result<libc::c_long> {
-    if ret == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(ret)
-    }
-}
-
-/// Converts a path or string into a C string, refusing interior NUL bytes.
-pub fn cstring(s: impl AsRef<OsStr>) -> io::Result<CString> {
-    CString::new(s.as_ref().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "string contains a NUL byte"))
-}
-
-/// `mount(2)`. `source`, `fstype` and `data` are optional as in C.
-pub fn mount(
-    source: Option<&Path>,
-    target: &Path,
-    fstype: Option<&str>,
-    flags: libc::c_ulong,
-    data: Option<&str>,
-) -> io::Result<()> {
-    let source = source.map(cstring).transpose()?;
-    let target = cstring(target)?;
-    let fstype = fstype.map(cstring).transpose()?;
-    let data = data.map(cstring).transpose()?;
-    // SAFETY: every pointer is either null or a valid NUL-terminated string
-    // that outlives the call.
-    cvt(unsafe {
-        libc::mount(
-            source.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
-            target.as_ptr(),
-            fstype.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()),
-            flags,
-            data.as_ref()
-                .map_or(std::ptr::null(), |s| s.as_ptr().cast()),
-        )
-    })
-    .map(drop)
-}
-
-/// `umount2(2)`.
-pub fn umount2(target: &Path, flags: libc::c_int) -> io::Result<()> {
-    let target = cstring(target)?;
-    // SAFETY: valid C string.
-    cvt(unsafe { libc::umount2(target.as_ptr(), flags) }).map(drop)
-}
 
 /// `pivot_root(2)`.
 pub fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
@@ -127,35 +73,10 @@ pub fn dup_above(fd: BorrowedFd<'_>, floor: RawFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
-/// Sets or clears `FD_CLOEXEC` on a raw descriptor.
-pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
-    // SAFETY: F_GETFD/F_SETFD only read and write descriptor flags.
-    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
-    let new = if on {
-        flags | libc::FD_CLOEXEC
-    } else {
-        flags & !libc::FD_CLOEXEC
-    };
-    if new != flags {
-        // SAFETY: as above.
-        cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, new) })?;
-    }
-    Ok(())
-}
-
 /// Whether `fd` is an open descriptor.
 pub fn fd_is_open(fd: RawFd) -> bool {
     // SAFETY: F_GETFD on any number is harmless; EBADF means closed.
     unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
-}
-
-/// `open(2)` with the given flags (`O_CLOEXEC` is always added).
-pub fn open(path: &Path, flags: libc::c_int) -> io::Result<OwnedFd> {
-    let c = cstring(path)?;
-    // SAFETY: valid C string; the mode is ignored without O_CREAT.
-    let fd = cvt(unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) })?;
-    // SAFETY: open returned a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Writes all of `buf` to a raw descriptor, retrying on `EINTR`.
@@ -182,12 +103,8 @@ pub fn write_all(fd: BorrowedFd<'_>, mut buf: &[u8]) -> io::Result<()> {
 /// mode) that the mount at `path` currently has, so a remount can keep the
 /// ones a user namespace is not allowed to clear.
 pub fn preserved_mount_flags(path: &Path) -> io::Result<libc::c_ulong> {
-    let c = cstring(path)?;
-    // SAFETY: an all-zero statvfs is a valid value to be overwritten.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid C string and out pointer.
-    cvt(unsafe { libc::statvfs(c.as_ptr(), &mut st) })?;
-    Ok(mount_flags_from_statvfs(st.f_flag))
+    let (_, _, f_flag) = guest_agent::sys::statvfs(path)?;
+    Ok(mount_flags_from_statvfs(f_flag))
 }
 
 /// Maps `statvfs.f_flag` bits to the `MS_*` flags a bind remount must repeat.
@@ -362,15 +279,6 @@ mod tests {
     }
 
     #[test]
-    fn cstring_refuses_nul() {
-        assert!(cstring("a\0b").is_err());
-        assert_eq!(
-            cstring("/usr").map(|c| c.into_bytes()).ok(),
-            Some(b"/usr".to_vec())
-        );
-    }
-
-    #[test]
     fn cstring_array_is_null_terminated() {
         let arr = CStringArray::new(&["a", "bc"]).expect("no NUL");
         // SAFETY: three pointers were pushed: two strings and the NULL.
@@ -379,23 +287,8 @@ mod tests {
     }
 
     #[test]
-    fn cloexec_toggles() {
+    fn open_descriptors_are_seen() {
         let (r, _w) = pipe().expect("pipe");
-        let fd = r.as_raw_fd();
-        set_cloexec(fd, false).expect("clear");
-        // SAFETY: F_GETFD on our own descriptor.
-        assert_eq!(
-            // SAFETY: F_GETFD only reads the descriptor's flags.
-            unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
-            0
-        );
-        set_cloexec(fd, true).expect("set");
-        // SAFETY: as above.
-        assert_ne!(
-            // SAFETY: F_GETFD only reads the descriptor's flags.
-            unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC,
-            0
-        );
-        assert!(fd_is_open(fd));
+        assert!(fd_is_open(r.as_raw_fd()));
     }
 }
