@@ -13,6 +13,11 @@
 //!   hostile, nothing here can panic on them;
 //! * config-space writes are ignored (logged at debug level).
 //!
+//! Snapshots: a face that supports them overrides [`InProcessDevice::pause`]
+//! (and, when it keeps state beyond its queues, `save_state`,
+//! `restore_state` and `resume`); the fixed config space is what
+//! [`VirtioDevice::config_snapshot`] reports.
+//!
 //! Limits: the config space cannot change after construction (no
 //! config-change interrupts) and is never writable; a device that needs
 //! either implements [`VirtioDevice`] itself (as the test device does).
@@ -20,9 +25,11 @@
 use std::sync::Arc;
 
 use tracing::debug;
+use virtio_queue::Queue;
 
 use super::{
-    read_config_bytes, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt,
+    read_config_bytes, ActivateError, ActiveQueue, DeviceStateError, GuestMemoryMmap, VirtioDevice,
+    VirtioInterrupt,
 };
 
 /// The fixed description of an in-process device and the features its
@@ -96,6 +103,47 @@ pub trait InProcessDevice: Send {
     /// [`VirtioDevice::reset`]: stop the worker and return to the
     /// pre-activation state; `false` if that is impossible.
     fn stop(&mut self) -> bool;
+
+    /// [`VirtioDevice::pause`]: stop the worker, keep the model, hand the
+    /// queues back. The default refuses (no snapshot support).
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        Err(DeviceStateError::Unsupported {
+            device_type: self.common().device_type,
+        })
+    }
+
+    /// [`VirtioDevice::resume`]: serve again. The default starts afresh.
+    fn resume(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        self.start(mem, interrupt, queues)
+    }
+
+    /// [`VirtioDevice::save_state`]. The default saves nothing.
+    fn save_state(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        let _ = (mem, queues);
+        Ok(Vec::new())
+    }
+
+    /// [`VirtioDevice::restore_state`]. The default accepts only "nothing
+    /// saved".
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(DeviceStateError::Mismatch {
+                device: self.common().name,
+                reason: format!("{} bytes of device state saved, none expected", state.len()),
+            })
+        }
+    }
 }
 
 impl<T: InProcessDevice> VirtioDevice for T {
@@ -156,6 +204,36 @@ impl<T: InProcessDevice> VirtioDevice for T {
 
     fn reset(&mut self) -> bool {
         self.stop()
+    }
+
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        InProcessDevice::pause(self)
+    }
+
+    fn resume(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        InProcessDevice::resume(self, mem, interrupt, queues)
+    }
+
+    fn save_state(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        InProcessDevice::save_state(self, mem, queues)
+    }
+
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
+        InProcessDevice::restore_state(self, state)
+    }
+
+    /// The fixed config space (the transport compares it at restore).
+    fn config_snapshot(&self) -> Vec<u8> {
+        self.common().config.clone()
     }
 }
 

@@ -31,6 +31,7 @@ pub mod drain;
 pub mod in_process;
 pub mod mmio;
 pub mod single_queue;
+pub mod state;
 // Test support, not in the product: the transport's unit tests, the
 // tiny-guest suites and the mmio fuzz target drive it.
 #[cfg(any(test, feature = "test-devices"))]
@@ -39,6 +40,7 @@ pub mod worker;
 
 pub use drain::drain;
 pub use mmio::{MmioTransport, MmioTransportError};
+pub use state::{DeviceStateError, QueueSnapshot, TransportState};
 
 /// Takes one message from a log budget for guest-triggered events: `true`
 /// while messages remain (the budget is decremented), `false` once it is
@@ -241,6 +243,79 @@ pub trait VirtioDevice: Send {
     /// pre-activation state. Return `false` if that is impossible; the
     /// transport then keeps the device in DEVICE_NEEDS_RESET for good.
     fn reset(&mut self) -> bool;
+
+    // Snapshots ([`state`]). The transport calls these only while no vCPU
+    // runs; the defaults suit a device without snapshot support
+    // (`pause` refuses) or with nothing to save beyond its queues.
+
+    /// Stops serving an activated device *without* resetting it, and hands
+    /// back every queue it was activated with, in any order, each with its
+    /// current ring positions (`next_avail`, `next_used`). Whatever else
+    /// the device needs to serve again (its model, connections, counters)
+    /// it keeps. Afterwards the device touches neither guest memory nor
+    /// its interrupt until [`resume`](Self::resume); `save_state` may come
+    /// in between. The default refuses: such a device cannot be paused,
+    /// and a VM with it cannot be snapshotted.
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        Err(DeviceStateError::Unsupported {
+            device_type: self.device_type(),
+        })
+    }
+
+    /// Serves `queues` again after [`pause`](Self::pause), or for the first
+    /// time after [`restore_state`](Self::restore_state) in a restored VM:
+    /// like [`activate`](Self::activate), except that the queues carry
+    /// positions in rings the driver already uses. The default activates.
+    fn resume(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        self.activate(mem, interrupt, queues)
+    }
+
+    /// The device's own state for a snapshot, on a paused (or never
+    /// activated) device. `queues` are the transport's, by index, with the
+    /// positions `pause` handed back; a device may still use a ready one
+    /// (virtio-vsock posts its TRANSPORT_RESET event there). The default
+    /// saves nothing.
+    fn save_state(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        let _ = (mem, queues);
+        Ok(Vec::new())
+    }
+
+    /// Loads what [`save_state`](Self::save_state) saved into a freshly
+    /// built device, before the transport resumes it. The bytes come from
+    /// a file: check everything, never panic. The default accepts only
+    /// "nothing saved".
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(DeviceStateError::Mismatch {
+                device: "virtio",
+                reason: format!(
+                    "{} bytes of device state saved, but virtio device type {} keeps none",
+                    state.len(),
+                    self.device_type()
+                ),
+            })
+        }
+    }
+
+    /// The device's config space when it cannot change while the device
+    /// exists (empty: not compared). The transport saves it; when a
+    /// restored device's differs (a session disk of another size), it
+    /// raises a configuration-change interrupt once the device resumes, so
+    /// the driver reads it again.
+    fn config_snapshot(&self) -> Vec<u8> {
+        Vec::new()
+    }
 }
 
 /// Serves a config-space read from a byte image of the config structure.

@@ -12,7 +12,9 @@
 //! of epoll is logged once and the worker asks the driver for a reset
 //! ([`WorkerLoop::park_needs_reset`]), serving nothing until the transport
 //! stops it. Stopping the worker hands the model back, so what it owns (a
-//! disk image) can be reused after a reset and flushed when the VM ends.
+//! disk image) can be reused after a reset and flushed when the VM ends;
+//! pausing it ([`SingleQueueWorker::pause`], for a snapshot) hands the
+//! queue back too, with its ring positions.
 //!
 //! Limits: one queue, one thread, one request at a time. If the thread
 //! panics, the model is gone with it.
@@ -59,7 +61,7 @@ pub struct SingleQueueWorker<M> {
     name: &'static str,
     /// Index of the queue the device serves.
     queue_index: u16,
-    worker: DeviceWorker<M>,
+    worker: DeviceWorker<(M, ActiveQueue)>,
 }
 
 impl<M: QueueModel> SingleQueueWorker<M> {
@@ -122,6 +124,12 @@ impl<M: QueueModel> SingleQueueWorker<M> {
     /// Stops and joins the worker. `Ok(None)`: none was running;
     /// `Ok(Some(model))`: it stopped and handed the model back.
     pub fn stop(&mut self) -> Result<Option<M>, StopError> {
+        Ok(self.worker.stop()?.map(|(model, _)| model))
+    }
+
+    /// Stops and joins the worker like [`Self::stop`], handing back the
+    /// queue as well (its ring positions are where the worker left them).
+    pub fn pause(&mut self) -> Result<Option<(M, ActiveQueue)>, StopError> {
         self.worker.stop()
     }
 }
@@ -145,12 +153,12 @@ enum WorkerError<E: std::error::Error> {
 }
 
 impl<M: QueueModel> WorkerCtx<M> {
-    fn run(mut self, worker: WorkerLoop) -> M {
+    fn run(mut self, worker: WorkerLoop) -> (M, ActiveQueue) {
         if let Err(e) = worker.serve(WORKER_EVENTS, WorkerError::Epoll, |w| self.on_wakeup(w)) {
             error!("{}: {e}; the device needs a reset", self.name);
             worker.park_needs_reset(self.name, self.interrupt.as_ref());
         }
-        self.model
+        (self.model, self.queue)
     }
 
     fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError<M::Error>> {

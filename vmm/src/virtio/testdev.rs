@@ -13,7 +13,10 @@
 //!
 //! A chain whose buffers lie outside guest memory, or a malformed available
 //! ring, makes the worker report [`VirtioInterrupt::signal_needs_reset`] and
-//! stop. Limits: not a real virtio device type; no readable-buffer handling
+//! stop. Snapshots: pausing stops the worker and hands the queues back; the
+//! saved state is the seed and the completed counter.
+//!
+//! Limits: not a real virtio device type; no readable-buffer handling
 //! (device-readable descriptors are skipped).
 
 use std::io;
@@ -25,6 +28,9 @@ use tracing::{debug, warn};
 use virtio_queue::Queue;
 use vm_memory::{Address, Bytes, GuestAddress};
 
+use serde::{Deserialize, Serialize};
+
+use super::state::{self, DeviceStateError};
 use super::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use super::{drain, features, read_config_bytes, write_config_bytes};
 use super::{ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice, VirtioInterrupt};
@@ -63,10 +69,18 @@ struct Counters {
     completed: AtomicU32,
 }
 
+/// What a snapshot keeps of the device beyond its queues.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedCounters {
+    seed: u32,
+    completed: u32,
+}
+
 /// The pattern-writing test device.
 pub struct PatternDevice {
-    /// First, so it is stopped before the rest is dropped.
-    worker: DeviceWorker<()>,
+    /// First, so it is stopped before the rest is dropped. Hands the
+    /// queues back when stopped.
+    worker: DeviceWorker<Vec<ActiveQueue>>,
     max_sizes: Vec<u16>,
     acked: u64,
     counters: Arc<Counters>,
@@ -91,6 +105,35 @@ impl PatternDevice {
     /// Whether a worker thread is running.
     pub fn is_active(&self) -> bool {
         self.worker.is_running()
+    }
+
+    /// Chains used since activation (the config space's counter).
+    pub fn completed(&self) -> u32 {
+        self.counters.completed.load(Ordering::SeqCst)
+    }
+
+    fn start(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.worker.is_running() {
+            return Err(ActivateError::AlreadyActive);
+        }
+        let setup = WorkerSetup::new()?;
+        for (pos, q) in queues.iter().enumerate() {
+            setup.add(q.notify.as_raw_fd(), pos as u64 + TOKEN_FIRST_QUEUE)?;
+        }
+        let ctx = WorkerCtx {
+            mem,
+            interrupt,
+            queues,
+            counters: self.counters.clone(),
+        };
+        self.worker
+            .start("virtio-testdev", setup, move |worker| ctx.run(worker))
+            .map_err(ActivateError::Worker)
     }
 }
 
@@ -140,24 +183,55 @@ impl VirtioDevice for PatternDevice {
         if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
-        let setup = WorkerSetup::new()?;
-        for (pos, q) in queues.iter().enumerate() {
-            setup.add(q.notify.as_raw_fd(), pos as u64 + TOKEN_FIRST_QUEUE)?;
-        }
         self.counters.completed.store(0, Ordering::SeqCst);
-        let ctx = WorkerCtx {
-            mem,
-            interrupt,
-            queues,
-            counters: self.counters.clone(),
-        };
-        self.worker
-            .start("virtio-testdev", setup, move |worker| ctx.run(worker))
-            .map_err(ActivateError::Worker)
+        self.start(mem, interrupt, queues)
     }
 
     fn reset(&mut self) -> bool {
         self.worker.stop().is_ok()
+    }
+
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        match self.worker.stop() {
+            Ok(queues) => Ok(queues.unwrap_or_default()),
+            Err(e) => Err(DeviceStateError::Stop {
+                device: "testdev",
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    fn resume(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        // Unlike an activation, the counter goes on.
+        self.start(mem, interrupt, queues)
+    }
+
+    fn save_state(
+        &mut self,
+        _mem: &GuestMemoryMmap,
+        _queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        state::encode(
+            "testdev",
+            &SavedCounters {
+                seed: self.counters.seed.load(Ordering::SeqCst),
+                completed: self.counters.completed.load(Ordering::SeqCst),
+            },
+        )
+    }
+
+    fn restore_state(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
+        let saved: SavedCounters = state::decode("testdev", bytes)?;
+        self.counters.seed.store(saved.seed, Ordering::SeqCst);
+        self.counters
+            .completed
+            .store(saved.completed, Ordering::SeqCst);
+        Ok(())
     }
 }
 
@@ -187,7 +261,8 @@ struct WorkerCtx {
 }
 
 impl WorkerCtx {
-    fn run(mut self, worker: WorkerLoop) {
+    /// Serves until stopped; hands the queues back.
+    fn run(mut self, worker: WorkerLoop) -> Vec<ActiveQueue> {
         let events = self.queues.len() + 1;
         let served = worker.serve(events, WorkerError::Epoll, |wakeup| {
             let Wakeup::Ready(token) = wakeup else {
@@ -202,6 +277,7 @@ impl WorkerCtx {
             warn!("testdev: {e}; device needs reset");
             worker.park_needs_reset("testdev", self.interrupt.as_ref());
         }
+        self.queues
     }
 
     fn process(&mut self, pos: usize) -> Result<(), WorkerError> {

@@ -20,6 +20,15 @@
 //! A failed activation or a device error sets DEVICE_NEEDS_RESET and raises a
 //! configuration-change interrupt; nothing the guest writes can panic the VMM.
 //!
+//! Snapshots: [`MmioTransport::pause`] stops an active device's worker
+//! without resetting it (the queue positions come back to the transport),
+//! [`MmioTransport::save_state`] saves registers, queues and the device's
+//! own state ([`super::state::TransportState`]), [`MmioTransport::restore`]
+//! builds a transport around a fresh device in that state, and
+//! [`MmioTransport::resume`] starts a paused or restored device again:
+//! its queues are kicked once, and a restored device re-raises a pending
+//! interrupt and signals a changed config space.
+//!
 //! Limits: modern (version 2) register layout only — a legacy driver that
 //! does not accept `VIRTIO_F_VERSION_1` cannot set FEATURES_OK; no
 //! shared-memory regions; no per-queue reset; no notification data.
@@ -36,6 +45,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, GuestAddress, GuestMemory, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
+use super::state::{DeviceStateError, TransportState};
 use super::VirtioInterrupt;
 use super::{features, status, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioDevice};
 use crate::guest_log;
@@ -183,6 +193,10 @@ pub enum MmioTransportError {
         /// OS error.
         source: io::Error,
     },
+    /// A saved transport or device state cannot be restored into this
+    /// device ([`MmioTransport::restore`]).
+    #[error(transparent)]
+    State(#[from] DeviceStateError),
 }
 
 /// State shared between the transport and the interrupt handles it gives to
@@ -287,10 +301,43 @@ struct State {
     /// Status as written by the driver (DEVICE_NEEDS_RESET lives in Shared).
     status: u32,
     activated: bool,
+    /// Activated, but its worker is stopped ([`MmioTransport::pause`], or
+    /// restored from a snapshot): the queue positions are in `queues`
+    /// until [`MmioTransport::resume`].
+    paused: bool,
+    /// What [`MmioTransport::resume`] must tell the driver once the device
+    /// serves again (a restored device).
+    on_resume: OnResume,
     /// The device failed to reset: it stays in DEVICE_NEEDS_RESET for good.
     broken: bool,
     /// See [`GUEST_LOG_BUDGET`] (shared with [`Shared`]).
     log_budget: Arc<AtomicU32>,
+}
+
+/// Interrupts a restored device owes its driver when it resumes.
+#[derive(Debug, Default, Clone, Copy)]
+struct OnResume {
+    /// InterruptStatus was not zero when the snapshot was taken: raise the
+    /// line again (the irqfd injection may not have reached the saved
+    /// irqchip; an extra one only costs the driver a status read).
+    raise: bool,
+    /// The config space differs from the one the driver saw: a
+    /// configuration-change interrupt.
+    config_changed: bool,
+}
+
+/// The name of a virtio device type in messages.
+fn type_name(device_type: u32) -> &'static str {
+    match device_type {
+        2 => "blk",
+        4 => "rng",
+        5 => "balloon",
+        19 => "vsock",
+        26 => "virtio-fs",
+        #[cfg(any(test, feature = "test-devices"))]
+        super::testdev::TEST_DEVICE_ID => "testdev",
+        _ => "virtio",
+    }
 }
 
 /// A virtio-mmio (version 2) transport around one device.
@@ -371,6 +418,8 @@ impl MmioTransport {
                 queues,
                 status: 0,
                 activated: false,
+                paused: false,
+                on_resume: OnResume::default(),
                 broken: false,
                 log_budget: log_budget.clone(),
             }),
@@ -440,6 +489,211 @@ impl MmioTransport {
     pub fn shutdown(&self) {
         let mut st = self.lock();
         self.reset(&mut st);
+    }
+
+    /// Whether the device is activated but stopped by [`Self::pause`] (or
+    /// restored and not resumed yet).
+    pub fn is_paused(&self) -> bool {
+        self.lock().paused
+    }
+
+    /// Stops an active device's worker without resetting it, the queue
+    /// positions coming back to the transport: the VM is pausing (no vCPU
+    /// runs, so no register access races this). Nothing to do for a device
+    /// that is not active or already paused. On error the device keeps
+    /// serving and cannot be saved.
+    pub fn pause(&self) -> Result<(), DeviceStateError> {
+        let mut st = self.lock();
+        if !st.activated || st.paused {
+            return Ok(());
+        }
+        let queues = st.device.pause()?;
+        // Handles given to the stopped worker are inert from here.
+        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+        for aq in queues {
+            if let Some(q) = st.queues.get_mut(usize::from(aq.index)) {
+                *q = aq.queue;
+            }
+        }
+        st.paused = true;
+        Ok(())
+    }
+
+    /// Restarts a device stopped by [`Self::pause`] or restored from a
+    /// snapshot ([`Self::restore`]): its queues, positions included, go
+    /// back to it with a fresh interrupt handle and every queue is kicked
+    /// once, as at activation (a chain the driver posted while the device
+    /// was stopped may have no kick to come, notably under EVENT_IDX). A
+    /// restored device then gets the interrupts it owes the driver. A
+    /// failure puts the device in DEVICE_NEEDS_RESET, as a failed
+    /// activation does.
+    pub fn resume(&self) {
+        let mut st = self.lock();
+        if !st.paused {
+            return;
+        }
+        st.paused = false;
+        st.activated = false;
+        self.start_device(&mut st, true);
+        let owed = std::mem::take(&mut st.on_resume);
+        if st.activated {
+            if owed.raise {
+                if let Err(e) = self.shared.irq.write(1) {
+                    error!("virtio-mmio: cannot raise the interrupt of a restored device: {e}");
+                }
+            }
+            if owed.config_changed {
+                if let Err(e) = self.shared.config_changed() {
+                    error!("virtio-mmio: cannot raise the config interrupt: {e}");
+                }
+            }
+        }
+    }
+
+    /// The transport's and the device's state for a snapshot. The device
+    /// must be paused ([`Self::pause`]) or never activated; the device may
+    /// still use its queues first ([`VirtioDevice::save_state`]).
+    pub fn save_state(&self) -> Result<TransportState, DeviceStateError> {
+        let mut st = self.lock();
+        let device_type = st.device_type;
+        if st.activated && !st.paused {
+            return Err(DeviceStateError::Stop {
+                device: type_name(device_type),
+                reason: "the device still runs: pause the VM before saving it".into(),
+            });
+        }
+        let State {
+            device,
+            mem,
+            queues,
+            ..
+        } = &mut *st;
+        let device_bytes = device.save_state(mem, queues)?;
+        Ok(TransportState {
+            device_type,
+            offered: st.offered,
+            driver_features: st.driver_features,
+            driver_features_beyond: st.driver_features_beyond,
+            device_features_sel: st.device_features_sel,
+            driver_features_sel: st.driver_features_sel,
+            queue_sel: st.queue_sel,
+            status: st.status,
+            activated: st.activated,
+            broken: st.broken,
+            needs_reset: self.shared.needs_reset.load(Ordering::SeqCst),
+            interrupt_status: self.shared.interrupt_status.load(Ordering::SeqCst),
+            config_generation: self.shared.config_generation.load(Ordering::SeqCst),
+            queues: st.queues.iter().map(|q| q.state().into()).collect(),
+            config: st.device.config_snapshot(),
+            device: device_bytes,
+        })
+    }
+
+    /// A transport around `device` (freshly built, with the backends of the
+    /// new VM: another session disk, another grant table) in the state
+    /// `saved`: registers, queues with their positions, the device's own
+    /// state. An active device comes back paused: [`Self::resume`] starts
+    /// it once the rest of the machine is restored. Everything in `saved`
+    /// is checked as if a driver had written it (device type and queue
+    /// sizes must match the device, negotiated features must still be
+    /// offered and accepted, every ready queue of an active device must
+    /// lie in `mem`); a mismatch is an error and nothing runs.
+    pub fn restore(
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemoryMmap,
+        saved: &TransportState,
+    ) -> Result<Self, MmioTransportError> {
+        let t = Self::new(device, mem)?;
+        {
+            let mut st = t.lock();
+            t.load_state(&mut st, saved)?;
+        }
+        Ok(t)
+    }
+
+    fn load_state(&self, st: &mut State, saved: &TransportState) -> Result<(), DeviceStateError> {
+        let name = type_name(st.device_type);
+        let mismatch = |reason: String| DeviceStateError::Mismatch {
+            device: name,
+            reason,
+        };
+        let invalid = |reason: String| DeviceStateError::Invalid {
+            device: name,
+            reason,
+        };
+        if saved.device_type != st.device_type {
+            return Err(mismatch(format!(
+                "saved as virtio device type {}, restored into type {}",
+                saved.device_type, st.device_type
+            )));
+        }
+        let max_sizes: Vec<u16> = st.queues.iter().map(|q| q.max_size()).collect();
+        let saved_sizes: Vec<u16> = saved.queues.iter().map(|q| q.max_size).collect();
+        if max_sizes != saved_sizes {
+            return Err(mismatch(format!(
+                "queue sizes {saved_sizes:?} saved, the device has {max_sizes:?}"
+            )));
+        }
+        if saved.status & !DRIVER_STATUS_BITS != 0 {
+            return Err(invalid(format!("status {:#x}", saved.status)));
+        }
+        if saved.interrupt_status & !(INT_VRING | INT_CONFIG) != 0 {
+            return Err(invalid(format!(
+                "interrupt status {:#x}",
+                saved.interrupt_status
+            )));
+        }
+        let features_ok = saved.status & status::FEATURES_OK != 0;
+        let driver_ok = saved.status & status::DRIVER_OK != 0;
+        if saved.activated && (!features_ok || !driver_ok || saved.status & status::FAILED != 0) {
+            return Err(invalid(format!("active with status {:#x}", saved.status)));
+        }
+        st.driver_features = saved.driver_features;
+        st.driver_features_beyond = saved.driver_features_beyond;
+        if features_ok && !st.accept_features() {
+            return Err(mismatch(format!(
+                "the driver's features {:#x} are not all offered ({:#x}) or accepted by the device",
+                saved.driver_features, st.offered
+            )));
+        }
+        let mut queues = Vec::with_capacity(saved.queues.len());
+        for (index, q) in saved.queues.iter().enumerate() {
+            let queue = Queue::try_from(virtio_queue::QueueState::from(*q))
+                .map_err(|e| invalid(format!("queue {index}: {e}")))?;
+            if saved.activated && queue.ready() {
+                validate_queue(&queue, &st.mem)
+                    .map_err(|reason| invalid(format!("queue {index}: {reason}")))?;
+            }
+            queues.push(queue);
+        }
+        st.device.restore_state(&saved.device)?;
+        let config_changed =
+            !saved.config.is_empty() && st.device.config_snapshot() != saved.config;
+        st.queues = queues;
+        st.device_features_sel = saved.device_features_sel;
+        st.driver_features_sel = saved.driver_features_sel;
+        st.queue_sel = saved.queue_sel;
+        st.status = saved.status;
+        st.broken = saved.broken;
+        // A device that had failed is not restarted: the driver resets it,
+        // as it would have.
+        let resume = saved.activated && !saved.needs_reset && !saved.broken;
+        st.activated = resume;
+        st.paused = resume;
+        st.on_resume = OnResume {
+            raise: saved.interrupt_status != 0,
+            config_changed,
+        };
+        self.shared
+            .interrupt_status
+            .store(saved.interrupt_status, Ordering::SeqCst);
+        self.shared
+            .needs_reset
+            .store(saved.needs_reset || saved.broken, Ordering::SeqCst);
+        self.shared
+            .config_generation
+            .store(saved.config_generation, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Guest read of `data.len()` bytes at `offset` in the register window.
@@ -667,6 +921,11 @@ impl MmioTransport {
     }
 
     fn activate(&self, st: &mut State) {
+        self.start_device(st, false);
+    }
+
+    /// Activates the device (`resume`: resumes it) with the enabled queues.
+    fn start_device(&self, st: &mut State, resume: bool) {
         let epoch = self.shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         let result = self.prepare_queues(st).and_then(|queues| {
             let n = queues.len();
@@ -676,7 +935,11 @@ impl MmioTransport {
             });
             let mem = st.mem.clone();
             let kicks: Vec<u16> = queues.iter().map(|q| q.index).collect();
-            st.device.activate(mem, interrupt, queues)?;
+            if resume {
+                st.device.resume(mem, interrupt, queues)?;
+            } else {
+                st.device.activate(mem, interrupt, queues)?;
+            }
             Ok((n, kicks))
         });
         match result {
@@ -687,6 +950,7 @@ impl MmioTransport {
                     info,
                     device_type = st.device_type,
                     queues = n,
+                    resume,
                     "virtio-mmio: device activated"
                 );
                 // Buffers may have been posted (and kicked into a notify fd
@@ -758,6 +1022,8 @@ impl MmioTransport {
             }
             st.activated = false;
         }
+        st.paused = false;
+        st.on_resume = OnResume::default();
         // Interrupt handles of the previous activation become inert.
         self.shared.epoch.fetch_add(1, Ordering::SeqCst);
         for q in &mut st.queues {

@@ -1058,3 +1058,169 @@ fn guest_log_budget_runs_out() {
     assert_eq!(r32(&t, STATUS), 0);
     assert_ne!(negotiate(&t, features::VERSION_1) & status::FEATURES_OK, 0);
 }
+
+/// Waits up to 5 s for the used index of `vq` to reach `idx`.
+fn wait_used(m: &GuestMemoryMmap, vq: &MockSplitQueue<'_, GuestMemoryMmap>, idx: u16) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while used_elem(m, vq, 0).0 != idx {
+        assert!(Instant::now() < deadline, "the device served nothing");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A pattern device at the transport, used once, paused and saved; the
+/// state restored around a *new* device in the same memory; the queue goes
+/// on where it stopped (the next chain lands in used slot 1) with the seed
+/// and counter the first device had.
+#[test]
+fn pattern_device_survives_save_and_restore() {
+    let m = mem();
+    let t = MmioTransport::new(Box::new(PatternDevice::new(vec![16])), m.clone()).unwrap();
+    let vq = MockSplitQueue::create(&m, GuestAddress(0x1000), 16);
+    negotiate(
+        &t,
+        features::VERSION_1 | features::RING_EVENT_IDX | TEST_F_PATTERN,
+    );
+    w32(&t, CONFIG_SPACE, 0x40);
+    setup_mock_queue(&t, 0, &vq);
+    w32(&t, STATUS, DRIVER_OK_ALL);
+    post_chain(&vq, 0, [(0x8000, 1), (0x9000, 8), (0xa000, 8)]);
+    w32(&t, QUEUE_NOTIFY, 0);
+    assert!(wait(t.interrupt_evt()) >= 1);
+    assert_eq!(used_elem(&m, &vq, 0), (1, 0, 16));
+    w32(&t, QUEUE_SEL, 0);
+
+    // A running device cannot be saved; a paused one can, twice alike.
+    assert!(matches!(t.save_state(), Err(DeviceStateError::Stop { .. })));
+    t.pause().unwrap();
+    assert!(t.is_paused() && t.is_activated());
+    t.pause().unwrap();
+    let saved = t.save_state().unwrap();
+    assert_eq!(saved, t.save_state().unwrap());
+    assert_eq!(saved.device_type, TEST_DEVICE_ID);
+    assert!(saved.activated && !saved.needs_reset);
+    assert_eq!(saved.status, DRIVER_OK_ALL);
+    assert_eq!(saved.interrupt_status, INT_VRING);
+    let q = saved.queues[0];
+    assert_eq!(
+        (q.size, q.ready, q.next_avail, q.next_used),
+        (16, true, 1, 1)
+    );
+    assert!(q.event_idx);
+    assert_eq!(q.desc_table, vq.desc_table_addr().0);
+    drop(t);
+
+    let t =
+        MmioTransport::restore(Box::new(PatternDevice::new(vec![16])), m.clone(), &saved).unwrap();
+    assert!(t.is_paused());
+    assert_eq!(r32(&t, STATUS), DRIVER_OK_ALL);
+    assert_eq!(r32(&t, INTERRUPT_STATUS), INT_VRING);
+    assert_eq!(r32(&t, CONFIG_SPACE), 0x40, "the seed came back");
+    assert_eq!(r32(&t, CONFIG_SPACE + testdev::CONFIG_COMPLETED), 1);
+    // Resuming re-raises the pending interrupt line.
+    t.resume();
+    assert!(!t.is_paused() && t.is_activated());
+    assert!(wait(t.interrupt_evt()) >= 1);
+    w32(&t, INTERRUPT_ACK, INT_VRING);
+    // (Under EVENT_IDX whether this chain raises an interrupt depends on
+    // used_event, which the mock ring's layout overlaps: wait for the used
+    // index instead.)
+    post_chain(&vq, 3, [(0x8000, 1), (0xb000, 4), (0xb100, 4)]);
+    w32(&t, QUEUE_NOTIFY, 0);
+    wait_used(&m, &vq, 2);
+    assert_eq!(used_elem(&m, &vq, 1), (2, 3, 8));
+    let mut b = [0u8; 4];
+    m.read_slice(&mut b, GuestAddress(0xb000)).unwrap();
+    assert_eq!(b, [0x40, 0x41, 0x42, 0x43]);
+    assert_eq!(r32(&t, CONFIG_SPACE + testdev::CONFIG_COMPLETED), 2);
+
+    // Pause and resume in place: the same device goes on too.
+    t.pause().unwrap();
+    t.resume();
+    post_chain(&vq, 6, [(0x8000, 1), (0xc000, 1), (0xc100, 1)]);
+    w32(&t, QUEUE_NOTIFY, 0);
+    wait_used(&m, &vq, 3);
+    t.shutdown();
+    assert!(!t.is_activated() && !t.is_paused());
+}
+
+/// A never-activated device saves and restores its registers; a restore
+/// refuses states that do not fit the device or that no driver could have
+/// written.
+#[test]
+fn restore_checks_the_saved_state() {
+    let m = mem();
+    let t = MmioTransport::new(Box::new(PatternDevice::new(vec![16, 8])), m.clone()).unwrap();
+    negotiate(&t, features::VERSION_1);
+    w32(&t, QUEUE_SEL, 1);
+    let saved = t.save_state().unwrap();
+    assert!(!saved.activated);
+    let back = MmioTransport::restore(Box::new(PatternDevice::new(vec![16, 8])), m.clone(), &saved)
+        .unwrap();
+    assert!(!back.is_paused() && !back.is_activated());
+    assert_eq!(r32(&back, STATUS), r32(&t, STATUS));
+    assert_eq!(r32(&back, QUEUE_NUM_MAX), 8, "QueueSel came back");
+
+    let refused = |s: &TransportState, sizes: Vec<u16>| {
+        MmioTransport::restore(Box::new(PatternDevice::new(sizes)), m.clone(), s).is_err()
+    };
+    assert!(refused(&saved, vec![16]), "queue count differs");
+    assert!(refused(&saved, vec![16, 16]), "queue size differs");
+    let mut s = saved.clone();
+    s.device_type = 2;
+    assert!(refused(&s, vec![16, 8]));
+    let mut s = saved.clone();
+    s.status |= status::DEVICE_NEEDS_RESET;
+    assert!(
+        refused(&s, vec![16, 8]),
+        "a status bit only the device sets"
+    );
+    let mut s = saved.clone();
+    s.driver_features |= 1 << 20;
+    assert!(refused(&s, vec![16, 8]), "a feature never offered");
+    let mut s = saved.clone();
+    s.interrupt_status = 4;
+    assert!(refused(&s, vec![16, 8]));
+    let mut s = saved.clone();
+    s.activated = true;
+    assert!(refused(&s, vec![16, 8]), "active without DRIVER_OK");
+    let mut s = saved.clone();
+    s.device = vec![1, 2, 3];
+    assert!(refused(&s, vec![16, 8]), "device bytes that do not decode");
+    // An active device whose ring lies outside guest memory.
+    let mut s = saved.clone();
+    s.status = DRIVER_OK_ALL;
+    s.activated = true;
+    s.queues[0].ready = true;
+    s.queues[0].size = 16;
+    s.queues[0].desc_table = 0x18_0000;
+    s.queues[0].avail_ring = 0x2000;
+    s.queues[0].used_ring = 0x3000;
+    assert!(refused(&s, vec![16, 8]), "a ring in the memory hole");
+    s.queues[0].desc_table = 0x1000;
+    s.queues[0].size = 12;
+    assert!(
+        refused(&s, vec![16, 8]),
+        "a size that is not a power of two"
+    );
+    s.queues[0].size = 16;
+    assert!(!refused(&s, vec![16, 8]));
+}
+
+/// A device without snapshot support refuses to pause and keeps serving.
+#[test]
+fn a_device_without_snapshot_support_is_not_paused() {
+    let (t, log) = probe(vec![8]);
+    let m = mem();
+    let vq = MockSplitQueue::create(&m, GuestAddress(0x1000), 8);
+    negotiate(&t, features::VERSION_1);
+    setup_mock_queue(&t, 0, &vq);
+    w32(&t, STATUS, DRIVER_OK_ALL);
+    assert!(matches!(
+        t.pause(),
+        Err(DeviceStateError::Unsupported { .. })
+    ));
+    assert!(!t.is_paused() && t.is_activated());
+    assert!(t.save_state().is_err());
+    assert_eq!(log.lock().unwrap().activations.len(), 1);
+}
