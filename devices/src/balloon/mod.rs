@@ -30,6 +30,13 @@
 //! transport; it knows nothing of KVM (the releaser works on the host
 //! mapping of guest memory).
 //!
+//! Snapshots: pausing stops the worker (no chain is ever held across a
+//! pass, so nothing is in flight) and hands the queues back; the saved
+//! state is the counters ([`BalloonStats`]), which go on in the restored
+//! device. Releasing memory in a restored VM, whose RAM is a private
+//! mapping of the snapshot file, maps fresh anonymous memory over the
+//! range (see [`release`]): the file's pages must not come back.
+//!
 //! Limits: no statistics queue, no free page hinting, no page poisoning
 //! (`VIRTIO_BALLOON_F_PAGE_POISON`: a guest booted with `init_on_free` or
 //! page poisoning does not report), no inflation (the config space is
@@ -39,11 +46,13 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use tracing::{error, info};
 use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{GuestAddress, GuestMemory, GuestMemoryRegion};
 use vmm::guest_log;
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
+use vmm::virtio::state::{self, DeviceStateError};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
@@ -175,6 +184,41 @@ pub struct BalloonStats {
     pub release_failures: AtomicU64,
     /// Inflate or deflate chains returned unread.
     pub ignored_chains: AtomicU64,
+}
+
+/// [`BalloonStats`] as a snapshot saves them.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct SavedStats {
+    reports: u64,
+    ranges_released: u64,
+    bytes_released: u64,
+    rejected: u64,
+    release_failures: u64,
+    ignored_chains: u64,
+}
+
+impl BalloonStats {
+    fn save(&self) -> SavedStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        SavedStats {
+            reports: get(&self.reports),
+            ranges_released: get(&self.ranges_released),
+            bytes_released: get(&self.bytes_released),
+            rejected: get(&self.rejected),
+            release_failures: get(&self.release_failures),
+            ignored_chains: get(&self.ignored_chains),
+        }
+    }
+
+    fn load(&self, s: &SavedStats) {
+        let set = |c: &AtomicU64, v: u64| c.store(v, Ordering::Relaxed);
+        set(&self.reports, s.reports);
+        set(&self.ranges_released, s.ranges_released);
+        set(&self.bytes_released, s.bytes_released);
+        set(&self.rejected, s.rejected);
+        set(&self.release_failures, s.release_failures);
+        set(&self.ignored_chains, s.ignored_chains);
+    }
 }
 
 /// The page-aligned pieces of a reported run `[addr, addr + len)` that lie
@@ -340,8 +384,9 @@ impl BalloonModel {
 ///
 /// [`VirtioDevice`]: vmm::virtio::VirtioDevice
 pub struct BalloonDevice {
-    /// First, so it is stopped before the rest is dropped.
-    worker: DeviceWorker<()>,
+    /// First, so it is stopped before the rest is dropped. Hands the
+    /// queues back when stopped.
+    worker: DeviceWorker<Vec<ActiveQueue>>,
     releaser: Arc<dyn MemoryReleaser>,
     stats: Arc<BalloonStats>,
     log_budget: Arc<AtomicU32>,
@@ -451,6 +496,30 @@ impl InProcessDevice for BalloonDevice {
         }
         stopped
     }
+
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        match self.worker.stop() {
+            Ok(queues) => Ok(queues.unwrap_or_default()),
+            Err(e) => Err(DeviceStateError::Stop {
+                device: "balloon",
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    fn save_state(
+        &mut self,
+        _mem: &GuestMemoryMmap,
+        _queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        state::encode("balloon", &self.stats.save())
+    }
+
+    fn restore_state(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
+        let saved: SavedStats = state::decode("balloon", bytes)?;
+        self.stats.load(&saved);
+        Ok(())
+    }
 }
 
 /// What the worker thread owns.
@@ -462,11 +531,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(mut self, lp: WorkerLoop) {
+    /// Serves until stopped; hands the queues back.
+    fn run(mut self, lp: WorkerLoop) -> Vec<ActiveQueue> {
         if let Err(e) = lp.serve(WORKER_EVENTS, BalloonError::Epoll, |w| self.on_wakeup(w)) {
             error!("balloon: {e}; the device needs a reset");
             lp.park_needs_reset("balloon", self.interrupt.as_ref());
         }
+        self.queues.into_iter().map(|(_, q)| q).collect()
     }
 
     fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), BalloonError> {

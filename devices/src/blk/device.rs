@@ -15,6 +15,11 @@
 //! `blk_size` (512), and for writable disks the DISCARD / WRITE_ZEROES
 //! limits. Read-only; writes are ignored.
 //!
+//! Snapshots: the device saves nothing beyond its queue; a restored VM's
+//! disk is whatever backend the new device was built with (the session
+//! disk of the new start), and the transport raises a config-change
+//! interrupt when its capacity differs from the snapshot's.
+//!
 //! Limits: one request queue; the worker serves one request at a time.
 //!
 //! [`VirtioDevice`]: vmm::virtio::VirtioDevice
@@ -35,7 +40,9 @@ use vm_memory::GuestMemory;
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
 use vmm::virtio::worker::StopError;
-use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
+use vmm::virtio::{
+    drain, features, ActivateError, ActiveQueue, DeviceStateError, GuestMemoryMmap, VirtioInterrupt,
+};
 
 use super::image::BlockBackend;
 use super::request::{self, Completion, DiskParams};
@@ -476,5 +483,27 @@ impl InProcessDevice for BlkDevice {
             info!("blk: device reset");
         }
         stopped
+    }
+
+    /// Nothing beyond the queue is saved: a restored VM's disk is the new
+    /// device's backend (its config space, compared by the transport,
+    /// tells the driver when the capacity changed).
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        match self.worker.pause() {
+            Ok(Some((model, queue))) => {
+                self.model = Some(model);
+                Ok(vec![queue])
+            }
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => {
+                if matches!(e, StopError::Panicked) {
+                    error!("blk: the worker panicked; the disk is gone until the VM restarts");
+                }
+                Err(DeviceStateError::Stop {
+                    device: "blk",
+                    reason: e.to_string(),
+                })
+            }
+        }
     }
 }

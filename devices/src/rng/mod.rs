@@ -24,7 +24,9 @@ use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestMemory};
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::single_queue::{QueueModel, SingleQueueWorker};
-use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
+use vmm::virtio::{
+    drain, features, ActivateError, ActiveQueue, DeviceStateError, GuestMemoryMmap, VirtioInterrupt,
+};
 
 #[cfg(test)]
 mod tests;
@@ -275,5 +277,18 @@ impl InProcessDevice for RngDevice {
             info!("rng: device reset");
         }
         stopped
+    }
+
+    /// Stateless beyond its queue: the queue comes back, a resume starts a
+    /// fresh model (sharing the counters).
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        match self.worker.pause() {
+            Ok(Some((_model, queue))) => Ok(vec![queue]),
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => Err(DeviceStateError::Stop {
+                device: "rng",
+                reason: e.to_string(),
+            }),
+        }
     }
 }

@@ -16,6 +16,22 @@
 //! config space is the 64-bit guest CID (virtio 1.2 §5.10.4). On activation
 //! the event queue gets a TRANSPORT_RESET only if the host asked for one.
 //!
+//! Snapshots (as Firecracker does, with the three fixes its later releases
+//! needed): connections do not survive a snapshot. Saving the device drops
+//! every connection (the helper's streams see EOF) and posts a
+//! TRANSPORT_RESET on the event queue, so the guest closes its sockets
+//! (listening ones survive) and its agent dials again; the restored device
+//! starts empty. On resume the device signals the event queue even though
+//! the event was posted before the snapshot (the interrupt may not be in
+//! the saved irqchip), its transport replays a kick of every queue (a TX
+//! chain posted just before the snapshot would otherwise wait for a kick
+//! that EVENT_IDX suppression never sends), and no RX packet is posted
+//! until the guest has handled the reset ([`ResetAck`]): an answer to a
+//! new connection that reached the guest first would be closed by the
+//! reset. The guest refills the event queue right after handling an
+//! event, so "handled" is "the event queue's available index moved"; the
+//! device asks for a kick on that refill while it has something to send.
+//!
 //! Limits: no `VIRTIO_VSOCK_F_SEQPACKET`, no `VIRTIO_VSOCK_F_NO_IMPLIED_STREAM`
 //! (stream only); one RX packet per RX chain (no mergeable buffers).
 //!
@@ -25,11 +41,13 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
-use tracing::{debug, warn};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestMemory;
+use vm_memory::{Bytes, GuestMemory};
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
-use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
+use vmm::virtio::state::{self, DeviceStateError};
+use vmm::virtio::worker::{DeviceWorker, StopError, Wakeup, WorkerLoop, WorkerSetup};
 use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
 
 use super::backend::VsockHost;
@@ -79,10 +97,33 @@ pub enum VsockDeviceError {
     },
 }
 
+/// Offset of `avail_event` in a split used ring of `size` entries: after
+/// `flags`, `idx` and the ring (virtio 1.2 §2.7.8).
+fn avail_event_offset(size: u16) -> u64 {
+    4 + 8 * u64::from(size)
+}
+
+/// Where a snapshot's TRANSPORT_RESET stands; RX is gated unless
+/// [`ResetAck::None`] (see the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResetAck {
+    /// Nothing owed: RX flows.
+    #[default]
+    None,
+    /// A reset is owed and not posted yet (the driver had no event buffer
+    /// available): RX is gated.
+    Unposted,
+    /// The reset was posted when the event queue's available index was
+    /// this value: RX is gated until the driver makes another event buffer
+    /// available, which it does once it has handled the event.
+    Posted(u16),
+}
+
 /// The virtio-vsock device model (see the module docs).
 pub struct VsockModel {
     guest_cid: u64,
     muxer: Muxer,
+    reset_ack: ResetAck,
 }
 
 impl VsockModel {
@@ -96,7 +137,37 @@ impl VsockModel {
         Ok(Self {
             guest_cid,
             muxer: Muxer::new(guest_cid, config, host.shared.clone())?,
+            reset_ack: ResetAck::None,
         })
+    }
+
+    /// Where a snapshot's TRANSPORT_RESET stands.
+    pub fn reset_ack(&self) -> ResetAck {
+        self.reset_ack
+    }
+
+    /// Puts a restored model where the snapshot's reset stood: an unposted
+    /// one is owed again (and posted once the driver has an event buffer).
+    pub fn set_reset_ack(&mut self, ack: ResetAck) {
+        if ack == ResetAck::Unposted {
+            self.muxer.reset_all();
+        }
+        self.reset_ack = ack;
+    }
+
+    /// For a snapshot: drops every connection and posts a TRANSPORT_RESET
+    /// on the event queue `q` (when the driver has a buffer there; else it
+    /// is posted as soon as one comes), gating RX until the guest has
+    /// handled it.
+    pub fn post_transport_reset<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<(), VsockDeviceError> {
+        self.muxer.reset_all();
+        self.reset_ack = ResetAck::Unposted;
+        self.process_event(mem, q)?;
+        Ok(())
     }
 
     /// Guest-triggered warnings the model will still log at warning level
@@ -153,17 +224,67 @@ impl VsockModel {
     ) -> Result<[bool; 3], VsockDeviceError> {
         self.muxer.process_host_events()?;
         let tx_sig = self.process_tx(mem, tx)?;
-        let rx_sig = self.process_rx(mem, rx)?;
-        let ev_sig = match event {
-            Some(q) => self.process_event(mem, q)?,
+        let (ev_sig, gated) = match event {
+            Some(q) => {
+                let sig = self.process_event(mem, q)?;
+                (sig, self.rx_gated(mem, q)?)
+            }
             None => {
                 // No event queue on this face (QEMU keeps it): nothing to tell.
                 self.muxer.take_transport_reset();
-                false
+                (false, false)
             }
+        };
+        let rx_sig = if gated {
+            false
+        } else {
+            self.process_rx(mem, rx)?
         };
         self.muxer.after_processing()?;
         Ok([rx_sig, tx_sig, ev_sig])
+    }
+
+    /// Whether RX must wait for the guest to handle a snapshot's reset
+    /// posted on the event queue `q`; asks for a kick on the driver's
+    /// refill while packets wait.
+    fn rx_gated<M: GuestMemory>(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+    ) -> Result<bool, VsockDeviceError> {
+        let ResetAck::Posted(at) = self.reset_ack else {
+            return Ok(self.reset_ack == ResetAck::Unposted);
+        };
+        let qerr = |source| VsockDeviceError::Queue {
+            index: EVENT_QUEUE,
+            source,
+        };
+        let handled = |q: &Queue| -> Result<bool, VsockDeviceError> {
+            Ok(q.avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+                .map_err(qerr)?
+                .0
+                != at)
+        };
+        if !handled(q)? && self.muxer.has_rx_work() {
+            // Notify us when the driver makes the next entry available
+            // (without EVENT_IDX the driver always notifies).
+            if q.event_idx_enabled() {
+                let addr = q
+                    .used_ring()
+                    .checked_add(avail_event_offset(q.size()))
+                    .map(vm_memory::GuestAddress);
+                if let Some(addr) = addr {
+                    let _ = mem.store(u16::to_le(at), addr, std::sync::atomic::Ordering::Relaxed);
+                }
+                std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        if handled(q)? {
+            debug!("vsock: the guest handled the transport reset; RX resumes");
+            self.reset_ack = ResetAck::None;
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Consumes every available TX chain. Returns whether the driver needs a
@@ -345,6 +466,12 @@ impl VsockModel {
             if written == EVENT_SIZE {
                 self.muxer.take_transport_reset();
                 debug!("vsock: TRANSPORT_RESET event posted");
+                if self.reset_ack == ResetAck::Unposted {
+                    let at = q
+                        .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+                        .map_err(qerr)?;
+                    self.reset_ack = ResetAck::Posted(at.0);
+                }
                 return q.needs_notification(mem).map_err(qerr);
             }
         }
@@ -359,18 +486,34 @@ fn check_cid(cid: u64) -> Result<(), VsockDeviceError> {
     }
 }
 
+/// What a snapshot keeps of the in-process device: no connection, only
+/// where the transport reset stands and the local port counter.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct SavedVsock {
+    reset_ack: ResetAck,
+    next_port: u32,
+}
+
+/// Name of the device in state errors.
+const NAME: &str = "vsock";
+
 /// The in-process face: a [`VirtioDevice`] for the vmm's virtio-mmio
 /// transport, running a [`VsockModel`] on its own thread while active.
 ///
 /// [`VirtioDevice`]: vmm::virtio::VirtioDevice
 pub struct VsockDevice {
-    /// First, so it is stopped before the rest is dropped.
-    worker: DeviceWorker<()>,
+    /// First, so it is stopped before the rest is dropped. Hands the model
+    /// and the queues back when stopped.
+    worker: DeviceWorker<(VsockModel, Vec<ActiveQueue>)>,
     guest_cid: u64,
     config: VsockConfig,
     host: VsockHost,
     /// Config space: the guest CID.
     common: DeviceCommon,
+    /// The model while the device is paused (connections and all).
+    paused: Option<VsockModel>,
+    /// What a restored device resumes with.
+    restored: Option<SavedVsock>,
 }
 
 impl VsockDevice {
@@ -393,6 +536,8 @@ impl VsockDevice {
                 features::VERSION_1 | features::RING_EVENT_IDX,
                 guest_cid.to_le_bytes(),
             ),
+            paused: None,
+            restored: None,
         })
     }
 
@@ -422,6 +567,109 @@ impl InProcessDevice for VsockDevice {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
+        let model = VsockModel::new(self.guest_cid, self.config.clone(), &self.host)
+            .map_err(|e| ActivateError::Device(e.to_string()))?;
+        self.serve(model, mem, interrupt, queues)
+    }
+
+    fn stop(&mut self) -> bool {
+        self.paused = None;
+        self.restored = None;
+        self.worker.stop().is_ok()
+    }
+
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        match self.worker.stop() {
+            Ok(Some((model, queues))) => {
+                self.paused = Some(model);
+                Ok(queues)
+            }
+            Ok(None) => Ok(Vec::new()),
+            Err(e) => Err(stop_error(e)),
+        }
+    }
+
+    fn resume(
+        &mut self,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
+        let model = match self.paused.take() {
+            Some(model) => model,
+            None => {
+                let mut model = VsockModel::new(self.guest_cid, self.config.clone(), &self.host)
+                    .map_err(|e| ActivateError::Device(e.to_string()))?;
+                let saved = self.restored.take().unwrap_or_default();
+                model.muxer.set_next_port(saved.next_port);
+                model.set_reset_ack(saved.reset_ack);
+                model
+            }
+        };
+        let owed = model.reset_ack() != ResetAck::None;
+        self.serve(model, mem, interrupt.clone(), queues)?;
+        if owed {
+            // The reset event may be in the ring without its interrupt
+            // having reached the saved irqchip: signal it again.
+            if let Err(e) = interrupt.signal_used_queue(EVENT_QUEUE) {
+                warn!("vsock: cannot signal the event queue: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    fn save_state(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        queues: &mut [Queue],
+    ) -> Result<Vec<u8>, DeviceStateError> {
+        let saved = match self.paused.as_mut() {
+            Some(model) => {
+                if let Some(ev) = queues.get_mut(usize::from(EVENT_QUEUE)) {
+                    model
+                        .post_transport_reset(mem, ev)
+                        .map_err(|e| DeviceStateError::Invalid {
+                            device: NAME,
+                            reason: format!("cannot post the transport reset: {e}"),
+                        })?;
+                    info!(
+                        posted = model.reset_ack() != ResetAck::Unposted,
+                        "vsock: connections reset for a snapshot"
+                    );
+                }
+                SavedVsock {
+                    reset_ack: model.reset_ack(),
+                    next_port: model.muxer.next_port(),
+                }
+            }
+            // Never activated: nothing to tell the guest.
+            None => SavedVsock::default(),
+        };
+        state::encode(NAME, &saved)
+    }
+
+    fn restore_state(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
+        self.restored = Some(state::decode(NAME, bytes)?);
+        Ok(())
+    }
+}
+
+fn stop_error(e: StopError) -> DeviceStateError {
+    DeviceStateError::Stop {
+        device: NAME,
+        reason: e.to_string(),
+    }
+}
+
+impl VsockDevice {
+    /// Starts the worker serving `model` over `queues`.
+    fn serve(
+        &mut self,
+        model: VsockModel,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActiveQueue>,
+    ) -> Result<(), ActivateError> {
         if self.worker.is_running() {
             return Err(ActivateError::AlreadyActive);
         }
@@ -435,8 +683,6 @@ impl InProcessDevice for VsockDevice {
         let rx = rx.ok_or(ActivateError::MissingQueue { index: RX_QUEUE })?;
         let tx = tx.ok_or(ActivateError::MissingQueue { index: TX_QUEUE })?;
         let ev = ev.ok_or(ActivateError::MissingQueue { index: EVENT_QUEUE })?;
-        let model = VsockModel::new(self.guest_cid, self.config.clone(), &self.host)
-            .map_err(|e| ActivateError::Device(e.to_string()))?;
 
         let setup = WorkerSetup::new()?;
         setup.add(rx.notify.as_raw_fd(), TOKEN_RX)?;
@@ -454,10 +700,6 @@ impl InProcessDevice for VsockDevice {
         self.worker
             .start("virtio-vsock", setup, move |worker| ctx.run(worker))
             .map_err(ActivateError::Worker)
-    }
-
-    fn stop(&mut self) -> bool {
-        self.worker.stop().is_ok()
     }
 }
 
@@ -478,11 +720,13 @@ struct WorkerCtx {
 }
 
 impl WorkerCtx {
-    fn run(mut self, worker: WorkerLoop) {
+    /// Serves until stopped; hands the model and the queues back.
+    fn run(mut self, worker: WorkerLoop) -> (VsockModel, Vec<ActiveQueue>) {
         if let Err(e) = self.event_loop(&worker) {
             warn!("vsock: {e}; device needs reset");
             worker.park_needs_reset("vsock", self.interrupt.as_ref());
         }
+        (self.model, vec![self.rx, self.tx, self.ev])
     }
 
     fn event_loop(&mut self, worker: &WorkerLoop) -> Result<(), WorkerLoopError> {

@@ -172,6 +172,19 @@ impl Muxer {
         }
     }
 
+    /// The next local port tried for a host-initiated connection (kept
+    /// across a snapshot so a restored guest does not see the ports of
+    /// connections it may still remember reused at once).
+    pub fn next_port(&self) -> u32 {
+        self.next_port
+    }
+
+    /// Sets [`Self::next_port`] (from a snapshot); a port below
+    /// [`EPHEMERAL_PORT_FIRST`] is taken as that.
+    pub fn set_next_port(&mut self, port: u32) {
+        self.next_port = port.max(EPHEMERAL_PORT_FIRST);
+    }
+
     /// Whether a TRANSPORT_RESET event is owed to the guest; clears it.
     pub fn take_transport_reset(&mut self) -> bool {
         std::mem::take(&mut self.transport_reset_pending)

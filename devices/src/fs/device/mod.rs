@@ -23,6 +23,12 @@
 //! the device. A reset also ends the FUSE session (DESTROY semantics), so
 //! the driver's next INIT starts from a clean state.
 //!
+//! Snapshots: pausing stops the worker without ending the FUSE session;
+//! nothing beyond the queues is saved. A restored VM's device is built
+//! around the new start's [`SessionFs`] (its own grant table), so the
+//! snapshot must be taken before the guest mounted the share: a FUSE
+//! session (INIT, inodes, open files) does not survive a snapshot.
+//!
 //! Limits: one worker thread serves all queues, one request at a time; no
 //! DAX window (no shared-memory region) and no notification queue
 //! (`VIRTIO_FS_F_NOTIFICATION` is not offered).
@@ -30,7 +36,7 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use fuse_backend_rs::api::filesystem::FileSystem;
@@ -42,7 +48,9 @@ use vm_memory::{Address, Bytes};
 use vmm::seccomp::ThreadClass;
 use vmm::virtio::in_process::{DeviceCommon, InProcessDevice};
 use vmm::virtio::worker::{DeviceWorker, Wakeup, WorkerLoop, WorkerSetup};
-use vmm::virtio::{drain, features, ActivateError, ActiveQueue, GuestMemoryMmap, VirtioInterrupt};
+use vmm::virtio::{
+    drain, features, ActivateError, ActiveQueue, DeviceStateError, GuestMemoryMmap, VirtioInterrupt,
+};
 
 use super::SessionFs;
 
@@ -141,8 +149,12 @@ impl FsDeviceStats {
 
 /// The virtio-fs device model.
 pub struct FsDevice {
-    /// First, so it is stopped before the rest is dropped.
-    worker: DeviceWorker<()>,
+    /// First, so it is stopped before the rest is dropped. Hands the
+    /// queues back when stopped.
+    worker: DeviceWorker<Vec<ActiveQueue>>,
+    /// Set while the worker is being paused rather than stopped: it then
+    /// leaves the FUSE session alone.
+    pausing: Arc<AtomicBool>,
     /// Config space: the tag and the request queue count.
     common: DeviceCommon,
     fs: Arc<SessionFs>,
@@ -176,6 +188,7 @@ impl FsDevice {
         Ok(Self {
             // File system calls: the class with the file table.
             worker: DeviceWorker::with_class("virtio-fs", ThreadClass::FsWorker),
+            pausing: Arc::default(),
             common: DeviceCommon::new(
                 "virtio-fs",
                 FS_DEVICE_ID,
@@ -251,6 +264,7 @@ impl InProcessDevice for FsDevice {
             stats: self.stats.clone(),
             log_budget: self.log_budget.clone(),
             fs: self.fs.clone(),
+            pausing: self.pausing.clone(),
         };
         self.worker
             .start("virtio-fs", setup, move |worker| ctx.run(worker))
@@ -270,6 +284,19 @@ impl InProcessDevice for FsDevice {
             info!("virtio-fs device reset");
         }
         stopped
+    }
+
+    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+        self.pausing.store(true, Ordering::SeqCst);
+        let stopped = self.worker.stop();
+        self.pausing.store(false, Ordering::SeqCst);
+        match stopped {
+            Ok(queues) => Ok(queues.unwrap_or_default()),
+            Err(e) => Err(DeviceStateError::Stop {
+                device: "virtio-fs",
+                reason: e.to_string(),
+            }),
+        }
     }
 }
 
@@ -296,10 +323,13 @@ struct WorkerCtx {
     log_budget: Arc<AtomicU32>,
     /// Destroyed (the FUSE session ended) when the worker is stopped.
     fs: Arc<SessionFs>,
+    /// Set when the worker is paused, not stopped: the session stays.
+    pausing: Arc<AtomicBool>,
 }
 
 impl WorkerCtx {
-    fn run(mut self, worker: WorkerLoop) {
+    /// Serves until stopped; hands the queues back.
+    fn run(mut self, worker: WorkerLoop) -> Vec<ActiveQueue> {
         let events = self.queues.len() + 1;
         if let Err(e) = worker.serve(events, WorkerError::Epoll, |w| self.on_wakeup(w)) {
             error!("virtio-fs: {e}; the device needs a reset");
@@ -310,8 +340,12 @@ impl WorkerCtx {
         // would, so open files and inodes of this driver instance are
         // released. Here rather than in `stop`, which runs on the vCPU that
         // wrote the status register: re-importing the grant roots opens
-        // files, which only this thread's seccomp class may do.
-        FileSystem::destroy(&*self.fs);
+        // files, which only this thread's seccomp class may do. Not when
+        // paused: the driver's session goes on after the resume.
+        if !self.pausing.load(Ordering::SeqCst) {
+            FileSystem::destroy(&*self.fs);
+        }
+        self.queues
     }
 
     fn on_wakeup(&mut self, wakeup: Wakeup) -> Result<(), WorkerError> {
