@@ -22,6 +22,16 @@
 //! `COWORK_GUEST_THP=off`) maps without the advice or the alignment. The
 //! caller picks; nothing here reads the environment.
 //!
+//! A restored snapshot's RAM ([`map_snapshot`]) is a private,
+//! copy-on-write mapping of the snapshot's memory file
+//! (`MAP_PRIVATE | MAP_NORESERVE`): nothing is copied, a page comes in
+//! from the page cache when the guest first touches it, and the guest's
+//! writes go to anonymous memory, never to the file. Giving pages back
+//! ([`discard`]) then cannot use `MADV_DONTNEED`, which would bring the
+//! file's page back on the next touch: anonymous memory is mapped over the
+//! range instead (as Firecracker does). [`MappingKind`] tells the kinds
+//! apart.
+//!
 //! Limits: the alignment is best effort. Kernels since 6.7 align large
 //! anonymous mappings themselves; on older ones [`create`] leaves an
 //! aligned hole of the right size in the address space just before mapping,
@@ -33,7 +43,10 @@ use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
 
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
+};
 
 use crate::layout::{self, RamRange};
 
@@ -94,6 +107,191 @@ pub enum MemoryError {
     /// Region collection rejected the layout (a bug in `layout`).
     #[error("invalid guest memory layout: {0}")]
     Layout(String),
+    /// A snapshot's memory file does not have the RAM's size.
+    #[error("the snapshot memory file holds {file} bytes, the VM's RAM is {ram} bytes; discard the snapshot")]
+    SnapshotSize {
+        /// The file's length.
+        file: u64,
+        /// The RAM's size.
+        ram: u64,
+    },
+    /// Reading the snapshot memory file's metadata failed.
+    #[error("cannot inspect the snapshot memory file: {0}")]
+    SnapshotFile(std::io::Error),
+    /// Giving pages back failed.
+    #[error("cannot give back guest memory at host offset {offset:#x}+{len:#x} of its region ({how}): {source}")]
+    Discard {
+        /// Offset in the region.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// `MADV_DONTNEED`, `MADV_REMOVE` or `mmap(MAP_FIXED)`.
+        how: &'static str,
+        /// OS error (`EINVAL` for a range outside the region or not page
+        /// aligned).
+        source: std::io::Error,
+    },
+}
+
+/// How a region of guest RAM is mapped; it decides how [`discard`] gives
+/// pages back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MappingKind {
+    /// Private anonymous memory ([`Backing::Anonymous`],
+    /// [`Backing::AnonymousBasePages`]): `MADV_DONTNEED`.
+    Anonymous,
+    /// A shared file mapping ([`Backing::Memfd`]): `MADV_REMOVE` punches
+    /// the pages out of the file (a vhost-user backend mapping it too
+    /// sees zeroes).
+    SharedFile,
+    /// A private mapping of a file ([`map_snapshot`]): anonymous memory
+    /// mapped over the range, so the file's pages never come back.
+    PrivateFile,
+}
+
+impl MappingKind {
+    /// The kind of `region`.
+    pub fn of(region: &GuestRegionMmap<()>) -> MappingKind {
+        if region.file_offset().is_none() {
+            MappingKind::Anonymous
+        } else if region.flags() & libc::MAP_SHARED != 0 {
+            MappingKind::SharedFile
+        } else {
+            MappingKind::PrivateFile
+        }
+    }
+}
+
+/// Host page size, the granularity of [`discard`].
+const PAGE: u64 = 4096;
+
+/// Gives the host pages behind `[offset, offset + len)` of `region` back
+/// to the host, as its [`MappingKind`] requires; the guest reads zeroes
+/// there afterwards. The range must lie in the region and be page
+/// aligned. Returns how it was done.
+pub fn discard(
+    region: &GuestRegionMmap<()>,
+    offset: u64,
+    len: u64,
+) -> Result<&'static str, MemoryError> {
+    let kind = MappingKind::of(region);
+    let how = match kind {
+        MappingKind::Anonymous => "MADV_DONTNEED",
+        MappingKind::SharedFile => "MADV_REMOVE",
+        MappingKind::PrivateFile => "mmap(MAP_FIXED)",
+    };
+    let err = |source| MemoryError::Discard {
+        offset,
+        len,
+        how,
+        source,
+    };
+    let inside = offset
+        .checked_add(len)
+        .is_some_and(|end| end <= region.len());
+    if !inside || len == 0 || offset % PAGE != 0 || len % PAGE != 0 {
+        return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
+    }
+    let bytes =
+        usize::try_from(len).map_err(|_| err(std::io::Error::from_raw_os_error(libc::EINVAL)))?;
+    // `offset < region.len()`, which fits the address space.
+    let host = region.as_ptr().wrapping_add(offset as usize);
+    let rc = match kind {
+        MappingKind::Anonymous | MappingKind::SharedFile => {
+            let advice = if kind == MappingKind::Anonymous {
+                libc::MADV_DONTNEED
+            } else {
+                libc::MADV_REMOVE
+            };
+            // SAFETY: [host, host + bytes) lies inside the region's
+            // mapping, which lives as long as `region`. Guest memory is
+            // only accessed through volatile reads and writes, never
+            // through Rust references, so replacing its contents with
+            // zeroes breaks no aliasing rule.
+            unsafe { libc::madvise(host.cast(), bytes, advice) }
+        }
+        MappingKind::PrivateFile => {
+            // SAFETY: as above, the range lies inside the region's own
+            // mapping, which MAP_FIXED replaces in place (same protection,
+            // private and without swap reservation like the rest): the
+            // region's later munmap covers it, and KVM's MMU notifier drops
+            // the guest's mappings of the old pages.
+            let p = unsafe {
+                libc::mmap(
+                    host.cast(),
+                    bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                -1
+            } else {
+                0
+            }
+        }
+    };
+    if rc != 0 {
+        return Err(err(std::io::Error::last_os_error()));
+    }
+    Ok(how)
+}
+
+/// Maps a snapshot's memory file as `mem_mib` MiB of guest RAM: the
+/// regions of [`layout::ram_ranges`], in guest-physical order at
+/// consecutive offsets of `file`, each `MAP_PRIVATE | MAP_NORESERVE`
+/// (copy-on-write; see the module doc). The file must be exactly the
+/// RAM's size (a shorter one would fault the VMM with `SIGBUS`) and must
+/// not change while the VM lives (the snapshot writer only ever replaces
+/// files by renaming new ones over them).
+pub fn map_snapshot(mem_mib: u64, file: Arc<File>) -> Result<GuestRam, MemoryError> {
+    if !(layout::MIN_MEM_MIB..=layout::MAX_MEM_MIB).contains(&mem_mib) {
+        return Err(MemoryError::BadSize {
+            mib: mem_mib,
+            min: layout::MIN_MEM_MIB,
+            max: layout::MAX_MEM_MIB,
+        });
+    }
+    let size = mem_mib * layout::MIB;
+    let file_len = file.metadata().map_err(MemoryError::SnapshotFile)?.len();
+    if file_len != size {
+        return Err(MemoryError::SnapshotSize {
+            file: file_len,
+            ram: size,
+        });
+    }
+    let ranges = layout::ram_ranges(size);
+    let mut regions = Vec::with_capacity(ranges.len());
+    let mut file_off = 0u64;
+    for r in &ranges {
+        let len =
+            usize::try_from(r.len).map_err(|_| MemoryError::Layout("region too large".into()))?;
+        let map = MmapRegionBuilder::new(len)
+            .with_file_offset(FileOffset::from_arc(file.clone(), file_off))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|source| MemoryError::Mmap {
+                start: r.start,
+                len: r.len,
+                source,
+            })?;
+        file_off += r.len;
+        let region = GuestRegionMmap::new(map, GuestAddress(r.start))
+            .ok_or_else(|| MemoryError::Layout(format!("region {:#x} overflows", r.start)))?;
+        regions.push(region);
+    }
+    let mem =
+        GuestMemoryMmap::from_regions(regions).map_err(|e| MemoryError::Layout(e.to_string()))?;
+    Ok(GuestRam {
+        mem,
+        ranges,
+        size,
+        memfd: None,
+        huge_aligned: false,
+    })
 }
 
 /// Guest RAM plus what the rest of the machine needs to know about it.

@@ -1,7 +1,8 @@
 //! Dropping the host pages behind guest memory the guest reported free.
 //!
 //! [`HostMappingReleaser`] works on the VMM's own mapping of guest memory,
-//! as the memory kind needs:
+//! as the memory kind needs (`vmm::memory::MappingKind`; the work is
+//! `vmm::memory::discard`'s):
 //! * private anonymous memory (the vmm's default, `Backing::Anonymous`):
 //!   `madvise(MADV_DONTNEED)` frees the pages (and the transparent huge
 //!   pages a 2 MiB report covers) at once; the next guest access faults in
@@ -10,7 +11,12 @@
 //!   vhost-user backends): `MADV_DONTNEED` would only unmap the pages while
 //!   the memfd keeps them, so `madvise(MADV_REMOVE)` punches a hole in the
 //!   file (and unmaps the range in this process; a backend that mapped the
-//!   memfd too sees the hole as zeroes).
+//!   memfd too sees the hole as zeroes);
+//! * a private mapping of a snapshot's memory file (a restored VM):
+//!   `MADV_DONTNEED` would bring the *file's* page back on the next touch
+//!   (the guest would read stale data, and the page cache keeps it), so
+//!   fresh anonymous memory is mapped over the range (`MAP_FIXED`); the
+//!   next touch faults in a zero page.
 //!
 //! With KVM, the kernel's MMU notifier drops the guest's second-level
 //! mappings of the released pages too, so nothing else needs telling.
@@ -45,13 +51,15 @@ pub enum ReleaseError {
         len: u64,
     },
     /// madvise refused.
-    #[error("madvise({advice}) of guest range {gpa:#x}+{len:#x} failed: {source}; the host keeps those pages")]
+    #[error(
+        "{advice} of guest range {gpa:#x}+{len:#x} failed: {source}; the host keeps those pages"
+    )]
     Madvise {
         /// Guest-physical start.
         gpa: u64,
         /// Length in bytes.
         len: u64,
-        /// `MADV_DONTNEED` or `MADV_REMOVE`.
+        /// `MADV_DONTNEED`, `MADV_REMOVE` or `mmap(MAP_FIXED)`.
         advice: &'static str,
         /// OS error.
         source: io::Error,
@@ -79,29 +87,25 @@ impl MemoryReleaser for HostMappingReleaser {
         let host = region
             .get_host_address(MemoryRegionAddress(offset))
             .map_err(|_| ReleaseError::NotGuestMemory { gpa: gpa.0, len })?;
-        let bytes =
-            usize::try_from(len).map_err(|_| ReleaseError::NotGuestMemory { gpa: gpa.0, len })?;
         if host as usize % PAGE_SIZE as usize != 0 || len % PAGE_SIZE != 0 {
             return Err(ReleaseError::Unaligned { gpa: gpa.0, len });
         }
-        let (advice, name) = if region.file_offset().is_some() {
-            (libc::MADV_REMOVE, "MADV_REMOVE")
-        } else {
-            (libc::MADV_DONTNEED, "MADV_DONTNEED")
-        };
-        // SAFETY: [host, host + bytes) lies inside the region's mapping,
-        // which lives as long as `mem`. Guest memory is only ever accessed
-        // through volatile reads and writes, never through Rust references,
-        // so replacing its contents with zeroes breaks no aliasing rule.
-        let rc = unsafe { libc::madvise(host.cast(), bytes, advice) };
-        if rc != 0 {
-            return Err(ReleaseError::Madvise {
+        match vmm::memory::discard(region, offset, len) {
+            Ok(_) => Ok(()),
+            Err(vmm::memory::MemoryError::Discard { how, source, .. }) => {
+                Err(ReleaseError::Madvise {
+                    gpa: gpa.0,
+                    len,
+                    advice: how,
+                    source,
+                })
+            }
+            Err(e) => Err(ReleaseError::Madvise {
                 gpa: gpa.0,
                 len,
-                advice: name,
-                source: io::Error::last_os_error(),
-            });
+                advice: "discard",
+                source: io::Error::other(e.to_string()),
+            }),
         }
-        Ok(())
     }
 }

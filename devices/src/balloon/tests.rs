@@ -398,3 +398,44 @@ fn the_real_releaser_behind_the_model_zeroes_reported_pages() {
         2 * MIB
     );
 }
+
+#[test]
+fn host_mapping_releaser_never_brings_back_a_snapshots_pages() {
+    // A restored VM's RAM: a private mapping of a snapshot's memory file
+    // full of non-zero data.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("memory.bin");
+    std::fs::write(&path, vec![0x3cu8; 8 * MIB as usize]).unwrap();
+    let file = Arc::new(std::fs::File::open(&path).unwrap());
+    let m = vmm::memory::map_snapshot(8, file).unwrap().mem;
+    let region = m.find_region(GuestAddress(0)).unwrap();
+    assert_eq!(
+        vmm::memory::MappingKind::of(region),
+        vmm::memory::MappingKind::PrivateFile
+    );
+    let gpa = 2 * MIB;
+    // One page the guest wrote (copy-on-write), the rest as in the file.
+    m.write_obj(0x11u8, GuestAddress(gpa)).unwrap();
+    assert_eq!(m.read_obj::<u8>(GuestAddress(gpa + 8192)).unwrap(), 0x3c);
+    HostMappingReleaser
+        .release(&m, GuestAddress(gpa), 2 * MIB)
+        .unwrap();
+    // The released range reads zeroes, not the file's bytes, and keeps
+    // reading zeroes once written and released again.
+    let mut back = vec![0xffu8; 2 * MIB as usize];
+    m.read_slice(&mut back, GuestAddress(gpa)).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "the file's pages came back");
+    m.write_obj(0x22u8, GuestAddress(gpa + 4096)).unwrap();
+    HostMappingReleaser
+        .release(&m, GuestAddress(gpa), 2 * MIB)
+        .unwrap();
+    assert_eq!(m.read_obj::<u8>(GuestAddress(gpa + 4096)).unwrap(), 0);
+    // Outside the range: the file's bytes; the file itself is unchanged.
+    assert_eq!(m.read_obj::<u8>(GuestAddress(gpa - 1)).unwrap(), 0x3c);
+    assert_eq!(m.read_obj::<u8>(GuestAddress(gpa + 2 * MIB)).unwrap(), 0x3c);
+    let file = std::fs::read(&path).unwrap();
+    assert!(
+        file.iter().all(|&b| b == 0x3c),
+        "the snapshot file was written"
+    );
+}
