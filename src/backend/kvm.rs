@@ -232,6 +232,7 @@ impl fmt::Display for RunEnd {
             RunEnd::Exit(vmm::ExitReason::Shutdown) => f.write_str("the guest powered the VM off"),
             RunEnd::Exit(vmm::ExitReason::GuestError(e)) => write!(f, "the guest failed: {e}"),
             RunEnd::Exit(vmm::ExitReason::Stopped) => f.write_str("the host stopped the VM"),
+            RunEnd::Exit(vmm::ExitReason::Paused) => f.write_str("the host paused the VM"),
             RunEnd::Failed(e) => write!(f, "the VM failed: {e}"),
             RunEnd::Panicked => f.write_str("the VM thread ended without reporting (it panicked)"),
             RunEnd::StopTimedOut(waited) => write!(

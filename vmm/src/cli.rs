@@ -129,7 +129,8 @@ pub fn vm_run(args: VmRunArgs) -> i32 {
             eprintln!("vm: guest error: {msg}");
             EXIT_GUEST_FAILED
         }
-        Ok(ExitReason::Stopped) => {
+        // Nothing pauses a `vm run`; counted as a host stop.
+        Ok(ExitReason::Stopped) | Ok(ExitReason::Paused) => {
             eprintln!("vm: stopped by the host");
             EXIT_GUEST_FAILED
         }
@@ -168,6 +169,7 @@ pub fn format_timeline(t: &Timeline, reason: Option<&ExitReason>) -> String {
             Some(ExitReason::Shutdown) => "guest powered off".to_string(),
             Some(ExitReason::GuestError(_)) => "guest error".to_string(),
             Some(ExitReason::Stopped) => "stopped by host".to_string(),
+            Some(ExitReason::Paused) => "paused by host".to_string(),
             None => "VMM error".to_string(),
         };
         s += &format!("vm:   {} exit: {r}\n", ms(e));
@@ -329,6 +331,7 @@ mod tests {
             exit: Some(Duration::from_micros(3000)),
             teardown: Some(Duration::from_micros(20_000)),
             entry: Some(crate::boot::EntryKind::Pvh),
+            restore: None,
         };
         let s = format_timeline(&t, Some(&ExitReason::Reset));
         assert!(s.contains("1.500 ms built (PVH entry)"), "{s}");

@@ -2,9 +2,15 @@
 //! the machine and its devices (the i8042 reset line, the ACPI power-off
 //! register) and vCPUs use, so none of them imports another for it.
 //!
+//! A pause ([`ExitSignal::request_pause`]) is not an exit: it wakes the
+//! event loop without recording a reason, and `run()` returns
+//! [`ExitReason::Paused`] with the machine kept for a snapshot, a resume
+//! or a drop. An exit reason recorded meanwhile wins over the pause.
+//!
 //! Limits: the first reason recorded wins; later requests only wake the
 //! event loop again.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::sync::MutexExt;
@@ -29,6 +35,10 @@ pub enum ExitReason {
     GuestError(String),
     /// The host stopped the VM through a [`crate::StopHandle`].
     Stopped,
+    /// The host paused the VM through a [`crate::PauseHandle`]: every vCPU
+    /// is out of `KVM_RUN` and every device stopped, and the `Vm` is kept:
+    /// [`crate::Vm::snapshot`] it, `run()` it again to resume, or drop it.
+    Paused,
 }
 
 /// A one-shot "the VM should stop" signal: the first reason wins and the
@@ -36,6 +46,8 @@ pub enum ExitReason {
 #[derive(Debug)]
 pub struct ExitSignal {
     reason: Mutex<Option<ExitReason>>,
+    /// A pause was asked for and `run()` has not returned for it yet.
+    pause: AtomicBool,
     evt: EventFd,
 }
 
@@ -46,6 +58,7 @@ impl ExitSignal {
             EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(ExitError::EventFd)?;
         Ok(Arc::new(Self {
             reason: Mutex::new(None),
+            pause: AtomicBool::new(false),
             evt,
         }))
     }
@@ -61,6 +74,25 @@ impl ExitSignal {
         if let Err(e) = self.evt.write(1) {
             tracing::error!("cannot signal VM exit: {e}");
         }
+    }
+
+    /// Asks the running VM to pause (see the module doc) and wakes the
+    /// loop.
+    pub fn request_pause(&self) {
+        self.pause.store(true, Ordering::SeqCst);
+        if let Err(e) = self.evt.write(1) {
+            tracing::error!("cannot signal VM pause: {e}");
+        }
+    }
+
+    /// Whether a pause is asked for.
+    pub fn pause_requested(&self) -> bool {
+        self.pause.load(Ordering::SeqCst)
+    }
+
+    /// Clears the pause request (the VM has paused).
+    pub fn clear_pause(&self) {
+        self.pause.store(false, Ordering::SeqCst);
     }
 
     /// The recorded reason, if any.

@@ -12,7 +12,9 @@
 //! Module map: [`layout`] (addresses), [`memory`], [`boot`], [`cpuid`],
 //! [`acpi`], [`mptable`], [`devices`], [`exit`] (why a VM stops), [`bus`], [`vcpu`], [`machine`], [`seccomp`] (per-thread
 //! system call filters), [`threadfs`] (a thread's own umask),
-//! [`virtio`] (transport, separate work).
+//! [`virtio`] (transport, separate work), [`snapshot`] (pausing a VM to
+//! files and restoring it: [`machine::Vm::snapshot`],
+//! [`machine::Vm::restore`]).
 
 pub mod acpi;
 pub mod bench;
@@ -31,6 +33,7 @@ pub mod machine;
 pub mod memory;
 pub mod mptable;
 pub mod seccomp;
+pub mod snapshot;
 pub mod sparse;
 pub mod sync;
 pub mod threadfs;
@@ -38,4 +41,5 @@ pub mod vcpu;
 pub mod virtio;
 
 pub use exit::ExitReason;
-pub use machine::{Config, StopHandle, Vm, VmError};
+pub use machine::{Config, PauseHandle, StopHandle, Vm, VmError};
+pub use snapshot::{SnapshotError, SnapshotInfo};

@@ -15,10 +15,20 @@
 //! vCPU thread is joined and every fd the VM owned (KVM, VM, vCPUs,
 //! eventfds, guest memory) is closed — the `Vm` value then only holds the
 //! [`Timeline`]. Nothing here ever exits the process.
+//!
+//! Pausing: a [`PauseHandle`] makes `run()` stop every vCPU (each leaves
+//! `KVM_RUN` with its last exit completed and its thread is joined, the fd
+//! kept), pause every virtio device (its worker stopped, its queue
+//! positions back in its transport), end the event loop and return
+//! [`ExitReason::Paused`] with the machine intact: the caller may then
+//! [`Vm::snapshot`] it, `run()` it again (the devices resume before the
+//! first vCPU thread starts), or drop it. [`Vm::restore`] builds a machine
+//! from a snapshot instead of a kernel; it runs the same way (see
+//! [`crate::snapshot`]).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -38,10 +48,11 @@ use crate::bus::Bus;
 use crate::devices::acpi_pm::AcpiPm;
 use crate::devices::boot_timer::{BootMark, BootTimer};
 use crate::devices::i8042::I8042;
-use crate::devices::serial::{Serial, SerialSink};
+use crate::devices::serial::{Serial, SerialSink, SerialSnapshot};
 use crate::exit::{ExitReason, ExitSignal};
 use crate::memory::{self, Backing, GuestMemory, GuestRam};
 use crate::seccomp::{self, Filter, ThreadClass};
+use crate::snapshot::{self, kvm_state, RestorePhases, SnapshotError, SnapshotInfo};
 use crate::vcpu::{VcpuShared, VcpuThread};
 use crate::virtio::{MmioTransport, VirtioDevice};
 use crate::{cpuid, kvm_check, layout, mptable};
@@ -221,13 +232,69 @@ fn load_images(mem: &GuestMemory, kernel: &File, initrd: Option<&File>) -> Resul
 /// The vCPUs and devices of a VM being built ([`build_machine`]).
 struct MachineParts {
     vcpu_fds: Vec<VcpuFd>,
+    platform: Platform,
+    mmio: Bus,
+    transports: Vec<Arc<MmioTransport>>,
+}
+
+/// The platform devices on the port-I/O bus and what they signal through.
+struct Platform {
     exit: Arc<ExitSignal>,
     com1_irq: EventFd,
     serial: Arc<Serial>,
     boot_timer: Arc<BootTimer>,
     pio: Bus,
-    mmio: Bus,
-    transports: Vec<Arc<MmioTransport>>,
+}
+
+/// Creates the exit signal, COM1 (from `saved` when restoring, with its
+/// irqfd), the i8042, the boot-timing port and the ACPI sleep registers
+/// on a new port-I/O bus.
+fn platform(
+    vm_fd: &VmFd,
+    serial: Option<SerialSink>,
+    saved: Option<&SerialSnapshot>,
+    origin: Instant,
+) -> Result<Platform, VmError> {
+    let exit = ExitSignal::new()?;
+    let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
+        crate::devices::PlatformDeviceError::EventFd {
+            what: "COM1 interrupt",
+            source,
+        }
+    })?;
+    vm_fd
+        .register_irqfd(&com1_irq, layout::COM1_IRQ)
+        .map_err(ioctl("KVM_IRQFD (COM1)"))?;
+    let sink = serial.unwrap_or_else(|| Box::new(std::io::sink()));
+    let serial = Arc::new(match saved {
+        Some(state) => Serial::from_snapshot(&com1_irq, sink, state)?,
+        None => Serial::new(&com1_irq, sink)?,
+    });
+    let boot_timer = Arc::new(BootTimer::new(origin));
+    let mut pio = Bus::new();
+    pio.insert(
+        serial.clone(),
+        layout::COM1_PORT.into(),
+        layout::COM1_PORT_LEN.into(),
+    )?;
+    pio.insert(
+        Arc::new(I8042::new(exit.clone())),
+        layout::I8042_PORT.into(),
+        layout::I8042_PORT_LEN.into(),
+    )?;
+    pio.insert(boot_timer.clone(), layout::BOOT_TIMER_PORT.into(), 4)?;
+    pio.insert(
+        Arc::new(AcpiPm::new(exit.clone())),
+        layout::ACPI_SLEEP_CONTROL_PORT.into(),
+        2,
+    )?;
+    Ok(Platform {
+        exit,
+        com1_irq,
+        serial,
+        boot_timer,
+        pio,
+    })
 }
 
 /// Creates the vCPUs (CPUID, common registers; the boot vCPU's entry is
@@ -270,39 +337,7 @@ fn build_machine(
     }
 
     // Devices.
-    let exit = ExitSignal::new()?;
-    let com1_irq = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|source| {
-        crate::devices::PlatformDeviceError::EventFd {
-            what: "COM1 interrupt",
-            source,
-        }
-    })?;
-    vm_fd
-        .register_irqfd(&com1_irq, layout::COM1_IRQ)
-        .map_err(ioctl("KVM_IRQFD (COM1)"))?;
-    let serial = Arc::new(Serial::new(
-        &com1_irq,
-        serial.unwrap_or_else(|| Box::new(std::io::sink())),
-    )?);
-    let boot_timer = Arc::new(BootTimer::new(origin));
-    let mut pio = Bus::new();
-    pio.insert(
-        serial.clone(),
-        layout::COM1_PORT.into(),
-        layout::COM1_PORT_LEN.into(),
-    )?;
-    pio.insert(
-        Arc::new(I8042::new(exit.clone())),
-        layout::I8042_PORT.into(),
-        layout::I8042_PORT_LEN.into(),
-    )?;
-    pio.insert(boot_timer.clone(), layout::BOOT_TIMER_PORT.into(), 4)?;
-    pio.insert(
-        Arc::new(AcpiPm::new(exit.clone())),
-        layout::ACPI_SLEEP_CONTROL_PORT.into(),
-        2,
-    )?;
-
+    let platform = platform(vm_fd, serial, None, origin)?;
     let mut mmio = Bus::new();
     let mut transports = Vec::with_capacity(virtio_devices.len());
     for (i, (dev, slot)) in virtio_devices.into_iter().zip(slots).enumerate() {
@@ -310,11 +345,7 @@ fn build_machine(
     }
     Ok(MachineParts {
         vcpu_fds,
-        exit,
-        com1_irq,
-        serial,
-        boot_timer,
-        pio,
+        platform,
         mmio,
         transports,
     })
@@ -334,8 +365,11 @@ pub struct Timeline {
     /// How long stopping vCPUs, joining threads and closing the VM took
     /// (dominated by the kernel destroying the in-kernel irqchip and PIT).
     pub teardown: Option<Duration>,
-    /// Entry protocol used.
+    /// Entry protocol used (`None` for a restored VM).
     pub entry: Option<EntryKind>,
+    /// For a VM built by [`Vm::restore`]: how long each step took (their
+    /// sum is [`Timeline::build`], bar bookkeeping).
+    pub restore: Option<RestorePhases>,
 }
 
 /// Stops a running VM from any thread. Holds only a weak reference: once
@@ -358,11 +392,34 @@ impl StopHandle {
     }
 }
 
-/// Everything that holds an fd or a thread; dropped at the end of `run()`.
+/// Pauses a running VM from any thread (see the module doc). Holds only a
+/// weak reference: once the VM has finished, [`PauseHandle::pause`] does
+/// nothing.
+#[derive(Debug, Clone)]
+pub struct PauseHandle(Weak<ExitSignal>);
+
+impl PauseHandle {
+    /// Asks the running VM to pause; `run()` then returns
+    /// [`ExitReason::Paused`] (unless the guest exited or the VM was
+    /// stopped first). A request made while the VM is not running takes
+    /// effect as soon as it runs. Returns whether the VM was still alive.
+    pub fn pause(&self) -> bool {
+        match self.0.upgrade() {
+            Some(s) => {
+                s.request_pause();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Everything that holds an fd or a thread; dropped at the end of `run()`
+/// (kept while the VM is paused).
 struct Live {
-    _kvm: Kvm,
-    _vm_fd: VmFd,
-    _ram: GuestRam,
+    kvm: Kvm,
+    vm_fd: VmFd,
+    ram: GuestRam,
     vcpus: Vec<VcpuFd>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
@@ -377,6 +434,7 @@ struct Live {
 pub struct Vm {
     live: Option<Live>,
     stop: StopHandle,
+    pause: PauseHandle,
     origin: Instant,
     timeline: Timeline,
     cmdline: String,
@@ -467,20 +525,7 @@ impl Vm {
         let amx_perm = cpuid::request_amx_permission();
         let vm_fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
         let ram = memory::create(mem_mib, memory_backing)?;
-        for (slot, region) in ram.mem.iter().enumerate() {
-            let r = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: region.start_addr().0,
-                memory_size: region.len(),
-                userspace_addr: region.as_ptr() as u64,
-            };
-            // SAFETY: the region is a live mapping of exactly memory_size
-            // bytes owned by `ram`, which outlives the VM fd (both are
-            // dropped together in `Live`, VM fd first).
-            unsafe { vm_fd.set_user_memory_region(r) }
-                .map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
-        }
+        register_memory(&vm_fd, &ram)?;
         vm_fd
             .set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
             .map_err(ioctl("KVM_SET_IDENTITY_MAP_ADDR"))?;
@@ -535,11 +580,14 @@ impl Vm {
         let images = images?;
         let MachineParts {
             vcpu_fds,
-            exit,
-            com1_irq,
-            serial,
-            boot_timer,
-            pio,
+            platform:
+                Platform {
+                    exit,
+                    com1_irq,
+                    serial,
+                    boot_timer,
+                    pio,
+                },
             mmio,
             transports,
         } = machine?;
@@ -587,11 +635,12 @@ impl Vm {
             "VM built"
         );
         let stop = StopHandle(Arc::downgrade(&exit));
+        let pause = PauseHandle(Arc::downgrade(&exit));
         Ok(Vm {
             live: Some(Live {
-                _kvm: kvm,
-                _vm_fd: vm_fd,
-                _ram: ram,
+                kvm,
+                vm_fd,
+                ram,
                 vcpus: vcpu_fds,
                 pio: Arc::new(pio),
                 mmio: Arc::new(mmio),
@@ -602,6 +651,7 @@ impl Vm {
                 virtio: transports,
             }),
             stop,
+            pause,
             origin,
             timeline: Timeline {
                 build,
@@ -616,6 +666,17 @@ impl Vm {
     /// A handle another thread can use to stop [`Vm::run`].
     pub fn stop_handle(&self) -> StopHandle {
         self.stop.clone()
+    }
+
+    /// A handle another thread can use to pause [`Vm::run`].
+    pub fn pause_handle(&self) -> PauseHandle {
+        self.pause.clone()
+    }
+
+    /// Guest memory, while the VM holds it (not after it finished).
+    /// Cloning it keeps the mapping alive.
+    pub fn guest_memory(&self) -> Option<&GuestMemory> {
+        self.live.as_ref().map(|l| &l.ram.mem)
     }
 
     /// The command line the guest got (with the virtio entries appended).
@@ -647,8 +708,10 @@ impl Vm {
             seccomp::Mode::Off => self.run_live(live, None),
             mode => self.run_filtered(live, mode),
         };
-        if let Some(exit) = self.timeline.exit {
-            self.timeline.teardown = Some(self.origin.elapsed().saturating_sub(exit));
+        if self.live.is_none() {
+            if let Some(exit) = self.timeline.exit {
+                self.timeline.teardown = Some(self.origin.elapsed().saturating_sub(exit));
+            }
         }
         result
     }
@@ -688,6 +751,11 @@ impl Vm {
         em.add_subscriber(Arc::new(Mutex::new(ExitWatcher {
             exit: live.exit.clone(),
         })));
+        // Devices paused by an earlier run, or restored from a snapshot,
+        // serve again before any vCPU runs.
+        for t in &live.virtio {
+            t.resume();
+        }
 
         let stop = Arc::new(AtomicBool::new(false));
         let first_run = Arc::new(OnceLock::new());
@@ -699,7 +767,8 @@ impl Vm {
             first_run: first_run.clone(),
             seccomp: vcpu_filter,
         };
-        let mut threads = Vec::with_capacity(live.vcpus.len());
+        let vcpu_count = live.vcpus.len();
+        let mut threads = Vec::with_capacity(vcpu_count);
         let mut spawn_err = None;
         for (i, fd) in live.vcpus.drain(..).enumerate() {
             match VcpuThread::spawn(i as u8, fd, shared.clone()) {
@@ -713,7 +782,7 @@ impl Vm {
 
         let mut loop_err = None;
         if spawn_err.is_none() {
-            while live.exit.reason().is_none() {
+            while live.exit.reason().is_none() && !live.exit.pause_requested() {
                 if let Err(e) = em.run() {
                     loop_err = Some(VmError::EventManager(e));
                     break;
@@ -729,21 +798,51 @@ impl Vm {
         for t in &threads {
             t.kick();
         }
+        let mut vcpu_fds = Vec::with_capacity(vcpu_count);
         for t in threads {
             // A thread may have been between its flag check and KVM_RUN
             // when kicked; immediate_exit covers that, so one kick suffices.
-            if let Err(e) = t.join() {
-                join_err.get_or_insert(e);
+            match t.join() {
+                Ok(fd) => vcpu_fds.push(fd),
+                Err(e) => {
+                    join_err.get_or_insert(e);
+                }
             }
         }
         live.serial.flush();
+        if let Some(t) = first_run.get() {
+            self.timeline.first_run = Some(t.duration_since(self.origin));
+        }
+        self.timeline.boot_marks = live.boot_timer.marks();
+        let reason = live.exit.reason();
+        let paused = reason.is_none()
+            && live.exit.pause_requested()
+            && spawn_err.is_none()
+            && loop_err.is_none()
+            && join_err.is_none()
+            && vcpu_fds.len() == vcpu_count;
+        if paused {
+            live.exit.clear_pause();
+            for (slot, t) in live.virtio.iter().enumerate() {
+                if let Err(e) = t.pause() {
+                    tracing::warn!(
+                        slot,
+                        "virtio device not paused: {e}; this VM cannot be snapshotted"
+                    );
+                }
+            }
+            live.vcpus = vcpu_fds;
+            drop(em);
+            drop(shared);
+            tracing::info!(at_us = exit_at.as_micros() as u64, "VM paused");
+            self.live = Some(live);
+            return Ok(ExitReason::Paused);
+        }
+        drop(vcpu_fds);
         // Stop device workers (joins their threads).
         for t in &live.virtio {
             t.shutdown();
         }
-        self.timeline.first_run = first_run.get().map(|t| t.duration_since(self.origin));
-        self.timeline.boot_marks = live.boot_timer.marks();
-        let reason = live.exit.reason();
         drop(em);
         drop(shared);
         drop(live);
@@ -760,6 +859,360 @@ impl Vm {
         }
         Ok(reason.unwrap_or(ExitReason::Stopped))
     }
+}
+
+impl Vm {
+    /// Saves this VM into `dir` (created 0700 if missing) as a snapshot
+    /// whose state file carries `key`, which [`Vm::restore`] must be given
+    /// again (the caller's identity of the machine: kernel, images,
+    /// command line, shape, host, helper build). The VM must be paused
+    /// ([`PauseHandle`], `run()` returned [`ExitReason::Paused`]) or never
+    /// have run. What is saved and in which order, and how the files are
+    /// committed, is in [`crate::snapshot`]. The vsock device resets its
+    /// connections here. Afterwards the VM can `run()` again (resume) or be
+    /// dropped. On error nothing a later restore would use is left behind
+    /// (a previous snapshot in `dir` stays in force).
+    pub fn snapshot(&mut self, dir: &Path, key: &str) -> Result<SnapshotInfo, SnapshotError> {
+        let began = Instant::now();
+        let live = self
+            .live
+            .as_mut()
+            .ok_or(SnapshotError::NotPaused("finished"))?;
+        // Every device must be saveable before anything changes.
+        for (slot, t) in live.virtio.iter().enumerate() {
+            if t.is_activated() && !t.is_paused() {
+                return Err(SnapshotError::Device {
+                    slot,
+                    source: crate::virtio::DeviceStateError::Stop {
+                        device: "virtio",
+                        reason: "the device did not pause (see the log); it cannot be saved".into(),
+                    },
+                });
+            }
+        }
+        if key.len() > snapshot::file::MAX_KEY_BYTES {
+            return Err(snapshot::file::StateFileError::TooLong {
+                what: "key",
+                len: key.len() as u64,
+                max: snapshot::file::MAX_KEY_BYTES as u64,
+            }
+            .into());
+        }
+        snapshot::prepare_dir(dir)?;
+
+        // vCPUs (each in the order of kvm_state), then the VM, then devices.
+        let msrs = kvm_state::msr_list(&live.kvm)?;
+        let xsave = kvm_state::xsave_size(&live.vm_fd);
+        let mut vcpu_states = Vec::with_capacity(live.vcpus.len());
+        for (i, fd) in live.vcpus.iter().enumerate() {
+            vcpu_states.push(kvm_state::save_vcpu(i as u8, fd, &msrs, xsave)?);
+        }
+        let vm = kvm_state::save_vm(&live.vm_fd)?;
+        let serial = live.serial.snapshot();
+        let mut devices = Vec::with_capacity(live.virtio.len());
+        for (slot, t) in live.virtio.iter().enumerate() {
+            devices.push(
+                t.save_state()
+                    .map_err(|source| SnapshotError::Device { slot, source })?,
+            );
+        }
+        let state_time = began.elapsed();
+
+        // Memory last: saving a device may still write to it.
+        let memory = snapshot::write_memory(dir, &live.ram.mem, live.ram.size)?;
+        let memory_time = began.elapsed() - state_time;
+        let state = snapshot::VmState {
+            memory_file: memory.name.clone(),
+            mem_mib: live.ram.size / layout::MIB,
+            vcpus: u8::try_from(live.vcpus.len()).unwrap_or(u8::MAX),
+            cmdline: self.cmdline.clone(),
+            vcpu_states,
+            vm,
+            serial,
+            devices,
+        };
+        let (state_file, state_bytes) = match snapshot::write_state(dir, key, &state) {
+            Ok(written) => written,
+            Err(e) => {
+                let _ = std::fs::remove_file(&memory.path);
+                return Err(e);
+            }
+        };
+        snapshot::remove_stale(dir, &memory.name);
+        let info = SnapshotInfo {
+            state_file,
+            memory_bytes: live.ram.size,
+            memory_data_bytes: memory.data_bytes,
+            memory_disk_bytes: snapshot::disk_bytes(&memory.path),
+            memory_file: memory.path,
+            state_bytes,
+            state_time,
+            memory_time,
+            total_time: began.elapsed(),
+        };
+        tracing::info!(
+            dir = %dir.display(),
+            state_bytes,
+            memory_data_mib = info.memory_data_bytes >> 20,
+            memory_disk_mib = info.memory_disk_bytes >> 20,
+            state_ms = state_time.as_secs_f64() * 1e3,
+            total_ms = info.total_time.as_secs_f64() * 1e3,
+            "VM snapshot taken"
+        );
+        Ok(info)
+    }
+
+    /// Builds the VM `config` describes from the snapshot in `dir`
+    /// instead of booting it: `key` must be the one the snapshot was taken
+    /// with, and the machine's shape (vCPUs, memory, command line, device
+    /// types and queues, in slot order) must be the snapshot's; the kernel
+    /// and initrd are not read. `config.virtio_devices` are the new VM's
+    /// devices, freshly built (new backends); each gets its saved
+    /// transport, queue and device state. Guest memory is mapped
+    /// copy-on-write from the memory file (`config.memory_backing` must
+    /// not be [`memory::Backing::Memfd`]). Nothing runs until [`Vm::run`],
+    /// which resumes the devices, then the vCPUs where they stopped. Any
+    /// failure is an error with nothing left open; the caller can boot
+    /// cold. Steps and order: [`crate::snapshot`].
+    pub fn restore(config: Config, dir: &Path, key: &str) -> Result<Vm, SnapshotError> {
+        let origin = Instant::now();
+        let mut phases = RestorePhases::default();
+        let mut mark = origin;
+        let mut lap = |slot: &mut Duration| {
+            let now = Instant::now();
+            *slot = now.duration_since(mark);
+            mark = now;
+        };
+        let Config {
+            kernel: _,
+            initrd: _,
+            cmdline,
+            mem_mib,
+            vcpus,
+            memory_backing,
+            serial,
+            virtio_devices,
+            seccomp,
+        } = config;
+
+        // The state file and the shape.
+        let state = snapshot::read_state(dir, key)?;
+        let shape = |what: &'static str, saved: String, config: String| {
+            if saved == config {
+                Ok(())
+            } else {
+                Err(SnapshotError::Shape {
+                    what,
+                    saved,
+                    config,
+                })
+            }
+        };
+        if memory_backing == memory::Backing::Memfd {
+            shape(
+                "guest memory backing",
+                "private".into(),
+                "a shared memfd".into(),
+            )?;
+        }
+        shape("vCPU count", state.vcpus.to_string(), vcpus.to_string())?;
+        shape(
+            "vCPU state count",
+            state.vcpu_states.len().to_string(),
+            vcpus.to_string(),
+        )?;
+        shape(
+            "memory (MiB)",
+            state.mem_mib.to_string(),
+            mem_mib.to_string(),
+        )?;
+        shape(
+            "virtio device count",
+            state.devices.len().to_string(),
+            virtio_devices.len().to_string(),
+        )?;
+        if vcpus == 0 || vcpus > layout::MAX_VCPUS {
+            return Err(VmError::Config(format!(
+                "vCPU count {vcpus} out of range 1..={}",
+                layout::MAX_VCPUS
+            ))
+            .into());
+        }
+        if virtio_devices.len() > layout::VIRTIO_MMIO_MAX_SLOTS {
+            return Err(VmError::Config(format!(
+                "{} virtio devices requested, at most {} slots exist",
+                virtio_devices.len(),
+                layout::VIRTIO_MMIO_MAX_SLOTS
+            ))
+            .into());
+        }
+        for (slot, (dev, saved)) in virtio_devices.iter().zip(&state.devices).enumerate() {
+            let sizes: Vec<u16> = saved.queues.iter().map(|q| q.max_size).collect();
+            if dev.device_type() != saved.device_type || dev.queue_max_sizes() != sizes {
+                return Err(SnapshotError::Shape {
+                    what: "virtio device",
+                    saved: format!(
+                        "slot {slot}: type {} with queues {sizes:?}",
+                        saved.device_type
+                    ),
+                    config: format!(
+                        "slot {slot}: type {} with queues {:?}",
+                        dev.device_type(),
+                        dev.queue_max_sizes()
+                    ),
+                });
+            }
+        }
+        let slots: Vec<MmioSlot> = (0..virtio_devices.len())
+            .map(|i| MmioSlot {
+                base: layout::virtio_mmio_slot_addr(i),
+                len: layout::VIRTIO_MMIO_SLOT_SIZE,
+                gsi: layout::virtio_mmio_slot_irq(i),
+            })
+            .collect();
+        let full_cmdline = full_cmdline(&cmdline, &slots);
+        shape("command line", state.cmdline.clone(), full_cmdline.clone())?;
+        let memory_file = Arc::new(snapshot::open_memory(dir, &state.memory_file)?);
+        lap(&mut phases.state);
+
+        // KVM: VM, platform pages, irqchip, PIT, vCPUs (as at build).
+        let kvm = kvm_check::check_capabilities().map_err(VmError::from)?;
+        let max = kvm.get_max_vcpus();
+        if usize::from(vcpus) > max {
+            return Err(
+                VmError::Config(format!("{vcpus} vCPUs requested, this KVM allows {max}")).into(),
+            );
+        }
+        let _ = cpuid::request_amx_permission();
+        let vm_fd = kvm.create_vm().map_err(ioctl("KVM_CREATE_VM"))?;
+        vm_fd
+            .set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(ioctl("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        vm_fd
+            .set_tss_address(layout::KVM_TSS_ADDRESS as usize)
+            .map_err(ioctl("KVM_SET_TSS_ADDR"))?;
+        vm_fd
+            .create_irq_chip()
+            .map_err(ioctl("KVM_CREATE_IRQCHIP"))?;
+        vm_fd
+            .create_pit2(kvm_pit_config {
+                flags: KVM_PIT_SPEAKER_DUMMY,
+                ..Default::default()
+            })
+            .map_err(ioctl("KVM_CREATE_PIT2"))?;
+        let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
+        for index in 0..vcpus {
+            vcpu_fds.push(
+                vm_fd
+                    .create_vcpu(u64::from(index))
+                    .map_err(ioctl("KVM_CREATE_VCPU"))?,
+            );
+        }
+        lap(&mut phases.kvm);
+
+        // Guest memory: the memory file, copy-on-write.
+        let ram = memory::map_snapshot(mem_mib, memory_file)?;
+        register_memory(&vm_fd, &ram)?;
+        lap(&mut phases.memory);
+
+        // vCPUs, then the VM's in-kernel devices.
+        let xsave = kvm_state::xsave_size(&vm_fd);
+        let tsc_khz = state.vcpu_states.first().and_then(|s| s.tsc_khz);
+        if kvm_state::match_tsc_khz(&vcpu_fds, tsc_khz)? {
+            tracing::info!(
+                tsc_khz,
+                "restored vCPUs run at the snapshot's TSC frequency"
+            );
+        }
+        for (i, (fd, s)) in vcpu_fds.iter().zip(&state.vcpu_states).enumerate() {
+            kvm_state::restore_vcpu(i as u8, fd, s, xsave)?;
+        }
+        lap(&mut phases.vcpus);
+        kvm_state::restore_vm(&vm_fd, &state.vm)?;
+        lap(&mut phases.vm);
+
+        // Devices last: nothing raises an interrupt before the irqchip and
+        // LAPICs hold their saved state.
+        let Platform {
+            exit,
+            com1_irq,
+            serial,
+            boot_timer,
+            pio,
+        } = platform(&vm_fd, serial, Some(&state.serial), origin)?;
+        let mut mmio = Bus::new();
+        let mut transports = Vec::with_capacity(virtio_devices.len());
+        for (i, ((dev, saved), slot)) in virtio_devices
+            .into_iter()
+            .zip(&state.devices)
+            .zip(&slots)
+            .enumerate()
+        {
+            let t = MmioTransport::restore(dev, ram.mem.clone(), saved)
+                .map_err(|source| SnapshotError::Transport { slot: i, source })?;
+            transports.push(attach_virtio(&vm_fd, &mut mmio, i, Arc::new(t), slot)?);
+        }
+        lap(&mut phases.devices);
+
+        let build = origin.elapsed();
+        tracing::info!(
+            restore_us = build.as_micros() as u64,
+            state_us = phases.state.as_micros() as u64,
+            kvm_us = phases.kvm.as_micros() as u64,
+            memory_us = phases.memory.as_micros() as u64,
+            vcpus_us = phases.vcpus.as_micros() as u64,
+            vm_us = phases.vm.as_micros() as u64,
+            devices_us = phases.devices.as_micros() as u64,
+            vcpus,
+            mem_mib,
+            "VM restored from a snapshot"
+        );
+        let stop = StopHandle(Arc::downgrade(&exit));
+        let pause = PauseHandle(Arc::downgrade(&exit));
+        Ok(Vm {
+            live: Some(Live {
+                kvm,
+                vm_fd,
+                ram,
+                vcpus: vcpu_fds,
+                pio: Arc::new(pio),
+                mmio: Arc::new(mmio),
+                exit,
+                serial,
+                boot_timer,
+                _com1_irq: com1_irq,
+                virtio: transports,
+            }),
+            stop,
+            pause,
+            origin,
+            timeline: Timeline {
+                build,
+                restore: Some(phases),
+                ..Default::default()
+            },
+            cmdline: full_cmdline,
+            seccomp,
+        })
+    }
+}
+
+/// Registers every region of `ram` as a KVM memory slot.
+fn register_memory(vm_fd: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
+    for (slot, region) in ram.mem.iter().enumerate() {
+        let r = kvm_userspace_memory_region {
+            slot: slot as u32,
+            flags: 0,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: region.as_ptr() as u64,
+        };
+        // SAFETY: the region is a live mapping of exactly memory_size
+        // bytes owned by `ram`, which outlives the VM fd (both are
+        // dropped together in `Live`, VM fd first).
+        unsafe { vm_fd.set_user_memory_region(r) }.map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
+    }
+    Ok(())
 }
 
 /// The command line plus one `virtio_mmio.device=<size>@<base>:<irq>` per
@@ -788,8 +1241,25 @@ fn wire_virtio(
     slot: &MmioSlot,
     mem: &GuestMemory,
 ) -> Result<Arc<MmioTransport>, VmError> {
+    let t = Arc::new(
+        MmioTransport::new(dev, mem.clone()).map_err(|e| VmError::Virtio {
+            slot: i,
+            msg: e.to_string(),
+        })?,
+    );
+    attach_virtio(vm_fd, mmio, i, t, slot)
+}
+
+/// Puts transport `t` at `slot` (index `i`): its register window on the
+/// MMIO bus, an ioeventfd per queue, its irqfd.
+fn attach_virtio(
+    vm_fd: &VmFd,
+    mmio: &mut Bus,
+    i: usize,
+    t: Arc<MmioTransport>,
+    slot: &MmioSlot,
+) -> Result<Arc<MmioTransport>, VmError> {
     let verr = |msg: String| VmError::Virtio { slot: i, msg };
-    let t = Arc::new(MmioTransport::new(dev, mem.clone()).map_err(|e| verr(e.to_string()))?);
     mmio.insert(t.clone(), slot.base, slot.len)?;
     for (evt, addr, q) in t.ioeventfds(slot.base) {
         debug_assert_eq!(addr, slot.base + layout::VIRTIO_MMIO_QUEUE_NOTIFY);

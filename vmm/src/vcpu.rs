@@ -9,6 +9,15 @@
 //! userspace (the loop checks the flag before re-entering). The signal
 //! handler itself does nothing.
 //!
+//! Leaving the loop on the stop flag, a thread enters `KVM_RUN` once more
+//! with `immediate_exit` set: KVM then completes an I/O or MMIO exit that
+//! was already handled here (an `IN` whose value it has not stored in the
+//! guest's register yet) and returns at once, so the vCPU's saved state
+//! is consistent (the KVM API's advice before saving a vCPU). A joined
+//! thread hands its vCPU fd back ([`VcpuThread::join`]), and a new thread
+//! can run it again (a paused VM resuming): it clears `immediate_exit`
+//! first.
+//!
 //! Guest-triggered terminations (KVM system events, entry failures, internal
 //! errors, triple faults) are reported through the VM's
 //! [`ExitSignal`]; the event loop then kicks
@@ -118,6 +127,8 @@ impl VcpuThread {
         // The caller (the event loop) may be filtered: its filter must not
         // be inherited, the thread installs the vCPU one itself.
         let handle = crate::seccomp::spawn_unfiltered(builder, move || {
+            // A previous run's kick may have left it set.
+            vcpu.set_kvm_immediate_exit(0);
             // Before the guest runs: every exit it causes is handled
             // under the filter.
             if let Some(filter) = &shared.seccomp {
@@ -158,15 +169,9 @@ impl VcpuThread {
         self.handle.is_finished()
     }
 
-    /// Waits for the thread, then closes its vCPU fd.
-    pub fn join(self) -> Result<(), VcpuError> {
-        match self.handle.join() {
-            Ok(vcpu) => {
-                drop(vcpu);
-                Ok(())
-            }
-            Err(_) => Err(VcpuError::Panicked(self.id)),
-        }
+    /// Waits for the thread and hands its vCPU fd back.
+    pub fn join(self) -> Result<VcpuFd, VcpuError> {
+        self.handle.join().map_err(|_| VcpuError::Panicked(self.id))
     }
 }
 
@@ -183,9 +188,24 @@ const SYSTEM_EVENT_RESET: u32 = 2;
 /// KVM_SYSTEM_EVENT_CRASH.
 const SYSTEM_EVENT_CRASH: u32 = 3;
 
+/// Lets KVM finish an exit already handled here without running guest
+/// code (see the module doc).
+fn complete_pending_exit(id: u8, vcpu: &mut VcpuFd) {
+    vcpu.set_kvm_immediate_exit(1);
+    match vcpu.run() {
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+        Err(e) => tracing::debug!(vcpu = id, "completing the last exit: {e}"),
+        Ok(exit) => tracing::debug!(
+            vcpu = id,
+            "unexpected exit completing the last one: {exit:?}"
+        ),
+    }
+}
+
 fn run_loop(id: u8, vcpu: &mut VcpuFd, sh: &VcpuShared) {
     loop {
         if sh.stop.load(Ordering::Acquire) {
+            complete_pending_exit(id, vcpu);
             break;
         }
         if id == 0 {

@@ -22,4 +22,7 @@ pub enum PlatformDeviceError {
         /// Cause.
         source: std::io::Error,
     },
+    /// A saved UART state is not one a 16550A can be in.
+    #[error("the saved COM1 state is invalid: {0}")]
+    SerialState(String),
 }

@@ -5,11 +5,17 @@
 //! into one write per line (or per 4 KiB) so a chatty guest costs one
 //! syscall per line instead of two per byte. The tail is flushed when the
 //! device is dropped or [`Serial::flush`] is called.
+//!
+//! Snapshots save the UART's registers and receive FIFO
+//! ([`SerialSnapshot`]): a guest's 8250 driver that had enabled the
+//! transmit interrupt must find it enabled after a restore, or its tty
+//! output would stall.
 
 use std::io::Write;
 use std::sync::Mutex;
 
-use vm_superio::serial::NoEvents;
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -89,6 +95,66 @@ impl Drop for LineSink {
 
 type Uart = vm_superio::Serial<IrqTrigger, NoEvents, LineSink>;
 
+/// The UART's registers and receive FIFO as a snapshot saves them
+/// (vm-superio's `SerialState`, mirrored to be serialisable).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialSnapshot {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt Enable Register.
+    pub interrupt_enable: u8,
+    /// Interrupt Identification Register.
+    pub interrupt_identification: u8,
+    /// Line Control Register.
+    pub line_control: u8,
+    /// Line Status Register.
+    pub line_status: u8,
+    /// Modem Control Register.
+    pub modem_control: u8,
+    /// Modem Status Register.
+    pub modem_status: u8,
+    /// Scratch Register.
+    pub scratch: u8,
+    /// Bytes received and not read yet (at most the FIFO's 64).
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<SerialState> for SerialSnapshot {
+    fn from(s: SerialState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialSnapshot> for SerialState {
+    fn from(s: &SerialSnapshot) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
 /// The COM1 device on the PIO bus.
 pub struct Serial(Mutex<Uart>);
 
@@ -105,6 +171,35 @@ impl Serial {
             IrqTrigger(irq),
             LineSink::new(sink),
         ))))
+    }
+
+    /// A UART in the saved state `saved`, raising its interrupt through
+    /// `irq` (at once, when the state has one pending) and printing to
+    /// `sink`.
+    pub fn from_snapshot(
+        irq: &EventFd,
+        sink: SerialSink,
+        saved: &SerialSnapshot,
+    ) -> Result<Self, PlatformDeviceError> {
+        let irq = irq
+            .try_clone()
+            .map_err(|source| PlatformDeviceError::EventFd {
+                what: "COM1",
+                source,
+            })?;
+        let uart = vm_superio::Serial::from_state(
+            &SerialState::from(saved),
+            IrqTrigger(irq),
+            NoEvents,
+            LineSink::new(sink),
+        )
+        .map_err(|e| PlatformDeviceError::SerialState(format!("{e:?}")))?;
+        Ok(Self(Mutex::new(uart)))
+    }
+
+    /// The UART's registers and receive FIFO.
+    pub fn snapshot(&self) -> SerialSnapshot {
+        self.0.locked().state().into()
     }
 
     /// Writes out any partial line.
