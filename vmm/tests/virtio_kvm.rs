@@ -14,8 +14,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,60 +23,6 @@ use vmm::layout;
 use vmm::virtio::mmio::{CONFIG_SPACE, STATUS};
 use vmm::virtio::testdev::{PatternDevice, CONFIG_COMPLETED, TEST_DEVICE_ID};
 use vmm::{Config, ExitReason, Vm};
-
-/// Compiles and links the C guest into an ELF (once per test process).
-fn build_c_guest() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("guests");
-            std::fs::create_dir_all(&dir).unwrap();
-            let src = common::guests_dir().join("virtio_driver.c");
-            let ld = common::guests_dir().join("virtio_driver.ld");
-            let elf = dir.join(format!("virtio_driver-{}.elf", std::process::id()));
-            let out = Command::new("gcc")
-                .args([
-                    "-O2",
-                    "-std=gnu11",
-                    "-Wall",
-                    "-Wextra",
-                    "-Werror",
-                    // Freestanding, kernel-like code generation.
-                    "-ffreestanding",
-                    "-fno-pic",
-                    "-fno-pie",
-                    "-no-pie",
-                    "-mno-red-zone",
-                    // Required by __attribute__((interrupt)); no FPU state
-                    // is set up in the guest anyway.
-                    "-mgeneral-regs-only",
-                    "-fno-stack-protector",
-                    "-fno-asynchronous-unwind-tables",
-                    "-fcf-protection=none",
-                    // Keep loops as loops (no implicit memset calls).
-                    "-fno-tree-loop-distribute-patterns",
-                    "-nostdlib",
-                    "-static",
-                    "-Wl,--build-id=none",
-                    "-Wl,-z,noexecstack",
-                    "-Wl,-z,max-page-size=4096",
-                    "-Wl,--no-warn-rwx-segments",
-                ])
-                .arg(format!("-Wl,-T,{}", ld.display()))
-                .arg("-o")
-                .arg(&elf)
-                .arg(&src)
-                .output()
-                .unwrap_or_else(|e| panic!("cannot run gcc: {e} (install gcc)"));
-            assert!(
-                out.status.success(),
-                "gcc failed:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            elf
-        })
-        .clone()
-}
 
 /// Runs `vm` with a host-side watchdog: a guest that never gets its
 /// interrupt halts forever, and the watchdog stops it.
@@ -116,7 +60,7 @@ fn field(line: &str, key: &str) -> u64 {
 #[test]
 fn guest_driver_uses_virtqueue_through_ioeventfd_and_irqfd() {
     let cap = Capture::default();
-    let mut c = Config::new(build_c_guest());
+    let mut c = Config::new(common::build_c_guest());
     c.cmdline = "virtio-driver-test".into();
     c.mem_mib = 64;
     c.serial = Some(Box::new(cap.clone()));

@@ -70,6 +70,60 @@ pub fn build_guest(name: &str) -> PathBuf {
     build_guest_in(name, &Path::new(env!("CARGO_TARGET_TMPDIR")).join("guests"))
 }
 
+/// Compiles and links the C guest into an ELF (once per test process).
+pub fn build_c_guest() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("guests");
+            std::fs::create_dir_all(&dir).unwrap();
+            let src = guests_dir().join("virtio_driver.c");
+            let ld = guests_dir().join("virtio_driver.ld");
+            let elf = dir.join(format!("virtio_driver-{}.elf", std::process::id()));
+            let out = Command::new("gcc")
+                .args([
+                    "-O2",
+                    "-std=gnu11",
+                    "-Wall",
+                    "-Wextra",
+                    "-Werror",
+                    // Freestanding, kernel-like code generation.
+                    "-ffreestanding",
+                    "-fno-pic",
+                    "-fno-pie",
+                    "-no-pie",
+                    "-mno-red-zone",
+                    // Required by __attribute__((interrupt)); no FPU state
+                    // is set up in the guest anyway.
+                    "-mgeneral-regs-only",
+                    "-fno-stack-protector",
+                    "-fno-asynchronous-unwind-tables",
+                    "-fcf-protection=none",
+                    // Keep loops as loops (no implicit memset calls).
+                    "-fno-tree-loop-distribute-patterns",
+                    "-nostdlib",
+                    "-static",
+                    "-Wl,--build-id=none",
+                    "-Wl,-z,noexecstack",
+                    "-Wl,-z,max-page-size=4096",
+                    "-Wl,--no-warn-rwx-segments",
+                ])
+                .arg(format!("-Wl,-T,{}", ld.display()))
+                .arg("-o")
+                .arg(&elf)
+                .arg(&src)
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run gcc: {e} (install gcc)"));
+            assert!(
+                out.status.success(),
+                "gcc failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            elf
+        })
+        .clone()
+}
+
 /// A serial sink whose contents tests can read while the VM runs.
 #[derive(Clone, Default)]
 pub struct Capture(pub Arc<Mutex<Vec<u8>>>);

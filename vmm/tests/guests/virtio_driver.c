@@ -29,6 +29,13 @@
  * The host test asserts the line. If no interrupt ever arrives the guest
  * stays halted and the host test's timeout stops the VM.
  *
+ * Loop mode (command line starting with "loop", for the snapshot test in
+ * vmm/tests/snapshot_kvm.rs): after step 6 it posts buffer after buffer
+ * forever instead, each on the next ring slot, halting until its interrupt
+ * brought the used index forward, checks each (slot, length, pattern) and
+ * prints "virtio-loop n=<hex>" for it; a check that fails prints
+ * "virtio-guest: FAIL ..." and resets.
+ *
  * Build (done by the test): gcc -O2 -ffreestanding -fno-pic -mno-red-zone
  * -mgeneral-regs-only -fno-tree-loop-distribute-patterns -nostdlib -static
  * -T virtio_driver.ld (see build_guest in virtio_kvm.rs).
@@ -218,6 +225,39 @@ static void __attribute__((noreturn)) finish(void)
 	outb(0x64, 0xfe);
 	for (;;)
 		__asm__ volatile("cli; hlt");
+}
+
+static void __attribute__((noreturn)) fail(const char *what, u64 v);
+
+/* Loop mode: buffer n (from 1) goes in descriptor and ring slot n % QSIZE. */
+static void __attribute__((noreturn)) run_loop(void)
+{
+	for (u32 n = 1;; n++) {
+		u16 slot = (u16)(n % QSIZE);
+		for (int i = 0; i < BUFLEN; i++)
+			buffer[i] = 0xee;
+		descs[slot].addr = (u64)buffer;
+		descs[slot].len = BUFLEN;
+		descs[slot].flags = VRING_DESC_F_WRITE;
+		descs[slot].next = 0;
+		avail.ring[slot] = slot;
+		barrier();
+		*(volatile u16 *)&avail.idx = (u16)(n + 1);
+		mb();
+		vw(MMIO_QUEUE_NOTIFY, 0);
+		while (*(volatile u16 *)&used.idx != (u16)(n + 1))
+			__asm__ volatile("sti; hlt; cli" ::: "memory");
+		if (used.ring[slot].id != slot)
+			fail("loop used id", used.ring[slot].id);
+		if (used.ring[slot].len != BUFLEN)
+			fail("loop used len", used.ring[slot].len);
+		for (int i = 0; i < BUFLEN; i++)
+			if (buffer[i] != (u8)(SEED + i))
+				fail("loop pattern byte", ((u64)i << 8) | buffer[i]);
+		puts("virtio-loop n=");
+		puthex(n);
+		putc('\n');
+	}
 }
 
 static void __attribute__((noreturn)) fail(const char *what, u64 v)
@@ -466,6 +506,8 @@ void guest_main(u64 boot_params)
 			fail("pattern byte", ((u64)i << 8) | buffer[i]);
 	if (vr(MMIO_CONFIG + 4) != 1)
 		fail("completed counter", vr(MMIO_CONFIG + 4));
+	if (cmdline[0] == 'l' && cmdline[1] == 'o' && cmdline[2] == 'o' && cmdline[3] == 'p')
+		run_loop();
 
 	/* Phase 2: a buffer outside guest RAM (the VMM gives us 64 MiB) must
 	 * make the device report DEVICE_NEEDS_RESET with a config interrupt,
