@@ -198,7 +198,7 @@ struct SavedStats {
 }
 
 impl BalloonStats {
-    fn save(&self) -> SavedStats {
+    fn saved(&self) -> SavedStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         SavedStats {
             reports: get(&self.reports),
@@ -210,7 +210,7 @@ impl BalloonStats {
         }
     }
 
-    fn load(&self, s: &SavedStats) {
+    fn set_saved(&self, s: &SavedStats) {
         let set = |c: &AtomicU64, v: u64| c.store(v, Ordering::Relaxed);
         set(&self.reports, s.reports);
         set(&self.ranges_released, s.ranges_released);
@@ -497,7 +497,7 @@ impl InProcessDevice for BalloonDevice {
         stopped
     }
 
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         match self.worker.stop() {
             Ok(queues) => Ok(queues.unwrap_or_default()),
             Err(e) => Err(DeviceStateError::Stop {
@@ -507,17 +507,17 @@ impl InProcessDevice for BalloonDevice {
         }
     }
 
-    fn save_state(
+    fn save(
         &mut self,
         _mem: &GuestMemoryMmap,
         _queues: &mut [Queue],
     ) -> Result<Vec<u8>, DeviceStateError> {
-        state::encode("balloon", &self.stats.save())
+        state::encode("balloon", &self.stats.saved())
     }
 
-    fn restore_state(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
+    fn load(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
         let saved: SavedStats = state::decode("balloon", bytes)?;
-        self.stats.load(&saved);
+        self.stats.set_saved(&saved);
         Ok(())
     }
 }

@@ -439,3 +439,62 @@ fn host_mapping_releaser_never_brings_back_a_snapshots_pages() {
         "the snapshot file was written"
     );
 }
+
+/// Paused, the device hands back the queues it served; its counters are
+/// what it saves, and a restored device reports on from there, on the
+/// reporting queue's next slot.
+#[test]
+fn pause_save_and_restore_keep_the_queues_and_counters() {
+    let rec = Arc::new(Recorder::default());
+    let mut dev = BalloonDevice::new(rec.clone());
+    assert!(dev.ack_features(dev.avail_features()));
+    let m = mem(MEM_SIZE);
+    let irq = Arc::new(CountingInterrupt::default());
+    let mut rings: Vec<Ring> = (0..NUM_QUEUES as u64)
+        .map(|i| {
+            Ring::new(
+                &m,
+                RING_BASE + i * 0x4000,
+                QUEUE_SIZE,
+                BUF_BASE + i * 0x1_0000,
+                0x1_0000,
+            )
+        })
+        .collect();
+    let mut kicks = Vec::new();
+    let mut queues = Vec::new();
+    for (i, ring) in rings.iter().enumerate() {
+        let (q, kick) = ring.active_queue(&m, i as u16);
+        queues.push(q);
+        kicks.push(kick);
+    }
+    dev.activate(m.clone(), irq.clone(), queues).unwrap();
+    let reporting = &mut rings[REPORTING_QUEUE as usize];
+    reporting.post(&m, &[(FREE_BASE, 2 * MIB as u32, true)]);
+    kicks[REPORTING_QUEUE as usize].write(1).unwrap();
+    assert_eq!(reporting.wait_used(&m), (0, 0));
+
+    let queues = VirtioDevice::pause(&mut dev).unwrap();
+    assert!(!dev.is_active());
+    assert_eq!(queues.len(), NUM_QUEUES);
+    let saved = VirtioDevice::save_state(&mut dev, &m, &mut []).unwrap();
+    drop(dev);
+
+    let mut dev = BalloonDevice::new(rec.clone());
+    assert!(dev.ack_features(dev.avail_features()));
+    assert!(dev.restore_state(&saved[1..]).is_err());
+    dev.restore_state(&saved).unwrap();
+    assert_eq!(dev.stats().bytes_released.load(Ordering::Relaxed), 2 * MIB);
+    assert_eq!(dev.stats().reports.load(Ordering::Relaxed), 1);
+    dev.resume(m.clone(), irq.clone(), queues).unwrap();
+    let reporting = &mut rings[REPORTING_QUEUE as usize];
+    reporting.post(&m, &[(FREE_BASE + 2 * MIB, 2 * MIB as u32, true)]);
+    kicks[REPORTING_QUEUE as usize].write(1).unwrap();
+    assert_eq!(reporting.wait_used(&m), (1, 0), "the next slot");
+    assert_eq!(
+        rec.take(),
+        vec![(FREE_BASE, 2 * MIB), (FREE_BASE + 2 * MIB, 2 * MIB)]
+    );
+    assert_eq!(dev.stats().bytes_released.load(Ordering::Relaxed), 4 * MIB);
+    assert!(dev.reset());
+}

@@ -488,7 +488,7 @@ impl InProcessDevice for BlkDevice {
     /// Nothing beyond the queue is saved: a restored VM's disk is the new
     /// device's backend (its config space, compared by the transport,
     /// tells the driver when the capacity changed).
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         match self.worker.pause() {
             Ok(Some((model, queue))) => {
                 self.model = Some(model);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_ring::VRING_DESC_F_NEXT;
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::virtio::VirtioDevice;
 
@@ -714,4 +714,67 @@ fn device_asks_for_reset_on_a_broken_ring() {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     assert!(dev.reset(), "the parked worker stops on reset");
+}
+
+/// A snapshot keeps the queue and swaps the disk: the paused device hands
+/// its queue back (positions included) and saves nothing else; a new
+/// device over another image resumes that queue, serves the next chain in
+/// the next used slot from *its* image, and its config space (another
+/// capacity) differs, which makes the transport tell the driver.
+#[test]
+fn a_snapshot_keeps_the_queue_and_swaps_the_disk() {
+    let t = tempfile::tempdir().unwrap();
+    let first = raw_file(t.path(), "first.img", DISK, 1);
+    let second = raw_file(t.path(), "second.img", 2 * DISK, 2);
+    let mut dev = BlkDevice::new(
+        Box::new(RawImage::open(&first).unwrap()),
+        &BlkConfig::new("d"),
+    )
+    .unwrap();
+    let m = mem(MEM_SIZE);
+    let irq = Arc::new(CountingInterrupt::default());
+    let mut ring = Ring::new(&m, RING_BASE, QSIZE, BUF_BASE, BUF_LEN);
+    let (queue, kick) = ring.active_queue(&m, 0);
+    dev.activate(m.clone(), irq.clone(), vec![queue]).unwrap();
+    let read_sector = |ring: &mut Ring, kick: &vmm_sys_util::eventfd::EventFd| {
+        let h = ring.buf(&m, &hdr(VIRTIO_BLK_T_IN, 0));
+        let d = ring.filled(&m, 512, 0);
+        let s = ring.filled(&m, 1, 0xee);
+        ring.post(&m, &[(h, 16, false), (d, 512, true), (s, 1, true)]);
+        kick.write(1).unwrap();
+        let used = ring.wait_used(&m);
+        assert_eq!(m.read_obj::<u8>(GuestAddress(s)).unwrap(), OK);
+        (used, m.read_obj::<u8>(GuestAddress(d)).unwrap())
+    };
+    assert_eq!(read_sector(&mut ring, &kick), ((0, 513), 1));
+
+    let mut queues = VirtioDevice::pause(&mut dev).unwrap();
+    assert!(!dev.is_active());
+    assert_eq!(queues.len(), 1);
+    assert_eq!(
+        (queues[0].queue.next_avail(), queues[0].queue.next_used()),
+        (1, 1)
+    );
+    let saved = VirtioDevice::save_state(&mut dev, &m, &mut []).unwrap();
+    assert!(saved.is_empty());
+    let config = dev.config_snapshot();
+    drop(dev);
+
+    let mut dev = BlkDevice::new(
+        Box::new(RawImage::open(&second).unwrap()),
+        &BlkConfig::new("d"),
+    )
+    .unwrap();
+    dev.restore_state(&saved).unwrap();
+    assert!(dev.restore_state(&[0]).is_err());
+    assert_ne!(dev.config_snapshot(), config, "another capacity");
+    let queue = queues.pop().unwrap();
+    let kick = queue.notify.try_clone().unwrap();
+    dev.resume(m.clone(), irq.clone(), vec![queue]).unwrap();
+    assert_eq!(
+        read_sector(&mut ring, &kick),
+        ((3, 513), 2),
+        "the next slot, from the new disk"
+    );
+    assert!(dev.reset());
 }

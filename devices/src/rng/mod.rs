@@ -281,7 +281,7 @@ impl InProcessDevice for RngDevice {
 
     /// Stateless beyond its queue: the queue comes back, a resume starts a
     /// fresh model (sharing the counters).
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         match self.worker.pause() {
             Ok(Some((_model, queue))) => Ok(vec![queue]),
             Ok(None) => Ok(Vec::new()),

@@ -123,3 +123,39 @@ fn fill_random_fills_large_buffers() {
     // Every 4 KiB page got bytes (a short getrandom would leave zero pages).
     assert!(b.chunks(4096).all(|p| p.iter().any(|&x| x != 0)));
 }
+
+/// Stateless beyond its queue: paused, the device hands the queue back
+/// with its positions and a resumed device goes on in the next slot.
+#[test]
+fn pause_and_resume_keep_the_queue() {
+    use virtio_queue::QueueT;
+    let mut dev = RngDevice::new();
+    let m = mem(MEM_SIZE);
+    let irq = Arc::new(CountingInterrupt::default());
+    let mut ring = Ring::new(&m, RING_BASE, QSIZE, BUF_BASE, BUF_LEN);
+    let (queue, kick) = ring.active_queue(&m, 0);
+    dev.activate(m.clone(), irq.clone(), vec![queue]).unwrap();
+    let a = ring.filled(&m, 16, 0);
+    ring.post(&m, &[(a, 16, true)]);
+    kick.write(1).unwrap();
+    assert_eq!(ring.wait_used(&m), (0, 16));
+    let queues = VirtioDevice::pause(&mut dev).unwrap();
+    assert!(!dev.is_active());
+    assert_eq!(queues[0].queue.next_used(), 1);
+    assert!(VirtioDevice::save_state(&mut dev, &m, &mut [])
+        .unwrap()
+        .is_empty());
+    let mut fresh = RngDevice::new();
+    fresh.restore_state(&[]).unwrap();
+    assert!(fresh.restore_state(&[1]).is_err());
+    fresh.resume(m.clone(), irq.clone(), queues).unwrap();
+    let b = ring.filled(&m, 8, 0);
+    ring.post(&m, &[(b, 8, true)]);
+    kick.write(1).unwrap();
+    assert_eq!(ring.wait_used(&m), (1, 8));
+    assert!(fresh.reset());
+    assert!(
+        VirtioDevice::pause(&mut fresh).unwrap().is_empty(),
+        "nothing to pause"
+    );
+}

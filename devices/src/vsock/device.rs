@@ -578,7 +578,7 @@ impl InProcessDevice for VsockDevice {
         self.worker.stop().is_ok()
     }
 
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         match self.worker.stop() {
             Ok(Some((model, queues))) => {
                 self.paused = Some(model);
@@ -589,7 +589,7 @@ impl InProcessDevice for VsockDevice {
         }
     }
 
-    fn resume(
+    fn resume_worker(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -618,7 +618,7 @@ impl InProcessDevice for VsockDevice {
         Ok(())
     }
 
-    fn save_state(
+    fn save(
         &mut self,
         mem: &GuestMemoryMmap,
         queues: &mut [Queue],
@@ -648,7 +648,7 @@ impl InProcessDevice for VsockDevice {
         state::encode(NAME, &saved)
     }
 
-    fn restore_state(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
+    fn load(&mut self, bytes: &[u8]) -> Result<(), DeviceStateError> {
         self.restored = Some(state::decode(NAME, bytes)?);
         Ok(())
     }

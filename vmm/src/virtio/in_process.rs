@@ -13,10 +13,10 @@
 //!   hostile, nothing here can panic on them;
 //! * config-space writes are ignored (logged at debug level).
 //!
-//! Snapshots: a face that supports them overrides [`InProcessDevice::pause`]
-//! (and, when it keeps state beyond its queues, `save_state`,
-//! `restore_state` and `resume`); the fixed config space is what
-//! [`VirtioDevice::config_snapshot`] reports.
+//! Snapshots: a face that supports them overrides
+//! [`InProcessDevice::pause_worker`] (and, when it keeps state beyond its
+//! queues, `save`, `load` and `resume_worker`); the fixed config space is
+//! what [`VirtioDevice::config_snapshot`] reports.
 //!
 //! Limits: the config space cannot change after construction (no
 //! config-change interrupts) and is never writable; a device that needs
@@ -106,14 +106,14 @@ pub trait InProcessDevice: Send {
 
     /// [`VirtioDevice::pause`]: stop the worker, keep the model, hand the
     /// queues back. The default refuses (no snapshot support).
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         Err(DeviceStateError::Unsupported {
             device_type: self.common().device_type,
         })
     }
 
     /// [`VirtioDevice::resume`]: serve again. The default starts afresh.
-    fn resume(
+    fn resume_worker(
         &mut self,
         mem: GuestMemoryMmap,
         interrupt: Arc<dyn VirtioInterrupt>,
@@ -123,7 +123,7 @@ pub trait InProcessDevice: Send {
     }
 
     /// [`VirtioDevice::save_state`]. The default saves nothing.
-    fn save_state(
+    fn save(
         &mut self,
         mem: &GuestMemoryMmap,
         queues: &mut [Queue],
@@ -134,7 +134,7 @@ pub trait InProcessDevice: Send {
 
     /// [`VirtioDevice::restore_state`]. The default accepts only "nothing
     /// saved".
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
+    fn load(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
         if state.is_empty() {
             Ok(())
         } else {
@@ -207,7 +207,7 @@ impl<T: InProcessDevice> VirtioDevice for T {
     }
 
     fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
-        InProcessDevice::pause(self)
+        self.pause_worker()
     }
 
     fn resume(
@@ -216,7 +216,7 @@ impl<T: InProcessDevice> VirtioDevice for T {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActiveQueue>,
     ) -> Result<(), ActivateError> {
-        InProcessDevice::resume(self, mem, interrupt, queues)
+        self.resume_worker(mem, interrupt, queues)
     }
 
     fn save_state(
@@ -224,11 +224,11 @@ impl<T: InProcessDevice> VirtioDevice for T {
         mem: &GuestMemoryMmap,
         queues: &mut [Queue],
     ) -> Result<Vec<u8>, DeviceStateError> {
-        InProcessDevice::save_state(self, mem, queues)
+        self.save(mem, queues)
     }
 
     fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceStateError> {
-        InProcessDevice::restore_state(self, state)
+        self.load(state)
     }
 
     /// The fixed config space (the transport compares it at restore).

@@ -286,7 +286,7 @@ impl InProcessDevice for FsDevice {
         stopped
     }
 
-    fn pause(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
+    fn pause_worker(&mut self) -> Result<Vec<ActiveQueue>, DeviceStateError> {
         self.pausing.store(true, Ordering::SeqCst);
         let stopped = self.worker.stop();
         self.pausing.store(false, Ordering::SeqCst);

@@ -632,3 +632,33 @@ fn a_corrupt_available_ring_asks_for_a_reset_and_reset_recovers() {
         assert_ne!(hdr.error, 0);
     }
 }
+
+/// Paused, the device keeps its FUSE session (the same device resumes
+/// where it was, no new INIT) and hands both queues back; a restored
+/// device around a new `SessionFs` resumes those queues and serves the
+/// guest's mount (INIT) from its own grant table.
+#[test]
+fn pause_keeps_the_session_and_a_restored_device_has_its_own_grants() {
+    let mut h = Harness::new();
+    h.init();
+    h.getattr_root_works();
+    let queues = VirtioDevice::pause(&mut h.dev).unwrap();
+    assert_eq!(queues.len(), 2);
+    assert!(!h.dev.is_active());
+    assert!(VirtioDevice::save_state(&mut h.dev, &h.mem, &mut [])
+        .unwrap()
+        .is_empty());
+    h.dev.resume(h.mem.clone(), h.irq.clone(), queues).unwrap();
+    h.getattr_root_works();
+
+    let queues = VirtioDevice::pause(&mut h.dev).unwrap();
+    let fs = Arc::new(SessionFs::new(SessionFsOptions::default()));
+    let mut dev = FsDevice::new(DEFAULT_TAG, 1, fs).unwrap();
+    assert!(dev.restore_state(&[1]).is_err());
+    dev.restore_state(&[]).unwrap();
+    h.dev = dev;
+    h.dev.resume(h.mem.clone(), h.irq.clone(), queues).unwrap();
+    h.init();
+    h.getattr_root_works();
+    assert_eq!(h.irq.needs_reset.load(Ordering::SeqCst), 0);
+}
