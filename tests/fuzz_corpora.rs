@@ -24,6 +24,7 @@ const TARGETS: &[(&str, Entry)] = &[
     ("fs", devices::fuzzing::fs),
     ("mmio", vmm::fuzzing::mmio),
     ("acpi", vmm::fuzzing::acpi),
+    ("snapshot_state", vmm::fuzzing::snapshot_state),
 ];
 
 /// Committed inputs: seeds (minimized corpora) and regressions (inputs
@@ -123,4 +124,5 @@ replay_tests! {
     replay_fs => "fs",
     replay_mmio => "mmio",
     replay_acpi => "acpi",
+    replay_snapshot_state => "snapshot_state",
 }

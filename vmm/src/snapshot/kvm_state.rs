@@ -421,17 +421,21 @@ pub fn match_tsc_khz(vcpus: &[VcpuFd], saved: Option<u32>) -> Result<bool, KvmSt
     Ok(true)
 }
 
-/// Restores vCPU `index` from `s` in the order of the module docs. `xsave`
-/// is this VM's [`xsave_size`].
-pub fn restore_vcpu(
-    index: u8,
-    fd: &VcpuFd,
-    s: &VcpuState,
-    xsave: usize,
-) -> Result<(), KvmStateError> {
-    let v = Some(index);
-    // Everything is decoded before the first ioctl: a bad structure leaves
-    // the vCPU untouched.
+/// A vCPU state decoded and checked, ready for the ioctls.
+struct DecodedVcpu {
+    cpuid: CpuId,
+    mp_state: kvm_mp_state,
+    regs: kvm_regs,
+    sregs: kvm_sregs,
+    xcrs: kvm_xcrs,
+    debugregs: kvm_debugregs,
+    lapic: kvm_lapic_state,
+    events: kvm_vcpu_events,
+}
+
+/// Decodes every structure of `s` and checks every count and size (for a
+/// VM whose XSAVE area is `xsave` bytes), touching no vCPU.
+fn decode_vcpu(s: &VcpuState, xsave: usize) -> Result<DecodedVcpu, KvmStateError> {
     if s.cpuid.len() > KVM_MAX_CPUID_ENTRIES {
         return Err(KvmStateError::Count {
             what: "CPUID entries",
@@ -449,12 +453,6 @@ pub fn restore_vcpu(
         got: entries.len(),
         max: KVM_MAX_CPUID_ENTRIES,
     })?;
-    let mp_state: kvm_mp_state = from_raw("MP state", &s.mp_state)?;
-    let regs: kvm_regs = from_raw("registers", &s.regs)?;
-    let sregs: kvm_sregs = from_raw("special registers", &s.sregs)?;
-    let xcrs: kvm_xcrs = from_raw("XCRs", &s.xcrs)?;
-    let debugregs: kvm_debugregs = from_raw("debug registers", &s.debugregs)?;
-    let lapic: kvm_lapic_state = from_raw("LAPIC", &s.lapic)?;
     let mut events: kvm_vcpu_events = from_raw("vCPU events", &s.events)?;
     events.flags |= VCPUEVENT_VALID_NMI_PENDING | VCPUEVENT_VALID_SIPI_VECTOR;
     if s.msrs.len() > MAX_MSRS {
@@ -471,19 +469,47 @@ pub fn restore_vcpu(
             host: host_xsave,
         });
     }
+    Ok(DecodedVcpu {
+        cpuid,
+        mp_state: from_raw("MP state", &s.mp_state)?,
+        regs: from_raw("registers", &s.regs)?,
+        sregs: from_raw("special registers", &s.sregs)?,
+        xcrs: from_raw("XCRs", &s.xcrs)?,
+        debugregs: from_raw("debug registers", &s.debugregs)?,
+        lapic: from_raw("LAPIC", &s.lapic)?,
+        events,
+    })
+}
 
-    fd.set_cpuid2(&cpuid).map_err(ioctl("KVM_SET_CPUID2", v))?;
-    fd.set_mp_state(mp_state)
+/// Checks what [`restore_vcpu`] checks before its first ioctl.
+pub fn check_vcpu(s: &VcpuState, xsave: usize) -> Result<(), KvmStateError> {
+    decode_vcpu(s, xsave).map(|_| ())
+}
+
+/// Restores vCPU `index` from `s` in the order of the module docs. `xsave`
+/// is this VM's [`xsave_size`]. Everything is decoded and checked before
+/// the first ioctl: a bad structure leaves the vCPU untouched.
+pub fn restore_vcpu(
+    index: u8,
+    fd: &VcpuFd,
+    s: &VcpuState,
+    xsave: usize,
+) -> Result<(), KvmStateError> {
+    let v = Some(index);
+    let d = decode_vcpu(s, xsave)?;
+    fd.set_cpuid2(&d.cpuid)
+        .map_err(ioctl("KVM_SET_CPUID2", v))?;
+    fd.set_mp_state(d.mp_state)
         .map_err(ioctl("KVM_SET_MP_STATE", v))?;
-    fd.set_regs(&regs).map_err(ioctl("KVM_SET_REGS", v))?;
-    fd.set_sregs(&sregs).map_err(ioctl("KVM_SET_SREGS", v))?;
+    fd.set_regs(&d.regs).map_err(ioctl("KVM_SET_REGS", v))?;
+    fd.set_sregs(&d.sregs).map_err(ioctl("KVM_SET_SREGS", v))?;
     set_xsave(index, fd, &s.xsave, xsave)?;
-    fd.set_xcrs(&xcrs).map_err(ioctl("KVM_SET_XCRS", v))?;
-    fd.set_debug_regs(&debugregs)
+    fd.set_xcrs(&d.xcrs).map_err(ioctl("KVM_SET_XCRS", v))?;
+    fd.set_debug_regs(&d.debugregs)
         .map_err(ioctl("KVM_SET_DEBUGREGS", v))?;
-    fd.set_lapic(&lapic).map_err(ioctl("KVM_SET_LAPIC", v))?;
+    fd.set_lapic(&d.lapic).map_err(ioctl("KVM_SET_LAPIC", v))?;
     write_msrs(index, fd, &s.msrs)?;
-    fd.set_vcpu_events(&events)
+    fd.set_vcpu_events(&d.events)
         .map_err(ioctl("KVM_SET_VCPU_EVENTS", v))?;
     match fd.kvmclock_ctrl() {
         Ok(()) => {}
@@ -574,9 +600,14 @@ pub fn save_vm(vm: &VmFd) -> Result<VmKvmState, KvmStateError> {
     })
 }
 
-/// Restores the PIT, the clock (flags cleared, module docs) and the three
-/// interrupt controllers, in that order.
-pub fn restore_vm(vm: &VmFd, s: &VmKvmState) -> Result<(), KvmStateError> {
+/// The VM state decoded and checked.
+struct DecodedVm {
+    pit: kvm_pit_state2,
+    clock: kvm_clock_data,
+    chips: Vec<kvm_irqchip>,
+}
+
+fn decode_vm(s: &VmKvmState) -> Result<DecodedVm, KvmStateError> {
     let pit: kvm_pit_state2 = from_raw("PIT state", &s.pit)?;
     let mut clock: kvm_clock_data = from_raw("clock", &s.clock)?;
     clock.flags = 0;
@@ -598,9 +629,22 @@ pub fn restore_vm(vm: &VmFd, s: &VmKvmState) -> Result<(), KvmStateError> {
         }
         chips.push(chip);
     }
-    vm.set_pit2(&pit).map_err(ioctl("KVM_SET_PIT2", None))?;
-    vm.set_clock(&clock).map_err(ioctl("KVM_SET_CLOCK", None))?;
-    for chip in &chips {
+    Ok(DecodedVm { pit, clock, chips })
+}
+
+/// Checks what [`restore_vm`] checks before its first ioctl.
+pub fn check_vm(s: &VmKvmState) -> Result<(), KvmStateError> {
+    decode_vm(s).map(|_| ())
+}
+
+/// Restores the PIT, the clock (flags cleared, module docs) and the three
+/// interrupt controllers, in that order.
+pub fn restore_vm(vm: &VmFd, s: &VmKvmState) -> Result<(), KvmStateError> {
+    let d = decode_vm(s)?;
+    vm.set_pit2(&d.pit).map_err(ioctl("KVM_SET_PIT2", None))?;
+    vm.set_clock(&d.clock)
+        .map_err(ioctl("KVM_SET_CLOCK", None))?;
+    for chip in &d.chips {
         vm.set_irqchip(chip)
             .map_err(ioctl("KVM_SET_IRQCHIP", None))?;
     }

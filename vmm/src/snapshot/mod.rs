@@ -393,6 +393,17 @@ pub(crate) fn write_memory(
     })
 }
 
+/// Whether `bytes` are all zero, 16 at a time (what the compiler turns
+/// into vector compares).
+fn is_zero(bytes: &[u8]) -> bool {
+    let chunks = bytes.chunks_exact(16);
+    let tail = chunks.remainder();
+    chunks.fold(0u128, |acc, c| {
+        acc | u128::from_ne_bytes(c.try_into().unwrap_or([0xff; 16]))
+    }) == 0
+        && tail.iter().all(|&b| b == 0)
+}
+
 /// Writes the runs of pages of `chunk` that are not all zeroes at
 /// `at` + their offset in `f`; returns the bytes written.
 fn write_nonzero_pages(f: &File, path: &Path, chunk: &[u8], at: u64) -> Result<u64, SnapshotError> {
@@ -402,7 +413,7 @@ fn write_nonzero_pages(f: &File, path: &Path, chunk: &[u8], at: u64) -> Result<u
     for p in 0..=pages {
         let nonzero = p < pages && {
             let page = &chunk[p * PAGE_SIZE..((p + 1) * PAGE_SIZE).min(chunk.len())];
-            page.iter().any(|&b| b != 0)
+            !is_zero(page)
         };
         match (nonzero, run) {
             (true, None) => run = Some(p),
@@ -489,6 +500,19 @@ pub(crate) fn open_memory(dir: &Path, name: &str) -> Result<File, SnapshotError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zero_pages() {
+        let mut page = vec![0u8; PAGE_SIZE];
+        assert!(is_zero(&page));
+        assert!(is_zero(&page[..17]));
+        for at in [0, 15, 16, 4095] {
+            page[at] = 1;
+            assert!(!is_zero(&page), "{at}");
+            page[at] = 0;
+        }
+        assert!(!is_zero(&[0, 0, 1]));
+    }
 
     #[test]
     fn memory_file_names() {

@@ -15,6 +15,12 @@
 //! KVM irqfd, and the machine registers each queue's notify `EventFd` as a KVM
 //! ioeventfd.
 //!
+//! Snapshots ([`state`]): a device pauses (its worker stops without a
+//! reset and hands its queues back with their ring positions), saves and
+//! restores its own state, and resumes; the transport saves and restores
+//! everything else and restores it around a freshly built device, so a
+//! restored VM gets new backends under the same guest-visible devices.
+//!
 //! Limits: split virtqueues only (no `VIRTIO_F_RING_PACKED`), modern (virtio
 //! 1.x, MMIO version 2) drivers only, no shared-memory regions, no per-queue
 //! reset (`VIRTIO_F_RING_RESET`), no notification data. Guest memory is a
