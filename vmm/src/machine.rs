@@ -193,6 +193,12 @@ pub enum VmError {
     AlreadyRan,
 }
 
+impl From<VmError> for SnapshotError {
+    fn from(e: VmError) -> Self {
+        SnapshotError::Build(Box::new(e))
+    }
+}
+
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Ioctl { what, source }
 }

@@ -172,15 +172,11 @@ pub enum SnapshotError {
         "the snapshot state names the memory file {0:?}, which is not a snapshot memory file name"
     )]
     MemoryFileName(String),
-    /// Building the restored machine failed.
+    /// Building the restored machine's KVM VM, platform devices or virtio
+    /// wiring failed (the machine's own error, boxed: this module sits
+    /// below the machine).
     #[error("cannot build the restored VM: {0}")]
-    Vm(#[source] Box<crate::machine::VmError>),
-}
-
-impl From<crate::machine::VmError> for SnapshotError {
-    fn from(e: crate::machine::VmError) -> Self {
-        SnapshotError::Vm(Box::new(e))
-    }
+    Build(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// What [`crate::Vm::snapshot`] wrote.
