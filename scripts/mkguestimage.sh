@@ -30,9 +30,10 @@ Builds, into the output directory:
                and mkinitramfs.sh's 'guest' module set (virtio mmio/pci, vsock, virtiofs,
                virtio-blk, virtio-rng, virtio-balloon, ext4)
                with their dependencies, decompressed, plus a modules.dep the agent loads
-               them from in dependency order; e2fsprogs' mke2fs as /sbin/mkfs.ext4
-               with its shared libraries and loader (the agent formats a blank session
-               disk with it; busybox's mke2fs only makes ext2)
+               them from in dependency order; e2fsprogs' mke2fs in /lib/cowork-mkfs
+               (mkfs.ext4 with its shared libraries, the loader as ld.so and
+               mke2fs.conf, flat: the agent formats a blank session disk with it after
+               the userland switch; busybox's mke2fs only makes ext2)
   rootfs.img   the default session userland: a read-only ext4 Debian tree without a journal,
                label cowork-rootfs (scripts/mkrootfs.sh; built once into the cache, a few
                minutes, then linked or copied from there)
@@ -143,16 +144,24 @@ else
 fi
 
 # --- mkfs.ext4 for the session disk -----------------------------------------------------------
-# The host's mke2fs under its ext4 name, with the libraries and loader ldd lists at their own
-# paths (busybox's applet links do not cover mkfs.ext4).
+# The host's mke2fs as one self-contained directory, MKFS_DIR: the program (mkfs.ext4), its
+# libraries, the dynamic loader (ld.so) and mke2fs.conf, all flat. The agent formats a blank
+# session disk after the host's Setup, when the initramfs is gone and the userland may have no
+# e2fsprogs: it copies this directory to /run first and runs the program through the loader
+# with --library-path (guest_agent::agent::sessiondisk). busybox's applet links do not cover
+# mkfs.ext4.
+MKFS_DIR=/lib/cowork-mkfs
 need_cmd ldd "install libc-bin"
 mke2fs_bin="$(PATH="$PATH:/usr/sbin:/sbin" command -v mke2fs || true)"
 [[ -n "$mke2fs_bin" && -x "$mke2fs_bin" ]] || die "mke2fs not found (apt-get install e2fsprogs)"
-mkfs_adds=(--add "$mke2fs_bin:/sbin/mkfs.ext4")
+mkfs_adds=(--add "$mke2fs_bin:$MKFS_DIR/mkfs.ext4")
 while read -r lib; do
-	mkfs_adds+=(--add "$(readlink -f "$lib"):$lib")
-done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\(\/[^ ]*\) (0x.*/\1/p')
-[[ -f /etc/mke2fs.conf ]] && mkfs_adds+=(--add /etc/mke2fs.conf:/etc/mke2fs.conf)
+	mkfs_adds+=(--add "$(readlink -f "$lib"):$MKFS_DIR/$(basename "$lib")")
+done < <(ldd "$mke2fs_bin" | sed -n 's/.*=> \(\/[^ ]*\).*/\1/p')
+loader="$(ldd "$mke2fs_bin" | sed -n 's/^[[:space:]]*\(\/[^ ]*ld-linux[^ ]*\) (0x.*/\1/p' | head -n1)"
+[[ -n "$loader" ]] || die "cannot find the dynamic loader of $mke2fs_bin (ldd)"
+mkfs_adds+=(--add "$(readlink -f "$loader"):$MKFS_DIR/ld.so")
+[[ -f /etc/mke2fs.conf ]] && mkfs_adds+=(--add /etc/mke2fs.conf:$MKFS_DIR/mke2fs.conf)
 
 # --- image ---------------------------------------------------------------------------------
 note "building the initramfs ($KERNEL_VERSION)"

@@ -49,7 +49,7 @@
 use std::ffi::CStr;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -74,6 +74,20 @@ pub const TAIL_LEN: u64 = 1024 * 1024;
 /// Programs tried, in order, to format the disk (e2fsprogs' mke2fs under
 /// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
 pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
+/// The guest image's self-contained mke2fs (`scripts/mkguestimage.sh`):
+/// `mkfs.ext4`, its libraries, the loader as [`MKFS_LOADER`] and
+/// `mke2fs.conf`, flat. Gone with the initramfs after a userland switch,
+/// so [`carry_mkfs`] copies it to [`MKFS_CARRIED`] first.
+pub const MKFS_BUNDLE: &str = "/lib/cowork-mkfs";
+/// Where the bundle is carried across the userland switch (`/run` moves
+/// with the switch).
+pub const MKFS_CARRIED: &str = "/run/cowork/mkfs";
+/// The loader's name inside a bundle.
+const MKFS_LOADER: &str = "ld.so";
+/// The program's name inside a bundle.
+const MKFS_PROGRAM: &str = "mkfs.ext4";
+/// The configuration's name inside a bundle.
+const MKFS_CONF: &str = "mke2fs.conf";
 /// Filesystem label given to the session disk.
 pub const FS_LABEL: &str = "cowork-sessions";
 /// Longest a format may take before it is killed.
@@ -107,7 +121,7 @@ pub enum SessionDiskError {
     Probe { dev: PathBuf, source: io::Error },
     #[error("session disk {0} holds data that is not an ext filesystem; it is left untouched (give the VM a fresh disk image to start over)")]
     Foreign(PathBuf),
-    #[error("no mkfs.ext4 in the guest image (looked for {}); rebuild it with scripts/mkguestimage.sh", MKFS_CANDIDATES.join(", "))]
+    #[error("no mkfs.ext4 in the guest image (looked for {MKFS_CARRIED}, {MKFS_BUNDLE}, {}); rebuild it with scripts/mkguestimage.sh", MKFS_CANDIDATES.join(", "))]
     NoMkfs,
     #[error("cannot run {mkfs}: {source}")]
     MkfsSpawn { mkfs: PathBuf, source: io::Error },
@@ -278,9 +292,51 @@ pub fn find_mkfs(candidates: &[&str]) -> Option<PathBuf> {
     candidates.iter().map(PathBuf::from).find(|p| p.is_file())
 }
 
-/// Formats `dev` as ext4 with `mkfs` (mke2fs), labelled [`FS_LABEL`].
+/// The first of `bundles` holding a whole mke2fs bundle (see
+/// [`MKFS_BUNDLE`]), as the program to run: its loader.
+pub fn find_bundle(bundles: &[&Path]) -> Option<PathBuf> {
+    bundles
+        .iter()
+        .find(|d| d.join(MKFS_LOADER).is_file() && d.join(MKFS_PROGRAM).is_file())
+        .map(|d| d.to_path_buf())
+}
+
+/// Copies the mke2fs bundle `from` to `to` (made 0755), so that it
+/// outlives the initramfs; an image without one is not an error.
+pub fn carry_mkfs(from: &Path, to: &Path) -> io::Result<bool> {
+    if !from.is_dir() {
+        return Ok(false);
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(MOUNT_DIR_MODE)
+        .create(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+    }
+    Ok(true)
+}
+
+/// The command that runs mke2fs: a bundle's program through its loader
+/// (`mkfs` names the bundle's directory), or `mkfs` itself.
+fn mkfs_command(mkfs: &Path) -> Command {
+    if mkfs.is_dir() {
+        let mut c = Command::new(mkfs.join(MKFS_LOADER));
+        c.arg("--library-path")
+            .arg(mkfs)
+            .arg(mkfs.join(MKFS_PROGRAM))
+            .env("MKE2FS_CONFIG", mkfs.join(MKFS_CONF));
+        c
+    } else {
+        Command::new(mkfs)
+    }
+}
+
+/// Formats `dev` as ext4 with `mkfs` (mke2fs, or a bundle's directory, see
+/// [`find_bundle`]), labelled [`FS_LABEL`].
 pub fn format(mkfs: &Path, dev: &Path) -> Result<(), SessionDiskError> {
-    let mut child = Command::new(mkfs)
+    let mut child = mkfs_command(mkfs)
         .args(["-t", "ext4", "-F", "-q", "-L", FS_LABEL])
         .arg(dev)
         .stdin(Stdio::null())
@@ -431,7 +487,9 @@ pub fn prepare(
         DiskContents::Unknown => return Err(SessionDiskError::Foreign(dev)),
         DiskContents::Blank if !tail_is_zero(&dev)? => return Err(SessionDiskError::Foreign(dev)),
         DiskContents::Blank => {
-            let mkfs = find_mkfs(mkfs_candidates).ok_or(SessionDiskError::NoMkfs)?;
+            let mkfs = find_bundle(&[Path::new(MKFS_CARRIED), Path::new(MKFS_BUNDLE)])
+                .or_else(|| find_mkfs(mkfs_candidates))
+                .ok_or(SessionDiskError::NoMkfs)?;
             tracing::info!(dev = %dev.display(), mkfs = %mkfs.display(), "formatting the blank session disk as ext4");
             format(&mkfs, &dev)?;
             true
@@ -614,6 +672,57 @@ mod tests {
             probe(&t.path().join("none")),
             Err(SessionDiskError::Probe { .. })
         ));
+    }
+
+    /// The image's layout: the host's mke2fs, its libraries and loader in
+    /// one directory, carried elsewhere, formats a disk through the loader.
+    #[test]
+    fn a_carried_mke2fs_bundle_formats_through_its_loader() {
+        let Some(mke2fs) = find_mkfs(&["/sbin/mke2fs", "/usr/sbin/mke2fs"]) else {
+            eprintln!("skipping: no mke2fs on this host");
+            return;
+        };
+        let d = tempfile::tempdir().unwrap();
+        let bundle = d.path().join("bundle");
+        std::fs::create_dir(&bundle).unwrap();
+        std::fs::copy(&mke2fs, bundle.join(MKFS_PROGRAM)).unwrap();
+        let ldd = Command::new("ldd").arg(&mke2fs).output().unwrap();
+        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+            let path = line
+                .split("=>")
+                .nth(1)
+                .unwrap_or(line)
+                .split_whitespace()
+                .next()
+                .unwrap_or("");
+            if !path.starts_with('/') {
+                continue;
+            }
+            let name = if path.contains("ld-linux") {
+                MKFS_LOADER.to_string()
+            } else {
+                Path::new(path)
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            std::fs::copy(path, bundle.join(name)).unwrap();
+        }
+        let carried = d.path().join("run/cowork/mkfs");
+        assert!(carry_mkfs(&bundle, &carried).unwrap());
+        assert!(!carry_mkfs(&d.path().join("none"), &carried).unwrap());
+        assert_eq!(
+            find_bundle(&[&d.path().join("none"), &carried]),
+            Some(carried.clone())
+        );
+        let img = d.path().join("disk.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        format(&carried, &img).unwrap();
+        assert_eq!(probe(&img).unwrap(), DiskContents::Ext);
     }
 
     #[test]
