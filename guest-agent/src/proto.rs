@@ -260,7 +260,29 @@ pub struct Hello {
     /// init (absent otherwise, and from agents that predate it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_disk: Option<SessionDiskInfo>,
+    /// [`Hello::TEMPLATE`] for a VM's init whose userland is up but which
+    /// holds nothing per boot yet: the host may snapshot the machine now,
+    /// and answers with [`HostMessage::Setup`], after which the agent
+    /// finishes its boot and says its final hello (no phase). Absent in
+    /// the final hello, and from a sandbox's or plain agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
 }
+
+impl Hello {
+    /// The phase of a VM's first hello (see [`Hello::phase`]).
+    pub const TEMPLATE: &'static str = "template";
+
+    /// Whether this is a VM's template hello.
+    pub fn is_template(&self) -> bool {
+        self.phase.as_deref() == Some(Self::TEMPLATE)
+    }
+}
+
+/// Bytes of host entropy in a [`HostMessage::Setup`] payload: the kernel
+/// reseeds its RNG from them (a restored machine must not repeat another
+/// restore's random numbers).
+pub const SETUP_ENTROPY_BYTES: usize = 64;
 
 /// The session disk as a VM's agent found it at boot (see
 /// `agent::sessiondisk`).
@@ -477,6 +499,15 @@ pub enum Op {
 pub enum HostMessage {
     /// A request; the agent answers with a `Response` of the same id.
     Request { id: u64, op: Op },
+    /// The answer to a template hello ([`Hello::TEMPLATE`]): what this boot
+    /// is, as opposed to the machine it may have been restored from. The
+    /// payload is [`SETUP_ENTROPY_BYTES`] of host entropy the agent adds to
+    /// the kernel's RNG before forcing a reseed; `wallClockNs` is the host's
+    /// `CLOCK_REALTIME` (ns since the epoch) the agent sets the guest's
+    /// clock to. Then the agent mounts the session disk and share and says
+    /// its final hello.
+    #[serde(rename_all = "camelCase")]
+    Setup { wall_clock_ns: u64 },
     /// The client's answer to a guest-originated request.
     #[serde(rename_all = "camelCase")]
     GuestResponse {

@@ -18,7 +18,7 @@ use std::time::Instant;
 use guest_agent::proto::{Hello, Op};
 use tokio::sync::{oneshot, watch};
 
-use super::link::{read_hello, AgentLink, HelloError};
+use super::link::{hello_with_setup, AgentLink, HelloError};
 use super::{ProfileVm, ProfileVmError, Running, CALL_TIMEOUT, SHUTDOWN_GRACE};
 use crate::backend::guest::{AgentDialError, POWEROFF_DEADLINE};
 use crate::backend::userland::UserlandError;
@@ -133,7 +133,7 @@ impl ProfileVm {
         let hello = tokio::select! {
             h = tokio::time::timeout(HELLO_TIMEOUT, async move {
                 let stream = agent.await.map_err(|e| ProfileVmError::Start(e.into()))?;
-                read_hello(stream)
+                hello_with_setup(stream)
                     .await
                     .map_err(|e| ProfileVmError::Start(e.into()))
             }) => match h {

@@ -99,6 +99,12 @@ pub enum HelloError {
     NotHello,
     #[error("malformed agent hello: {0}")]
     Malformed(#[source] proto::ProtoError),
+    #[error("the OS random source failed for the guest's setup: {0}")]
+    Entropy(getrandom::Error),
+    #[error("sending the guest its setup: {0}")]
+    SendSetup(#[source] std::io::Error),
+    #[error("the guest agent said its template hello again after its setup")]
+    TemplateTwice,
 }
 
 /// Answer of one agent request.
@@ -435,6 +441,35 @@ impl ProfileVm {
     }
 }
 
+/// Reads the agent's hello; a VM's template hello ([`Hello::is_template`])
+/// gets this boot's `Setup` (host entropy and wall clock, see
+/// `guest_agent::agent::setup`) and the final hello is read after it.
+pub(super) async fn hello_with_setup(
+    stream: UnixStream,
+) -> Result<(Hello, UnixStream), HelloError> {
+    use tokio::io::AsyncWriteExt;
+    let (hello, mut stream) = read_hello(stream).await?;
+    if !hello.is_template() {
+        return Ok((hello, stream));
+    }
+    let mut entropy = [0u8; proto::SETUP_ENTROPY_BYTES];
+    getrandom::getrandom(&mut entropy).map_err(HelloError::Entropy)?;
+    let wall_clock_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    let mut frame = Vec::new();
+    proto::encode_frame_into(&mut frame, &HostMessage::Setup { wall_clock_ns }, &entropy);
+    stream
+        .write_all(&frame)
+        .await
+        .map_err(HelloError::SendSetup)?;
+    let (hello, stream) = read_hello(stream).await?;
+    if hello.is_template() {
+        return Err(HelloError::TemplateTwice);
+    }
+    Ok((hello, stream))
+}
+
 /// Reads the agent's first message, which must be its hello.
 pub(super) async fn read_hello(mut stream: UnixStream) -> Result<(Hello, UnixStream), HelloError> {
     let mut buf = Vec::new();
@@ -623,5 +658,76 @@ async fn link_reader(
         vm.agent_gone(&link).await;
     } else {
         link.fail_pending();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(template: bool) -> Vec<u8> {
+        let h = Hello {
+            protocol: proto::PROTOCOL_VERSION,
+            phase: template.then(|| Hello::TEMPLATE.to_string()),
+            ..Hello::default()
+        };
+        let mut f = Vec::new();
+        proto::encode_frame_into(&mut f, &AgentMessage::Hello(h), &[]);
+        f
+    }
+
+    /// A VM's agent: template hello, this boot's Setup, final hello.
+    #[tokio::test]
+    async fn a_template_hello_gets_the_boots_setup_before_the_final_one() {
+        use tokio::io::AsyncWriteExt;
+        let (host, mut agent) = UnixStream::pair().unwrap();
+        let guest = tokio::spawn(async move {
+            agent.write_all(&hello(true)).await.unwrap();
+            let mut buf = Vec::new();
+            assert!(
+                framing::read_frame(&mut agent, proto::MAX_MESSAGE, &mut buf)
+                    .await
+                    .unwrap()
+            );
+            let env = proto::decode::<HostMessage>(buf).unwrap();
+            let HostMessage::Setup { wall_clock_ns } = env.header else {
+                panic!("not a setup: {:?}", env.header)
+            };
+            agent.write_all(&hello(false)).await.unwrap();
+            (wall_clock_ns, env.payload)
+        });
+        let (h, _stream) = hello_with_setup(host).await.unwrap();
+        assert!(!h.is_template());
+        let (clock, entropy) = guest.await.unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64;
+        assert!(now.abs_diff(clock) < 5_000_000_000, "{clock} vs {now}");
+        assert_eq!(entropy.len(), proto::SETUP_ENTROPY_BYTES);
+        assert!(entropy.iter().any(|&b| b != 0));
+    }
+
+    #[tokio::test]
+    async fn a_sandbox_hello_needs_no_setup_and_a_second_template_is_refused() {
+        use tokio::io::AsyncWriteExt;
+        let (host, mut agent) = UnixStream::pair().unwrap();
+        agent.write_all(&hello(false)).await.unwrap();
+        let (h, _s) = hello_with_setup(host).await.unwrap();
+        assert!(!h.is_template());
+
+        let (host, mut agent) = UnixStream::pair().unwrap();
+        let guest = tokio::spawn(async move {
+            agent.write_all(&hello(true)).await.unwrap();
+            let mut buf = Vec::new();
+            framing::read_frame(&mut agent, proto::MAX_MESSAGE, &mut buf)
+                .await
+                .unwrap();
+            agent.write_all(&hello(true)).await.unwrap();
+            agent
+        });
+        let e = hello_with_setup(host).await.unwrap_err().to_string();
+        assert!(e.contains("template hello again"), "{e}");
+        guest.await.unwrap();
     }
 }

@@ -126,6 +126,12 @@ impl FdIo {
         FdReader { io: self.clone() }
     }
 
+    /// An `AsyncRead` + `AsyncWrite` view of this descriptor (for a short
+    /// exchange before the agent's own reader and outbox take over).
+    pub fn stream(&self) -> FdStream {
+        FdStream { rd: self.reader() }
+    }
+
     /// Shuts the write side of a socket down (`SHUT_WR`); other descriptors
     /// are left alone.
     pub fn shutdown_write(&self) {
@@ -164,6 +170,71 @@ impl AsyncRead for FdReader {
                 Err(_would_block) => continue,
             }
         }
+    }
+}
+
+/// `AsyncRead` and `AsyncWrite` over an [`FdIo`] (see [`FdIo::stream`]).
+#[derive(Debug)]
+pub struct FdStream {
+    rd: FdReader,
+}
+
+impl FdStream {
+    /// The descriptor, for the agent proper.
+    pub fn into_io(self) -> FdIo {
+        self.rd.io
+    }
+}
+
+impl AsyncRead for FdStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.rd).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for FdStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            let mut guard = ready!(self.rd.io.fd.poll_write_ready(cx))?;
+            let res = guard.try_io(|inner| {
+                // SAFETY: `data` is valid for reads of its length; `fd` is open.
+                let n = unsafe {
+                    libc::write(
+                        inner.get_ref().as_raw_fd(),
+                        data.as_ptr().cast(),
+                        data.len(),
+                    )
+                };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            match res {
+                Ok(Ok(n)) => return Poll::Ready(Ok(n)),
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.rd.io.shutdown_write();
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -13,10 +13,12 @@
 //! host: the mounts, the kernel modules ([`super::modules`]), the clock
 //! ([`super::clock`]), the loopback interface (with a second address,
 //! [`crate::net::SECOND_LOOPBACK_ADDR`]; the sandbox's init does the same
-//! through [`crate::net`]), the session userland and
-//! session disk ([`super::userland`], which may switch the root away from
-//! the initramfs and sets up host name, `/etc` and limits) and the host's
-//! session share. Powering off at the end is [`super::power`].
+//! through [`crate::net`]) and the session userland
+//! ([`super::userland`], which may switch the root away from the initramfs
+//! and sets up host name, `/etc` and limits). That is the template point
+//! ([`super::setup`]): after the host's `Setup`, [`finish_machine_init`]
+//! mounts the session disk and the host's session share. Powering off at
+//! the end is [`super::power`].
 //!
 //! The session share ([`mount_sessions_share`]): when the machine has a
 //! virtio-fs device, the tag [`proto::SESSIONS_FS_TAG`] is mounted at
@@ -261,15 +263,16 @@ pub struct MachineInit {
 }
 
 /// Everything a VM's init does before the agent dials the host: mounts,
-/// kernel modules, clock, loopback, the session userland and session disk
-/// ([`userland::boot`]), the session share. Each step logs its own outcome;
-/// none stops the others.
+/// kernel modules, clock, loopback and the session userland
+/// ([`userland::boot`]); the session disk and share come after the host's
+/// `Setup` ([`finish_machine_init`]). Each step logs its own outcome; none
+/// stops the others.
 ///
 /// The modules load in the background ([`modules::start_all`]) while the
 /// rest goes on: the userland waits only for the modules it needs
-/// ([`userland::MODULES`]), so mounting the image and the session disk
-/// overlaps the other devices' probes (vsock, virtio-fs, balloon, rng);
-/// everything is loaded before the share is mounted and the agent dials.
+/// ([`userland::MODULES`]), so mounting the image overlaps the other
+/// devices' probes (vsock, virtio-fs, balloon, rng); everything is loaded
+/// before the agent dials.
 pub fn run_machine_init() -> MachineInit {
     let mut steps = StepTimes::start();
     run_early_init();
@@ -295,14 +298,25 @@ pub fn run_machine_init() -> MachineInit {
     steps.lap("userland");
     modules.finish();
     steps.lap("modules");
-    let mut private_paths = booted.private_paths;
-    private_paths.extend(mount_share());
-    steps.lap("share");
-    tracing::info!(steps = %steps, "machine init done");
+    tracing::info!(steps = %steps, "machine init done up to the template point");
     MachineInit {
-        private_paths,
+        private_paths: booted.private_paths,
         userland_switched_us: booted.switched_us,
     }
+}
+
+/// What a VM's init does after the host's `Setup` (see
+/// [`super::setup`]): mounts the session disk and the session share, the
+/// per-boot state a snapshot must not hold. Returns the paths session
+/// processes must not see (the share, when mounted).
+pub fn finish_machine_init() -> Vec<PathBuf> {
+    let mut steps = StepTimes::start();
+    userland::mount_sessions();
+    steps.lap("session_disk");
+    let private_paths: Vec<PathBuf> = mount_share().into_iter().collect();
+    steps.lap("share");
+    tracing::info!(steps = %steps, "machine init done");
+    private_paths
 }
 
 /// How long each step of [`run_machine_init`] took (`CLOCK_BOOTTIME`), for

@@ -60,6 +60,7 @@ pub mod power;
 pub mod process;
 pub mod reaper;
 pub mod sessiondisk;
+pub mod setup;
 pub mod trust;
 pub mod userland;
 pub mod users;
@@ -302,18 +303,36 @@ fn run_agent(
         }
     };
     let code = runtime.block_on(async move {
+        let mut config = config;
         tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
         let (spawns, egress_ready) = start_egress(&config);
-        let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(error = %e, "giving up");
-                return EXIT_LINK;
+        let io = if config.init {
+            match template_point(&mut config, &clock, marks).await {
+                Ok(io) => io,
+                Err(e) => {
+                    tracing::error!(error = %e, "giving up at the template point");
+                    return EXIT_LINK;
+                }
+            }
+        } else {
+            let conn = match connect::connect(&config.connect, connect::CONNECT_PATIENCE).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "giving up");
+                    return EXIT_LINK;
+                }
+            };
+            marks.mark(Milestone::Connected, sys::boottime_us());
+            tracing::info!(connect = %config.connect, "connected to the host");
+            match FdIo::new(conn) {
+                Ok(io) => io,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot register the host link");
+                    return EXIT_LINK;
+                }
             }
         };
-        marks.mark(Milestone::Connected, sys::boottime_us());
-        tracing::info!(connect = %config.connect, "connected to the host");
-        match Agent::with_egress(config, conn, clock, spawns, egress_ready) {
+        match Agent::with_egress_io(config, io, clock, spawns, egress_ready) {
             Ok(agent) => agent.run().await,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the agent");
@@ -324,6 +343,53 @@ fn run_agent(
     // Blocking work stuck in a syscall must not hold up the exit (or power off).
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
     code
+}
+
+/// Most times a VM's agent dials the host before its `Setup` arrives (a
+/// snapshot and each restore reset the link once).
+const MAX_TEMPLATE_DIALS: usize = 8;
+
+/// A VM's template point (see [`setup`]): dials, says the template hello,
+/// applies the host's `Setup`, finishes the boot (session disk, share) and
+/// returns the link for the agent proper, which then says its final hello.
+async fn template_point(
+    config: &mut Config,
+    clock: &BootClock,
+    marks: BootMarks,
+) -> Result<FdIo, setup::SetupError> {
+    let hello = Hello {
+        protocol: proto::PROTOCOL_VERSION,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        is_init: true,
+        boot: clock.times(true, sys::boottime_us()),
+        kernel: sys::kernel_release(),
+        userland: userland::booted(),
+        session_disk: None,
+        phase: Some(Hello::TEMPLATE.to_string()),
+    };
+    let target = config.connect.clone();
+    let dial = || {
+        let target = target.clone();
+        async move {
+            let fd = connect::connect(&target, connect::CONNECT_PATIENCE)
+                .await
+                .map_err(|e| e.to_string())?;
+            marks.mark(Milestone::Connected, sys::boottime_us());
+            tracing::info!(connect = %target, "connected to the host");
+            FdIo::new(fd)
+                .map(|io| io.stream())
+                .map_err(|e| e.to_string())
+        }
+    };
+    let (stream, setup) = setup::template_handshake(dial, &hello, MAX_TEMPLATE_DIALS).await?;
+    if let Err(e) = setup::apply(&setup) {
+        tracing::warn!(error = %e, "this boot's setup is incomplete");
+    }
+    match tokio::task::spawn_blocking(init::finish_machine_init).await {
+        Ok(paths) => config.private_paths.extend(paths),
+        Err(e) => tracing::error!(error = %e, "finishing the boot failed"),
+    }
+    Ok(stream.into_io())
 }
 
 /// Starts egress when this agent has a host proxy (see
@@ -440,6 +506,19 @@ impl Agent {
         spawns: egress::Spawns,
         ready: egress::EgressGate,
     ) -> Result<Agent, AgentError> {
+        let io = FdIo::new(conn)?;
+        Self::with_egress_io(config, io, clock, spawns, ready)
+    }
+
+    /// [`Agent::with_egress`] on a host link already registered with the
+    /// runtime (after the template point).
+    pub fn with_egress_io(
+        config: Config,
+        io: FdIo,
+        clock: BootClock,
+        spawns: egress::Spawns,
+        ready: egress::EgressGate,
+    ) -> Result<Agent, AgentError> {
         // SAFETY: getpid has no preconditions.
         let is_init = unsafe { libc::getpid() } == 1;
         let reaper = Reaper::start(if is_init {
@@ -447,7 +526,6 @@ impl Agent {
         } else {
             ReapMode::Own
         })?;
-        let io = FdIo::new(conn)?;
         let reader = BufReader::with_capacity(READ_BUFFER, io.reader());
         let (outbox, writer) = Outbox::start(io);
         if config.drop_caps {
@@ -522,6 +600,7 @@ impl Agent {
             kernel: sys::kernel_release(),
             userland: userland::booted(),
             session_disk: sessiondisk::outcome(),
+            phase: None,
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,
@@ -576,6 +655,9 @@ impl Agent {
                         error,
                     } => {
                         self.guest.complete(&id, result_json, error);
+                    }
+                    HostMessage::Setup { .. } => {
+                        tracing::warn!("a Setup after the template point is ignored");
                     }
                 },
                 Err(e) => self.refuse_malformed(&header, e).await,

@@ -269,8 +269,9 @@ fn choose(
     None
 }
 
-/// Builds the overlay on [`NEWROOT`], mounts the session disk in it and
-/// switches root (`upper_bytes`: the writable layer's bound, for the log).
+/// Builds the overlay on [`NEWROOT`] and switches root (`upper_bytes`: the
+/// writable layer's bound, for the log). The session disk is mounted later,
+/// after the host's `Setup` ([`mount_sessions`]).
 /// Returns when the switch finished. On error the agent is
 /// still on the initramfs (the caller releases the layers).
 fn enter(chosen: &Chosen, upper_bytes: u64) -> Result<u64, UserlandError> {
@@ -281,12 +282,20 @@ fn enter(chosen: &Chosen, upper_bytes: u64) -> Result<u64, UserlandError> {
         Path::new(WORK_DIR),
         newroot,
     )?;
-    let sessions_in_newroot = newroot.join(DEFAULT_SESSIONS_ROOT.trim_start_matches('/'));
-    sessiondisk::mount_session_disk(&sessions_in_newroot);
+    // The session disk is formatted (when blank) after the switch, when the
+    // initramfs and its mke2fs are gone: carry the bundle on /run.
+    match sessiondisk::carry_mkfs(
+        Path::new(sessiondisk::MKFS_BUNDLE),
+        Path::new(sessiondisk::MKFS_CARRIED),
+    ) {
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "mke2fs not carried across the switch: a blank session disk cannot be formatted")
+        }
+    }
     let switched = match switch::switch_root(newroot, &API_MOUNTS) {
         Ok(s) => s,
         Err(e) => {
-            unmount(&sessions_in_newroot);
             unmount(newroot);
             return Err(e.into());
         }
@@ -333,9 +342,14 @@ fn unmount(dir: &Path) {
     }
 }
 
-/// The initramfs userland: the session disk at `/sessions` on it.
-fn stay_on_initramfs() -> Booted {
+/// Mounts the session disk at `/sessions` of the userland booted (after the
+/// host's `Setup`: nothing per boot is mounted before it).
+pub fn mount_sessions() {
     sessiondisk::mount_session_disk(Path::new(DEFAULT_SESSIONS_ROOT));
+}
+
+/// The initramfs userland.
+fn stay_on_initramfs() -> Booted {
     tracing::info!("sessions run in the initramfs (busybox) userland");
     Booted {
         info: UserlandInfo {
