@@ -9,17 +9,22 @@
 //! 1. finds the disk by its serial in `/sys/block/*/serial`
 //!    ([`find_disk_by_serial`]); no such disk is not an error (the VM then
 //!    keeps sessions on its root filesystem);
-//! 2. reads its first [`PROBE_LEN`] bytes ([`classify`]): an ext2/3/4
+//! 2. drops what the kernel cached of it ([`forget_cached`]): a VM
+//!    restored from a snapshot was probed with the snapshot's disk, and
+//!    this boot's disk is another file (the kernel already drops a block
+//!    device's cache when its last opener closes it, so this only matters
+//!    if something held it open at the snapshot; it costs one ioctl);
+//! 3. reads its first [`PROBE_LEN`] bytes ([`classify`]): an ext2/3/4
 //!    superblock magic ([`crate::extfs`]) means it is formatted; all
 //!    zeroes there and in its last [`TAIL_LEN`] bytes means blank;
 //!    anything else is left alone;
-//! 3. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
+//! 4. formats a blank disk with the image's `mkfs.ext4` (e2fsprogs' mke2fs,
 //!    see `scripts/mkguestimage.sh`), bounded by [`MKFS_TIMEOUT`];
-//! 4. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
+//! 5. mounts it at `/sessions` as ext4, `nosuid,nodev` (in the session
 //!    userland's new root before the agent switches to it, see
 //!    `agent::userland`, so a blank disk is formatted with the initramfs's
 //!    `mkfs.ext4`);
-//! 5. grows the filesystem online to the whole disk when the host made the
+//! 6. grows the filesystem online to the whole disk when the host made the
 //!    image larger (`createVM` with a bigger `diskSizeGB`): the kernel's
 //!    `EXT4_IOC_RESIZE_FS` on the mounted filesystem, as `resize2fs` does
 //!    ([`grow`]).
@@ -101,6 +106,9 @@ const FSTYPE: &CStr = c"ext4";
 const EXT4_IOC_RESIZE_FS: libc::c_ulong = 0x4008_6610;
 /// `BLKGETSIZE64`, `_IOR(0x12, 114, size_t)`: a block device's size in bytes.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+/// `BLKFLSBUF`, `_IO(0x12, 97)`: writes back and drops a block device's
+/// cached pages.
+const BLKFLSBUF: libc::c_ulong = 0x1261;
 
 /// What the start of a disk holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +198,29 @@ pub fn disk_bytes(dev: &Path) -> Result<u64, SessionDiskError> {
         return Err(err(io::Error::last_os_error()));
     }
     Ok(bytes)
+}
+
+/// Drops the pages the kernel caches of block device `dev` (writing back
+/// any dirty one first), so the next reads come from the disk the host
+/// attached at this boot. A regular file (tests) is left alone.
+pub fn forget_cached(dev: &Path) -> Result<(), SessionDiskError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileTypeExt;
+    let err = |source| SessionDiskError::Probe {
+        dev: dev.to_path_buf(),
+        source,
+    };
+    let f = File::open(dev).map_err(err)?;
+    if !f.metadata().map_err(err)?.file_type().is_block_device() {
+        return Ok(());
+    }
+    // SAFETY: BLKFLSBUF takes no argument; the descriptor is open for the
+    // call.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), BLKFLSBUF, 0) };
+    if r != 0 {
+        return Err(err(io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Grows the ext4 filesystem of `dev`, mounted on `target`, to fill the
@@ -473,6 +504,7 @@ pub fn prepare(
         return Ok(Prepared::NoDisk);
     };
     let dev = dev_dir.join(&name);
+    forget_cached(&dev)?;
     let head = read_head(&dev)?;
     let formatted = match classify(&head) {
         DiskContents::Ext => {
@@ -576,7 +608,7 @@ pub fn mount_session_disk(target: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::FileExt;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
     /// Where the ext magic lies in a disk holding an ext filesystem.
     const EXT_MAGIC_AT: usize = extfs::SUPERBLOCK_OFFSET as usize + extfs::MAGIC_AT;
@@ -723,6 +755,66 @@ mod tests {
             .unwrap();
         format(&carried, &img).unwrap();
         assert_eq!(probe(&img).unwrap(), DiskContents::Ext);
+    }
+
+    /// What a restored VM could meet: the block device's cache holds a
+    /// block the disk no longer has (here the backing file changed behind
+    /// a loop device); after [`forget_cached`] the read sees the disk.
+    #[test]
+    fn forgetting_the_cache_reads_what_the_disk_holds_now() {
+        let d = tempfile::tempdir().unwrap();
+        let img = image(d.path(), "disk.img", 4 << 20);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .write_all_at(b"before", 0)
+            .unwrap();
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(&img)
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dev = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        struct Detach<'a>(&'a Path);
+        impl Drop for Detach<'_> {
+            fn drop(&mut self) {
+                let _ = Command::new("losetup").arg("-d").arg(self.0).status();
+            }
+        }
+        let _detach = Detach(&dev);
+        // The kernel drops a block device's cache at its last close: a
+        // holder keeps it, as anything in a guest holding the disk open
+        // would.
+        let _holder = File::open(&dev).unwrap();
+        let read6 = || {
+            let mut b = [0u8; 6];
+            File::open(&dev).unwrap().read_exact_at(&mut b, 0).unwrap();
+            b
+        };
+        assert_eq!(&read6(), b"before");
+        // Another disk's contents now (written around the loop device's
+        // cache, as a restore swaps the disk under the guest's).
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&img)
+            .unwrap();
+        let mut block = vec![0u8; 8192];
+        let off = block.as_ptr().align_offset(4096);
+        block[off..off + 5].copy_from_slice(b"after");
+        f.write_all_at(&block[off..off + 4096], 0).unwrap();
+        assert_eq!(&read6(), b"before", "the stale block is cached");
+        forget_cached(&dev).unwrap();
+        assert_eq!(&read6()[..5], b"after");
+        // A regular file (the tests' disks) is left alone.
+        forget_cached(&img).unwrap();
+        assert!(forget_cached(&d.path().join("none")).is_err());
     }
 
     #[test]
