@@ -214,6 +214,27 @@ pub struct Cli {
         help_heading = VM_HEADING
     )]
     pub guest_thp: vmm::memory::Backing,
+    /// kvm backend: restore a boot snapshot of the machine instead of
+    /// booting when there is one, and take one at the first cold boot
+    /// (`auto`), or always boot cold (`off`).
+    #[arg(
+        long,
+        env = SNAPSHOT_ENV,
+        value_enum,
+        default_value = "auto",
+        help_heading = VM_HEADING
+    )]
+    pub snapshot: crate::backend::kvm::SnapshotMode,
+    /// Where the kvm backend keeps its boot snapshots (one directory per
+    /// machine shape). Default: `snapshots` in the data directory.
+    #[arg(
+        long,
+        env = SNAPSHOT_DIR_ENV,
+        value_name = "DIR",
+        value_parser = path_or_empty(),
+        help_heading = VM_HEADING
+    )]
+    pub snapshot_dir: Option<PathBuf>,
     /// The QEMU binary: a path, or a name looked up in PATH.
     /// Default: qemu-system-x86_64.
     #[arg(
@@ -534,6 +555,12 @@ pub const LOG_ENV: &str = "COWORK_LOG";
 pub const SECCOMP_ENV: &str = "COWORK_SECCOMP";
 /// Environment variable of `--guest-thp`.
 pub const GUEST_THP_ENV: &str = "COWORK_GUEST_THP";
+/// Environment variable of `--snapshot`.
+pub const SNAPSHOT_ENV: &str = "COWORK_SNAPSHOT";
+/// Environment variable of `--snapshot-dir`.
+pub const SNAPSHOT_DIR_ENV: &str = "COWORK_SNAPSHOT_DIR";
+/// The kvm backend's snapshots' directory under the data directory.
+pub const SNAPSHOTS_DIR: &str = "snapshots";
 
 /// An environment variable the helper reads without a flag: a test hook
 /// or one of the host's standard variables (see [`ENV_ONLY`]).
@@ -758,6 +785,15 @@ impl Cli {
             userland: self.userland.into(),
             seccomp: self.seccomp.into(),
             memory_backing: self.guest_thp,
+            snapshot: crate::backend::kvm::SnapshotOptions {
+                mode: self.snapshot,
+                dir: Some(
+                    self.snapshot_dir
+                        .clone()
+                        .filter(|d| !d.as_os_str().is_empty())
+                        .unwrap_or_else(|| self.data_dir_or_default(env).join(SNAPSHOTS_DIR)),
+                ),
+            },
             qemu: self.qemu.clone().filter(|q| !q.as_os_str().is_empty()),
             qemu_accel: self.qemu_accel.clone(),
             guest_log: self.guest_log.clone(),

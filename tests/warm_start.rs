@@ -8,8 +8,12 @@
 //! within [`CLOCK_SLACK`] of the host's (the `Setup` sets it).
 //!
 //! Under `--backend qemu` here (TCG) and `--backend kvm` in the nested
-//! harness. With boot snapshots (issue 24) the second and third starts
-//! restore instead of booting; the checks are the same.
+//! harness. Under kvm the first start boots cold and takes the boot
+//! snapshot, the second and third restore it (the log says which start
+//! was which), and a fourth start after the snapshot's state file was
+//! truncated boots cold again, says so in one log line and takes a new
+//! snapshot; the checks are the same for every start. The qemu backend
+//! boots cold every time.
 //!
 //! Gate: QEMU and the guest image with its userland (`COWORK_QEMU_TESTS=1`
 //! makes them mandatory); the nested harness for kvm (`COWORK_NESTED_TESTS`).
@@ -54,7 +58,13 @@ async fn three_starts(backend: &str) {
     );
     let (pipe, mut sub) = session::client(&helper, "warm", "/tmp/warm-profile", START_LIMIT).await;
     let mut randoms = BTreeSet::new();
-    for start in 0..STARTS {
+    let kvm = backend == "kvm";
+    let starts = if kvm { STARTS + 1 } else { STARTS };
+    for start in 0..starts {
+        if kvm && start == STARTS {
+            check_starts(&helper.log_text(), &["cold", "warm", "warm"], 1);
+            truncate_snapshot(&vm_helper::data_dir(&helper.dir));
+        }
         session::start_vm(
             &pipe,
             &helper,
@@ -104,7 +114,55 @@ async fn three_starts(backend: &str) {
         eprintln!("warm_start: start {start} under {backend}: clock skew {skew:.3} s");
         pipe.call("stopVM", json!({})).await.expect("stopVM");
     }
+    if kvm {
+        let log = helper.log_text();
+        check_starts(&log, &["cold", "warm", "warm", "cold"], 2);
+        assert_eq!(
+            log.matches("the boot snapshot cannot be restored").count(),
+            1,
+            "one line for the truncated snapshot:\n{log}"
+        );
+    }
     helper.stop_clean(QEMU_VERBOSE_ENV);
+}
+
+/// Asserts that the kvm backend's starts were `kinds` (cold or warm, in
+/// order) and that it took `snapshots` boot snapshots.
+fn check_starts(log: &str, kinds: &[&str], snapshots: usize) {
+    let started: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("kvm vm started"))
+        .map(|l| {
+            if l.contains("start=\"warm\"") || l.contains("start=warm") {
+                "warm"
+            } else {
+                "cold"
+            }
+        })
+        .collect();
+    assert_eq!(started, kinds, "the starts, in order:\n{log}");
+    assert_eq!(
+        log.matches("boot snapshot taken").count(),
+        snapshots,
+        "boot snapshots taken:\n{log}"
+    );
+}
+
+/// Cuts the state file of the one boot snapshot under `data` in half.
+fn truncate_snapshot(data: &std::path::Path) {
+    let stores: Vec<_> = std::fs::read_dir(data.join("snapshots"))
+        .expect("the snapshot directory")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(stores.len(), 1, "{stores:?}");
+    let state = stores[0].join("vm.state");
+    let len = std::fs::metadata(&state).expect("the state file").len();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&state)
+        .expect("open the state file");
+    f.set_len(len / 2).expect("truncate");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -307,44 +307,56 @@ pub fn cmdline_words(guest_log: Option<&str>, guest_root_session: Option<&str>) 
 
 /// The future of the agent's connection to CID 2 port [`AGENT_PORT`].
 pub(crate) fn agent_stream(
-    listener: Listener,
+    mut listener: Listener,
     console: Console,
     connected: Arc<AtomicBool>,
 ) -> AgentStream {
     Box::pin(async move {
-        let began = Instant::now();
         let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
-        loop {
-            match listener.try_accept() {
-                Ok(Some(stream)) => {
-                    connected.store(true, Ordering::Release);
-                    tracing::info!(
-                        ms = began.elapsed().as_millis() as u64,
-                        "guest agent dialled vsock port {AGENT_PORT}"
-                    );
-                    stream
-                        .set_nonblocking(true)
-                        .map_err(AgentDialError::Stream)?;
-                    return tokio::net::UnixStream::from_std(stream)
-                        .map_err(AgentDialError::Stream);
-                }
-                Ok(None) => {}
-                Err(source) => {
-                    return Err(AgentDialError::DeviceGone {
-                        source,
-                        console: console.quote(QUOTED_LINES),
-                    })
-                }
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(AgentDialError::Timeout {
-                    waited: AGENT_DIAL_TIMEOUT,
-                    console: console.quote(QUOTED_LINES),
-                });
-            }
-            tokio::time::sleep(ACCEPT_POLL).await;
-        }
+        accept_agent(&mut listener, &console, &connected, deadline).await
     })
+}
+
+/// Waits until the agent dials `listener` (polling every
+/// [`ACCEPT_POLL`]) and returns its connection, or fails at `deadline` or
+/// when the device's host side is gone; sets `connected` on the first
+/// connection.
+pub(crate) async fn accept_agent(
+    listener: &mut Listener,
+    console: &Console,
+    connected: &AtomicBool,
+    deadline: tokio::time::Instant,
+) -> Result<tokio::net::UnixStream, AgentDialError> {
+    let began = Instant::now();
+    loop {
+        match listener.try_accept() {
+            Ok(Some(stream)) => {
+                connected.store(true, Ordering::Release);
+                tracing::info!(
+                    ms = began.elapsed().as_millis() as u64,
+                    "guest agent dialled vsock port {AGENT_PORT}"
+                );
+                stream
+                    .set_nonblocking(true)
+                    .map_err(AgentDialError::Stream)?;
+                return tokio::net::UnixStream::from_std(stream).map_err(AgentDialError::Stream);
+            }
+            Ok(None) => {}
+            Err(source) => {
+                return Err(AgentDialError::DeviceGone {
+                    source,
+                    console: console.quote(QUOTED_LINES),
+                })
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(AgentDialError::Timeout {
+                waited: AGENT_DIAL_TIMEOUT,
+                console: console.quote(QUOTED_LINES),
+            });
+        }
+        tokio::time::sleep(ACCEPT_POLL).await;
+    }
 }
 
 #[cfg(test)]

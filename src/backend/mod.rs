@@ -269,6 +269,9 @@ pub struct BootOptions {
     /// How the kvm backend backs guest RAM (the daemon's `--guest-thp`:
     /// huge pages advised unless `off`).
     pub memory_backing: vmm::memory::Backing,
+    /// The kvm backend's boot snapshots (the daemon's `--snapshot` and
+    /// `--snapshot-dir`; [`kvm::warm`]).
+    pub snapshot: kvm::SnapshotOptions,
     /// The QEMU binary (the daemon's `--qemu`: a path, or a name looked up
     /// in `PATH`); none: [`qemu::DEFAULT_QEMU`].
     pub qemu: Option<PathBuf>,

@@ -69,19 +69,26 @@ use devices::blk::{
 use devices::fs::device::{FsDevice, FsDeviceError};
 use devices::fs::SessionFs;
 use devices::rng::RngDevice;
-use devices::vsock::{HostError, VsockConfig, VsockDevice, VsockDeviceError, VsockHost};
+use devices::vsock::{HostError, Listener, VsockConfig, VsockDevice, VsockDeviceError, VsockHost};
 use guest_agent::proto::{AGENT_PORT, SESSIONS_FS_TAG};
 use tokio::sync::oneshot;
 
 use super::console::{Console, ConsoleLines, ConsoleQuote, QUOTED_LINES};
 use super::fsgrants::SharedFolders;
-use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
+use super::guest::{
+    accept_agent, agent_stream, cmdline_words, EgressAcceptor, EgressServeError,
+    AGENT_DIAL_TIMEOUT, GUEST_CID,
+};
 pub use super::guest::{kvm_for_linux, KvmUnavailable};
 use super::image::{GuestImage, ImageSearch, NoImage};
 use super::sizing;
 use super::userland::{self, UserlandError};
-use super::{BackendMachine, BootOptions, Booted, HostPaths};
+use super::{AgentStream, BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
+use warm::Store;
+pub use warm::{SnapshotMode, SnapshotOptions};
+
+pub mod warm;
 
 /// Uncompressed ELF kernel preferred over `vmlinuz` when an image has one.
 pub const VMLINUX: &str = "vmlinux";
@@ -143,6 +150,8 @@ pub enum KvmError {
     },
     #[error("the VM thread ended before it built the VM")]
     ThreadGone,
+    #[error("cannot restore the boot snapshot: {0}")]
+    Restore(#[source] vmm::SnapshotError),
 }
 
 /// The kernel to boot from `image`: its [`VMLINUX`] when present, else its bzImage.
@@ -276,28 +285,74 @@ fn boot_marks(marks: &[vmm::devices::boot_timer::BootMark]) -> String {
         .join(" ")
 }
 
-/// Builds and runs the VM on this thread; reports the build on `built`
-/// and how the run ended on `done`.
+/// What the VM thread starts the machine from.
+enum Start {
+    /// Load the kernel and boot it.
+    Cold,
+    /// Restore this store's snapshot.
+    Restore(Store),
+}
+
+/// A request to the VM thread, served while its VM is paused.
+enum Control {
+    /// Save the VM into `store` (then resume it).
+    Snapshot {
+        store: Store,
+        reply: oneshot::Sender<Result<vmm::SnapshotInfo, vmm::SnapshotError>>,
+    },
+}
+
+/// What the VM thread hands back once the VM exists.
+struct Handles {
+    stop: vmm::StopHandle,
+    pause: vmm::PauseHandle,
+}
+
+/// Builds (or restores) and runs the VM on this thread; reports the
+/// build on `built` and how the run ended on `done`. Whenever the VM
+/// pauses, a request on `control` is served and the VM resumes.
 fn vm_thread(
+    start: Start,
     config: vmm::Config,
-    built: oneshot::Sender<Result<vmm::StopHandle, KvmError>>,
+    control: std::sync::mpsc::Receiver<Control>,
+    built: oneshot::Sender<Result<Handles, KvmError>>,
     done: oneshot::Sender<RunEnd>,
 ) {
     let kernel = config.kernel.clone();
-    let mut vm = match vmm::Vm::build(config) {
+    let vm = match &start {
+        Start::Cold => vmm::Vm::build(config).map_err(|source| KvmError::Build { kernel, source }),
+        Start::Restore(store) => {
+            vmm::Vm::restore(config, store.dir(), store.key()).map_err(KvmError::Restore)
+        }
+    };
+    let mut vm = match vm {
         Ok(vm) => vm,
-        Err(source) => {
-            let _ = built.send(Err(KvmError::Build { kernel, source }));
+        Err(e) => {
+            let _ = built.send(Err(e));
             return;
         }
     };
     tracing::debug!(cmdline = vm.cmdline(), "kvm vm built");
-    if built.send(Ok(vm.stop_handle())).is_err() {
+    let handles = Handles {
+        stop: vm.stop_handle(),
+        pause: vm.pause_handle(),
+    };
+    if built.send(Ok(handles)).is_err() {
         // Nobody waits for this machine any more.
         return;
     }
     let started = Instant::now();
-    let how = RunEnd::of(vm.run());
+    let how = loop {
+        match vm.run() {
+            Ok(vmm::ExitReason::Paused) => match control.try_recv() {
+                Ok(Control::Snapshot { store, reply }) => {
+                    let _ = reply.send(vm.snapshot(store.dir(), store.key()));
+                }
+                Err(_) => tracing::debug!("kvm vm paused with nothing to do; resuming"),
+            },
+            result => break RunEnd::of(result),
+        }
+    };
     let t = vm.timeline();
     tracing::info!(
         how = %how,
@@ -312,86 +367,221 @@ fn vm_thread(
     let _ = done.send(how);
 }
 
+/// The guest image's files this boot uses, found once for both tries.
+struct Plan {
+    image: GuestImage,
+    kernel: PathBuf,
+    userland: userland::UserlandPlan,
+    cmdline: String,
+    mem_mib: u64,
+    vcpus: u8,
+}
+
+impl Plan {
+    fn new(opts: &BootOptions) -> Result<Plan, KvmError> {
+        let image = opts.images.locate(opts.bundle_path.as_deref())?;
+        let kernel = kernel_of(&image);
+        let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
+        Ok(Plan {
+            cmdline: cmdline(&cmdline_words(
+                opts.guest_log.as_deref(),
+                opts.guest_root_session.as_deref(),
+            )),
+            mem_mib: memory_mib(opts.memory_gb),
+            vcpus: cpu_count(opts.cpu_count, sizing::host_cpus()),
+            image,
+            kernel,
+            userland,
+        })
+    }
+
+    /// Device kinds in slot order (as [`Plan::parts`] creates them).
+    fn devices(&self) -> Vec<&'static str> {
+        let mut d = vec!["vsock", "fs", "blk-session", "rng"];
+        d.extend(self.userland.disks.iter().map(|_| "blk-root"));
+        d.push("balloon");
+        d
+    }
+
+    /// This machine's snapshot store, when snapshots are on.
+    fn store(&self, opts: &BootOptions) -> Option<Store> {
+        let key = warm::MachineIdentity {
+            kernel: &self.kernel,
+            initrd: &self.image.initramfs,
+            root_disks: self
+                .userland
+                .disks
+                .iter()
+                .map(|d| d.path.as_path())
+                .collect(),
+            cmdline: &self.cmdline,
+            mem_mib: self.mem_mib,
+            vcpus: self.vcpus,
+            devices: self.devices(),
+        }
+        .key();
+        Store::new(&opts.snapshot, key)
+    }
+
+    /// Everything one try needs, new: the vsock host side with the agent's
+    /// listener and the egress acceptor, the devices (the session disk
+    /// opened and locked), the console, and the VM's config.
+    fn parts(
+        &self,
+        opts: &BootOptions,
+        session_disk: &Path,
+        egress: &EgressProxy,
+    ) -> Result<Parts, KvmError> {
+        let host = VsockHost::new()?;
+        let listener = host.listen(AGENT_PORT)?;
+        // Dropped (port freed, thread joined) on any failure below.
+        let egress = EgressAcceptor::start(&host, egress.clone())?;
+        let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
+        let fs = Arc::new(SessionFs::new(opts.fs));
+        let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
+        // Locked exclusively until the VM (and with it the device) is dropped.
+        let blk_device = BlkDevice::new(
+            Box::new(RawImage::open(session_disk)?),
+            &BlkConfig::new(SESSION_DISK_SERIAL),
+        )?;
+        // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
+        let mut root_devices = Vec::with_capacity(self.userland.disks.len());
+        for disk in &self.userland.disks {
+            let image =
+                RawImage::open_read_only(&disk.path).map_err(|source| KvmError::RootDisk {
+                    path: disk.path.clone(),
+                    source,
+                })?;
+            root_devices.push(BlkDevice::new(
+                Box::new(image),
+                &BlkConfig::new(disk.serial),
+            )?);
+        }
+        let console = Console::default();
+
+        let mut config = vmm::Config::new(&self.kernel);
+        config.initrd = Some(self.image.initramfs.clone());
+        config.cmdline = self.cmdline.clone();
+        config.mem_mib = self.mem_mib;
+        config.vcpus = self.vcpus;
+        // vCPUs, the event loop and device workers filter their system calls
+        // (vmm::seccomp) unless the daemon runs with --seccomp=off.
+        config.seccomp = opts.seccomp;
+        // Huge pages advised unless the daemon runs with --guest-thp off.
+        config.memory_backing = opts.memory_backing;
+        // Runs on the vCPU thread that writes the UART: it only buffers, logs
+        // and pushes.
+        config.serial = Some(Box::new(ConsoleLines::new(console.clone(), "serial")));
+        // In the order of Plan::devices (the snapshot key names them).
+        config.virtio_devices = vec![
+            Box::new(vsock),
+            Box::new(fs_device),
+            Box::new(blk_device),
+            Box::new(RngDevice::new()),
+        ];
+        for device in root_devices {
+            config.virtio_devices.push(Box::new(device));
+        }
+        config
+            .virtio_devices
+            .push(Box::new(BalloonDevice::new(Arc::new(HostMappingReleaser))));
+        Ok(Parts {
+            host,
+            listener,
+            egress,
+            fs,
+            console,
+            config,
+        })
+    }
+}
+
+/// One try's new parts ([`Plan::parts`]).
+struct Parts {
+    host: VsockHost,
+    listener: Listener,
+    egress: EgressAcceptor,
+    fs: Arc<SessionFs>,
+    console: Console,
+    config: vmm::Config,
+}
+
 /// Boots the guest in-process: checks KVM, finds the image, creates the
 /// devices, builds the VM on its thread and returns the machine with the
-/// future of the agent's stream. The guest's egress connections are served
-/// by `egress` until the machine ends.
+/// future of the agent's stream. With snapshots on ([`warm`]) a snapshot of
+/// this machine shape is restored instead when there is one (one that
+/// cannot be is removed, with one log line, and the machine boots cold in
+/// this same call), and a cold boot takes one at its template point. The
+/// guest's egress connections are served by `egress` until the machine
+/// ends.
 pub async fn boot(
     opts: &BootOptions,
     session_disk: &Path,
     egress: &EgressProxy,
 ) -> Result<Booted, KvmError> {
     kvm_for_linux().map_err(KvmError::Unsuitable)?;
-    let image = opts.images.locate(opts.bundle_path.as_deref())?;
-    let kernel = kernel_of(&image);
-    let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
-    let host_cpus = sizing::host_cpus();
-
-    let host = VsockHost::new()?;
-    let listener = host.listen(AGENT_PORT)?;
-    // Dropped (port freed, thread joined) on any failure below.
-    let egress = EgressAcceptor::start(&host, egress.clone())?;
-    let vsock = VsockDevice::new(GUEST_CID, VsockConfig::default(), host.clone())?;
-    let fs = Arc::new(SessionFs::new(opts.fs));
-    let fs_device = FsDevice::new(SESSIONS_FS_TAG, FS_REQUEST_QUEUES, fs.clone())?;
-    // Locked exclusively until the VM (and with it the device) is dropped.
-    let blk_device = BlkDevice::new(
-        Box::new(RawImage::open(session_disk)?),
-        &BlkConfig::new(SESSION_DISK_SERIAL),
-    )?;
-    // Read-only: a shared lock, O_RDONLY, VIRTIO_BLK_F_RO.
-    let mut root_devices = Vec::with_capacity(userland.disks.len());
-    for disk in &userland.disks {
-        let image = RawImage::open_read_only(&disk.path).map_err(|source| KvmError::RootDisk {
-            path: disk.path.clone(),
-            source,
-        })?;
-        root_devices.push(BlkDevice::new(
-            Box::new(image),
-            &BlkConfig::new(disk.serial),
-        )?);
+    let plan = Plan::new(opts)?;
+    let store = plan.store(opts);
+    if let Some(store) = store.as_ref().filter(|s| s.exists()) {
+        let parts = plan.parts(opts, session_disk, egress)?;
+        match start(&plan, parts, Start::Restore(store.clone()), None).await {
+            Ok(booted) => {
+                store.touch_and_prune();
+                return Ok(booted);
+            }
+            Err(KvmError::Restore(e)) => {
+                tracing::warn!(
+                    dir = %store.dir().display(),
+                    error = %e,
+                    "the boot snapshot cannot be restored; removed, booting cold"
+                );
+                store.discard();
+            }
+            Err(e) => return Err(e),
+        }
     }
-    let console = Console::default();
+    let snapshot_to = store.filter(|s| match s.prepare() {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(
+                dir = %s.dir().display(),
+                error = %e,
+                "cannot create the snapshot directory; no snapshot this boot"
+            );
+            false
+        }
+    });
+    let parts = plan.parts(opts, session_disk, egress)?;
+    start(&plan, parts, Start::Cold, snapshot_to).await
+}
 
-    let mut config = vmm::Config::new(&kernel);
-    config.initrd = Some(image.initramfs.clone());
-    config.cmdline = cmdline(&cmdline_words(
-        opts.guest_log.as_deref(),
-        opts.guest_root_session.as_deref(),
-    ));
-    config.mem_mib = memory_mib(opts.memory_gb);
-    config.vcpus = cpu_count(opts.cpu_count, host_cpus);
-    // vCPUs, the event loop and device workers filter their system calls
-    // (vmm::seccomp) unless the daemon runs with --seccomp=off.
-    config.seccomp = opts.seccomp;
-    // Huge pages advised unless the daemon runs with --guest-thp off.
-    config.memory_backing = opts.memory_backing;
-    // Runs on the vCPU thread that writes the UART: it only buffers, logs
-    // and pushes.
-    config.serial = Some(Box::new(ConsoleLines::new(console.clone(), "serial")));
-    config.virtio_devices = vec![
-        Box::new(vsock),
-        Box::new(fs_device),
-        Box::new(blk_device),
-        Box::new(RngDevice::new()),
-    ];
-    for device in root_devices {
-        config.virtio_devices.push(Box::new(device));
-    }
-    config
-        .virtio_devices
-        .push(Box::new(BalloonDevice::new(Arc::new(HostMappingReleaser))));
-    let (mem_mib, vcpus) = (config.mem_mib, config.vcpus);
-
+/// Runs `parts` as a machine started from `from` on its own thread; with
+/// `snapshot_to`, the agent future snapshots it at its template point.
+async fn start(
+    plan: &Plan,
+    parts: Parts,
+    from: Start,
+    snapshot_to: Option<Store>,
+) -> Result<Booted, KvmError> {
+    let Parts {
+        host,
+        listener,
+        egress,
+        fs,
+        console,
+        config,
+    } = parts;
+    let warm = matches!(from, Start::Restore(_));
     let began = Instant::now();
     let (built_tx, built_rx) = oneshot::channel();
     let (done_tx, done_rx) = oneshot::channel();
+    let (control_tx, control_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name(VM_THREAD_NAME.into())
-        .spawn(move || vm_thread(config, built_tx, done_tx))
+        .spawn(move || vm_thread(from, config, control_rx, built_tx, done_tx))
         .map_err(KvmError::Thread)?;
-    let stop = match built_rx.await {
-        Ok(Ok(stop)) => stop,
+    let handles = match built_rx.await {
+        Ok(Ok(handles)) => handles,
         Ok(Err(e)) => {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
             return Err(e);
@@ -402,18 +592,31 @@ pub async fn boot(
         }
     };
     tracing::info!(
-        image = %image.dir.display(),
-        kernel = %kernel.display(),
-        memory_mib = mem_mib,
-        cpus = vcpus,
+        image = %plan.image.dir.display(),
+        kernel = %plan.kernel.display(),
+        memory_mib = plan.mem_mib,
+        cpus = plan.vcpus,
+        start = if warm { "warm" } else { "cold" },
         build_ms = began.elapsed().as_secs_f64() * 1e3,
         "kvm vm started"
     );
     let connected = Arc::new(AtomicBool::new(false));
-    let agent = agent_stream(listener, console.clone(), connected.clone());
+    let agent = match snapshot_to {
+        Some(store) => agent_after_snapshot(
+            listener,
+            console.clone(),
+            connected.clone(),
+            Snapshotter {
+                store,
+                control: control_tx,
+                pause: handles.pause,
+            },
+        ),
+        None => agent_stream(listener, console.clone(), connected.clone()),
+    };
     let machine = KvmMachine {
         thread: Some(thread),
-        stop,
+        stop: handles.stop,
         outcome: done_rx,
         console,
         connected,
@@ -425,7 +628,85 @@ pub async fn boot(
         machine: BackendMachine::Kvm(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
-        userland: Some(userland),
+        userland: Some(plan.userland.clone()),
+    })
+}
+
+/// Takes a running VM's snapshot through its thread.
+struct Snapshotter {
+    store: Store,
+    control: std::sync::mpsc::Sender<Control>,
+    pause: vmm::PauseHandle,
+}
+
+impl Snapshotter {
+    /// Pauses the VM, has its thread save it into the store and resume
+    /// it. A failure is logged (the boot goes on; the next one tries
+    /// again): it never fails the start.
+    async fn take(self) {
+        let (reply, answer) = oneshot::channel();
+        let request = Control::Snapshot {
+            store: self.store.clone(),
+            reply,
+        };
+        if self.control.send(request).is_err() || !self.pause.pause() {
+            tracing::warn!("the VM ended before its snapshot was taken");
+            return;
+        }
+        match answer.await {
+            Ok(Ok(info)) => {
+                tracing::info!(
+                    dir = %self.store.dir().display(),
+                    memory_data_mib = info.memory_data_bytes >> 20,
+                    memory_disk_mib = info.memory_disk_bytes >> 20,
+                    state_bytes = info.state_bytes,
+                    snapshot_ms = info.total_time.as_secs_f64() * 1e3,
+                    "boot snapshot taken"
+                );
+                self.store.touch_and_prune();
+            }
+            Ok(Err(e)) => tracing::warn!(
+                dir = %self.store.dir().display(),
+                error = %e,
+                "cannot take the boot snapshot; the next start boots cold again"
+            ),
+            Err(_) => tracing::warn!("the VM ended before its snapshot was taken"),
+        }
+    }
+}
+
+/// The agent's stream of a cold boot that takes a snapshot: the agent's
+/// first connection says the template hello (peeked, not read); the VM is
+/// saved then, which resets its vsock connections, so the agent dials
+/// again and the second connection is the link (its template hello is the
+/// lifecycle's to read, as after a restore). A first hello that is not a
+/// template hello (an image without a template point) is the link itself,
+/// with no snapshot.
+fn agent_after_snapshot(
+    mut listener: Listener,
+    console: Console,
+    connected: Arc<AtomicBool>,
+    snapshotter: Snapshotter,
+) -> AgentStream {
+    Box::pin(async move {
+        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
+        let first = accept_agent(&mut listener, &console, &connected, deadline).await?;
+        match warm::peek_hello(&first).await {
+            Ok(Some(hello)) if hello.is_template() => {}
+            Ok(_) => {
+                tracing::info!("the guest agent has no template point; no boot snapshot");
+                return Ok(first);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no boot snapshot");
+                return Ok(first);
+            }
+        }
+        snapshotter.take().await;
+        // Reset by the snapshot (or, when it failed, closed here): the
+        // agent dials again either way.
+        drop(first);
+        accept_agent(&mut listener, &console, &connected, deadline).await
     })
 }
 
