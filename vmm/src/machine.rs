@@ -434,6 +434,9 @@ struct Live {
     boot_timer: Arc<BootTimer>,
     _com1_irq: EventFd,
     virtio: Vec<Arc<MmioTransport>>,
+    /// kvmclock as it stood when the VM paused: set back before it runs
+    /// again, so that the pause is invisible to the guest's clocks.
+    paused_clock: Option<kvm_bindings::kvm_clock_data>,
 }
 
 /// A built VM.
@@ -654,6 +657,7 @@ impl Vm {
                 serial,
                 boot_timer,
                 _com1_irq: com1_irq,
+                paused_clock: None,
                 virtio: transports,
             }),
             stop,
@@ -707,13 +711,29 @@ impl Vm {
     /// Runs the VM until it exits or is stopped. See the module docs for the
     /// threading and cleanup guarantees.
     pub fn run(&mut self) -> Result<ExitReason, VmError> {
-        let live = self.live.take().ok_or(VmError::AlreadyRan)?;
+        let mut live = self.live.take().ok_or(VmError::AlreadyRan)?;
         // Process-wide and once; before any filter (rt_sigaction is in none).
         crate::vcpu::install_kick_handler()?;
+        // Here, on the unfiltered thread: the event loop's filter has no
+        // clock ioctls.
+        if let Some(clock) = live.paused_clock.take() {
+            resume_clock(&live.vm_fd, &live.vcpus, clock);
+        }
         let result = match self.seccomp {
             seccomp::Mode::Off => self.run_live(live, None),
             mode => self.run_filtered(live, mode),
         };
+        if let (Ok(ExitReason::Paused), Some(live)) = (&result, self.live.as_mut()) {
+            live.paused_clock = match live.vm_fd.get_clock() {
+                Ok(clock) => Some(clock),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot read kvmclock at the pause: {e}; the guest will see the pause as elapsed time"
+                    );
+                    None
+                }
+            };
+        }
         if self.live.is_none() {
             if let Some(exit) = self.timeline.exit {
                 self.timeline.teardown = Some(self.origin.elapsed().saturating_sub(exit));
@@ -1192,6 +1212,7 @@ impl Vm {
                 serial,
                 boot_timer,
                 _com1_irq: com1_irq,
+                paused_clock: None,
                 virtio: transports,
             }),
             stop,
@@ -1224,6 +1245,29 @@ fn register_memory(vm_fd: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
         unsafe { vm_fd.set_user_memory_region(r) }.map_err(ioctl("KVM_SET_USER_MEMORY_REGION"))?;
     }
     Ok(())
+}
+
+/// Sets kvmclock back to `clock` (read when the VM paused) and tells
+/// every vCPU's guest it was stopped (`KVM_KVMCLOCK_CTRL`), as QEMU does
+/// on `cont`: the guest's monotonic clock does not jump over the pause,
+/// which would otherwise show as a stall to its RCU and lockup detectors
+/// (a nested Linux guest here stopped printing for good inside such a
+/// stall report after a 23 s snapshot pause). Failures are logged; the
+/// VM runs either way.
+fn resume_clock(vm_fd: &VmFd, vcpus: &[VcpuFd], mut clock: kvm_bindings::kvm_clock_data) {
+    // No flags: KVM_CLOCK_REALTIME would advance the clock by the time
+    // elapsed (see snapshot::kvm_state).
+    clock.flags = 0;
+    if let Err(e) = vm_fd.set_clock(&clock) {
+        tracing::warn!("cannot set kvmclock back after the pause: {e}");
+    }
+    for (i, fd) in vcpus.iter().enumerate() {
+        match fd.kvmclock_ctrl() {
+            Ok(()) => {}
+            Err(e) if e.errno() == libc::EINVAL => {}
+            Err(e) => tracing::warn!(vcpu = i, "KVM_KVMCLOCK_CTRL: {e}"),
+        }
+    }
 }
 
 /// The command line plus one `virtio_mmio.device=<size>@<base>:<irq>` per
