@@ -112,6 +112,14 @@ pub const DIR_MODE: u32 = 0o700;
 pub const PAGE_SIZE: usize = 4096;
 /// Guest memory is copied out through a buffer of this size.
 const COPY_CHUNK: usize = 2 << 20;
+/// `/proc/self/pagemap`: one 64-bit entry per virtual page of this process.
+const PAGEMAP: &str = "/proc/self/pagemap";
+/// Bytes of one pagemap entry.
+const PAGEMAP_ENTRY_BYTES: usize = 8;
+/// Pagemap entry bit: the page is in RAM.
+const PAGEMAP_PRESENT: u64 = 1 << 63;
+/// Pagemap entry bit: the page is in swap.
+const PAGEMAP_SWAPPED: u64 = 1 << 62;
 
 /// Errors of taking or restoring a snapshot.
 #[derive(Debug, thiserror::Error)]
@@ -353,11 +361,23 @@ pub(crate) fn write_memory(
         let mut buf = vec![0u8; COPY_CHUNK];
         let mut data_bytes = 0u64;
         let mut file_off = 0u64;
+        let pagemap = Pagemap::open();
         for region in mem.iter() {
             let len = region.len();
+            // Only anonymous memory's unpopulated pages are zeroes (a file
+            // mapping's come from the file).
+            let host = (crate::memory::MappingKind::of(region)
+                == crate::memory::MappingKind::Anonymous)
+                .then(|| region.as_ptr() as usize);
             let mut off = 0u64;
             while off < len {
                 let n = (len - off).min(COPY_CHUNK as u64) as usize;
+                if let (Some(map), Some(host)) = (&pagemap, host) {
+                    if !map.any_populated(host + off as usize, n) {
+                        off += n as u64;
+                        continue;
+                    }
+                }
                 let chunk = &mut buf[..n];
                 region
                     .read_slice(chunk, MemoryRegionAddress(off))
@@ -387,6 +407,39 @@ pub(crate) fn write_memory(
         path,
         data_bytes,
     })
+}
+
+/// This process's page table as `/proc/self/pagemap` shows it: which
+/// pages of an anonymous mapping were ever populated. A chunk of guest RAM
+/// with no page present or swapped out was never touched (or was given
+/// back, the balloon's free page reporting), so it is all zeroes and is
+/// skipped without reading it: reading it would cost as much as reading
+/// touched memory (1 GiB took ~20 s in the nested harness, where L1 runs
+/// at TCG speed, for 86 MiB of data).
+struct Pagemap(File);
+
+impl Pagemap {
+    /// The pagemap, or none when it cannot be read (every chunk is then
+    /// read and tested).
+    fn open() -> Option<Pagemap> {
+        File::open(PAGEMAP).ok().map(Pagemap)
+    }
+
+    /// Whether any page of `[addr, addr + len)` of this process is present
+    /// or swapped; true when the pagemap cannot say (the caller reads).
+    fn any_populated(&self, addr: usize, len: usize) -> bool {
+        let first = addr / PAGE_SIZE;
+        let pages = len.div_ceil(PAGE_SIZE);
+        let mut entries = vec![0u8; pages * PAGEMAP_ENTRY_BYTES];
+        let at = (first * PAGEMAP_ENTRY_BYTES) as u64;
+        if self.0.read_exact_at(&mut entries, at).is_err() {
+            return true;
+        }
+        entries
+            .chunks_exact(PAGEMAP_ENTRY_BYTES)
+            .filter_map(|e| <[u8; PAGEMAP_ENTRY_BYTES]>::try_from(e).ok())
+            .any(|e| u64::from_ne_bytes(e) & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED) != 0)
+    }
 }
 
 /// Whether `bytes` are all zero, 16 at a time (what the compiler turns
@@ -579,6 +632,12 @@ mod tests {
                 .unwrap(),
             1
         );
+        // The untouched chunk [2 MiB, 4 MiB) was skipped, not read: a read
+        // would have mapped the zero page there, which the pagemap shows.
+        let map = Pagemap::open().unwrap();
+        let base = ram.mem.iter().next().unwrap().as_ptr() as usize;
+        assert!(map.any_populated(base, COPY_CHUNK));
+        assert!(!map.any_populated(base + (2 << 20), COPY_CHUNK));
         // No temporary file is left; a stale one and an old memory file go.
         std::fs::write(dir.path().join(".tmp-junk"), b"x").unwrap();
         std::fs::write(dir.path().join("memory-0000000000000000.bin"), b"x").unwrap();
