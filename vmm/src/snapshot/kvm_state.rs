@@ -31,7 +31,8 @@
 //! other way round gives wrong or lost timer interrupts, Firecracker
 //! #4666), VCPU_EVENTS, and `KVM_KVMCLOCK_CTRL` (tells the guest it was
 //! stopped, so its soft-lockup watchdog does not fire; `EINVAL` when the
-//! guest has no kvmclock, ignored).
+//! guest has no kvmclock, ignored). Under QEMU TCG (the nested harness)
+//! TR goes back with the available-TSS type (see `tr_type_for_this_host`).
 //!
 //! VM state ([`save_vm`], [`restore_vm`]): PIT2, CLOCK, then the three
 //! IRQCHIPs. The clock is restored with no flags: passing back
@@ -502,7 +503,9 @@ pub fn restore_vcpu(
     fd.set_mp_state(d.mp_state)
         .map_err(ioctl("KVM_SET_MP_STATE", v))?;
     fd.set_regs(&d.regs).map_err(ioctl("KVM_SET_REGS", v))?;
-    fd.set_sregs(&d.sregs).map_err(ioctl("KVM_SET_SREGS", v))?;
+    let mut sregs = d.sregs;
+    sregs.tr.type_ = tr_type_for_this_host(sregs.tr.type_, under_qemu_tcg());
+    fd.set_sregs(&sregs).map_err(ioctl("KVM_SET_SREGS", v))?;
     set_xsave(index, fd, &s.xsave, xsave)?;
     fd.set_xcrs(&d.xcrs).map_err(ioctl("KVM_SET_XCRS", v))?;
     fd.set_debug_regs(&d.debugregs)
@@ -517,6 +520,42 @@ pub fn restore_vcpu(
         Err(e) => return Err(ioctl("KVM_KVMCLOCK_CTRL", v)(e)),
     }
     Ok(())
+}
+
+/// Type of a 64-bit TSS that is not busy.
+const TSS_AVAILABLE: u8 = 9;
+/// Type of a busy 64-bit TSS: what `KVM_GET_SREGS` always reports for TR.
+const TSS_BUSY: u8 = 11;
+/// CPUID leaf of the hypervisor's vendor signature.
+const CPUID_HYPERVISOR_LEAF: u32 = 0x4000_0000;
+/// QEMU TCG's hypervisor signature (EBX, ECX, EDX of that leaf).
+const TCG_SIGNATURE: &[u8; 12] = b"TCGTCGTCGTCG";
+
+/// Whether this helper runs in a guest of QEMU's TCG emulator (the nested
+/// harness: our VMM on the KVM of an L1 whose SVM QEMU emulates).
+fn under_qemu_tcg() -> bool {
+    // SAFETY: CPUID exists on every x86_64 CPU and only reads.
+    let leaf = unsafe { std::arch::x86_64::__cpuid(CPUID_HYPERVISOR_LEAF) };
+    let mut sig = [0u8; 12];
+    sig[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
+    sig[4..8].copy_from_slice(&leaf.ecx.to_le_bytes());
+    sig[8..].copy_from_slice(&leaf.edx.to_le_bytes());
+    &sig == TCG_SIGNATURE
+}
+
+/// The TR type to restore. KVM reports TR busy (it sets the busy bit on
+/// the way out), which hardware and KVM take back as they are; QEMU TCG's
+/// SVM emulation keeps the *available* type its `LTR` loaded in its
+/// segment cache and its I/O-permission check refuses any other, so a
+/// restored guest's user-space `out` to a port its `ioperm` allows (the
+/// agent's boot marks) faulted with #GP there until TR went back as
+/// available. Only under TCG, only a busy TSS.
+fn tr_type_for_this_host(saved: u8, under_tcg: bool) -> u8 {
+    if under_tcg && saved == TSS_BUSY {
+        TSS_AVAILABLE
+    } else {
+        saved
+    }
 }
 
 /// `KVM_SET_XSAVE` with a buffer as large as this VM's XSAVE area (KVM
@@ -653,6 +692,14 @@ pub fn restore_vm(vm: &VmFd, s: &VmKvmState) -> Result<(), KvmStateError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn tr_goes_back_available_only_under_tcg_and_only_when_busy() {
+        use super::{tr_type_for_this_host, TSS_AVAILABLE, TSS_BUSY};
+        assert_eq!(tr_type_for_this_host(TSS_BUSY, true), TSS_AVAILABLE);
+        assert_eq!(tr_type_for_this_host(TSS_BUSY, false), TSS_BUSY);
+        assert_eq!(tr_type_for_this_host(TSS_AVAILABLE, true), TSS_AVAILABLE);
+        assert_eq!(tr_type_for_this_host(3, true), 3);
+    }
     use super::*;
 
     #[test]
