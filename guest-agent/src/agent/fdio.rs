@@ -8,7 +8,14 @@
 //!
 //! Limits: readiness is edge-driven by tokio; every operation loops until
 //! `EAGAIN` clears the readiness, so callers never see `WouldBlock`.
+//!
+//! Reads also end on a socket error that comes without `EPOLLIN`: a virtio
+//! transport reset (a snapshot, a restore) marks every vsock socket of the
+//! guest closed with `ECONNRESET` and reports only `EPOLLERR` (and
+//! `EPOLLOUT`), which wakes no tokio reader; a read waiting for data alone
+//! would wait for ever.
 
+use std::future::Future;
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -17,7 +24,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncRead, ReadBuf};
+use tokio::io::{AsyncRead, Interest, ReadBuf};
 
 use crate::sys;
 
@@ -66,7 +73,8 @@ impl FdIo {
     pub async fn read_append(&self, buf: &mut Vec<u8>, max: usize) -> io::Result<usize> {
         buf.reserve(max);
         loop {
-            let mut guard = self.fd.readable().await?;
+            // An error alone ends the read too (see the module doc).
+            let mut guard = self.fd.ready(Interest::READABLE | Interest::ERROR).await?;
             let spare = buf.spare_capacity_mut();
             let want = spare.len().min(max);
             let res = guard.try_io(|inner| read_uninit(inner.get_ref(), &mut spare[..want]));
@@ -129,7 +137,10 @@ impl FdIo {
     /// An `AsyncRead` + `AsyncWrite` view of this descriptor (for a short
     /// exchange before the agent's own reader and outbox take over).
     pub fn stream(&self) -> FdStream {
-        FdStream { rd: self.reader() }
+        FdStream {
+            rd: self.reader(),
+            error: None,
+        }
     }
 
     /// Shuts the write side of a socket down (`SHUT_WR`); other descriptors
@@ -173,10 +184,45 @@ impl AsyncRead for FdReader {
     }
 }
 
+/// Resolves with the socket's pending error once the descriptor reports
+/// one (`EPOLLERR`).
+type ErrorWatch = Pin<Box<dyn Future<Output = io::Error> + Send>>;
+
 /// `AsyncRead` and `AsyncWrite` over an [`FdIo`] (see [`FdIo::stream`]).
-#[derive(Debug)]
+/// A read waiting for data also ends on a socket error (module doc).
 pub struct FdStream {
     rd: FdReader,
+    /// Watches for an error while a read waits.
+    error: Option<ErrorWatch>,
+}
+
+impl std::fmt::Debug for FdStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdStream").field("rd", &self.rd).finish()
+    }
+}
+
+/// The socket's pending error (`SO_ERROR`, which it clears), or
+/// `ECONNRESET` when it has none to report.
+fn socket_error(fd: &OwnedFd) -> io::Error {
+    let mut err: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `err` and `len` are valid for writes of their sizes for the
+    // call; `fd` is open.
+    let r = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            std::ptr::addr_of_mut!(err).cast(),
+            &mut len,
+        )
+    };
+    if r == 0 && err != 0 {
+        io::Error::from_raw_os_error(err)
+    } else {
+        io::ErrorKind::ConnectionReset.into()
+    }
 }
 
 impl FdStream {
@@ -192,7 +238,27 @@ impl AsyncRead for FdStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.rd).poll_read(cx, buf)
+        if let Poll::Ready(r) = Pin::new(&mut self.rd).poll_read(cx, buf) {
+            self.error = None;
+            return Poll::Ready(r);
+        }
+        // No data: an error without EPOLLIN wakes no reader; watch for it.
+        let fd = self.rd.io.fd.clone();
+        let watch = self.error.get_or_insert_with(|| {
+            Box::pin(async move {
+                match fd.ready(Interest::ERROR).await {
+                    Ok(_) => socket_error(fd.get_ref()),
+                    Err(e) => e,
+                }
+            })
+        });
+        match watch.as_mut().poll(cx) {
+            Poll::Ready(e) => {
+                self.error = None;
+                Poll::Ready(Err(e))
+            }
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
@@ -242,6 +308,43 @@ impl tokio::io::AsyncWrite for FdStream {
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
+
+    /// A connected UDP socket whose datagram to a closed port came back as
+    /// ICMP port unreachable: its error is reported as `EPOLLERR` without
+    /// `EPOLLIN`, as a vsock socket's after a transport reset.
+    async fn socket_with_an_error_only() -> OwnedFd {
+        let closed = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let to = closed.local_addr().unwrap();
+        drop(closed);
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.connect(to).unwrap();
+        s.send(b"x").unwrap();
+        // The ICMP error arrives asynchronously; the reader must be waiting
+        // before it or after it, either way it must end.
+        s.into()
+    }
+
+    #[tokio::test]
+    async fn a_read_ends_on_an_error_that_comes_without_data() {
+        let io = FdIo::new(socket_with_an_error_only().await).unwrap();
+        let mut buf = Vec::new();
+        let r = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            io.read_append(&mut buf, 64),
+        )
+        .await
+        .expect("read_append must not wait for ever on an error");
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::ConnectionRefused);
+
+        let mut stream = FdIo::new(socket_with_an_error_only().await)
+            .unwrap()
+            .stream();
+        let mut byte = [0u8; 1];
+        let r = tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut byte))
+            .await
+            .expect("a stream read must not wait for ever on an error");
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::ConnectionRefused);
+    }
 
     #[tokio::test]
     async fn vectored_writes_and_appending_reads() {
