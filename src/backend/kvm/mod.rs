@@ -704,8 +704,10 @@ fn agent_after_snapshot(
         }
         snapshotter.take().await;
         // Reset by the snapshot (or, when it failed, closed here): the
-        // agent dials again either way.
+        // agent dials again either way, with a deadline of its own (the
+        // snapshot's time is not the agent's).
         drop(first);
+        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
         accept_agent(&mut listener, &console, &connected, deadline).await
     })
 }
