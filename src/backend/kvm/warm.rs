@@ -267,7 +267,7 @@ impl Store {
                 Some((m.modified().ok()?, e.path()))
             })
             .collect();
-        stores.sort_by(|a, b| b.0.cmp(&a.0));
+        stores.sort_by_key(|s| std::cmp::Reverse(s.0));
         for (_, old) in stores.into_iter().skip(KEEP_SNAPSHOTS) {
             if old == self.dir {
                 continue;
