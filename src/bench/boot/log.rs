@@ -5,9 +5,12 @@
 //! `crate::logging`). The boot benchmark starts it with `COWORK_LOG=info`
 //! and reads back the events that carry boot timings: the VMM's build and
 //! first `KVM_RUN`, the boot-port marks, QEMU's start and its vhost-user
-//! connections, and the agent's hello. [`HelperLog::parse`] turns the text
-//! into typed records ([`BootEvents`]); nothing here derives a phase (that
-//! is [`super::phases`]).
+//! connections, and the agent's hello; and, for the kvm backend's warm
+//! start, whether the VM started cold or warm, the VMM's restore phases,
+//! the boot snapshot a cold boot took and why a snapshot was not taken or
+//! not restored. [`HelperLog::parse`] turns the text into typed records
+//! ([`BootEvents`]); nothing here derives a phase (that is
+//! [`super::phases`]).
 //!
 //! Limits: the format is the helper's own and is read by exact message
 //! text ([`MSG_KVM_STARTED`], ...); a message that is renamed makes the
@@ -31,6 +34,29 @@ pub const MSG_FRONTEND_CONNECTED: &str = ": frontend connected";
 pub const MSG_AGENT_CONNECTED: &str = "guest agent connected";
 /// The daemon's line when a `startVM` request arrives.
 pub const MSG_START_VM: &str = "startVM";
+/// The VMM's line once it restored a VM from a snapshot (`restore_us` and
+/// its phases `state_us`, `kvm_us`, `memory_us`, `vcpus_us`, `vm_us`,
+/// `devices_us`).
+pub const MSG_VM_RESTORED: &str = "VM restored from a snapshot";
+/// The kvm backend's line once a cold boot saved its boot snapshot
+/// (`snapshot_ms`, `memory_data_mib`, `memory_disk_mib`, `state_bytes`).
+pub const MSG_SNAPSHOT_TAKEN: &str = "boot snapshot taken";
+/// The kvm backend's line when a snapshot could not be restored (`error`);
+/// the same start then boots cold.
+pub const MSG_RESTORE_FAILED: &str = "the boot snapshot cannot be restored; removed, booting cold";
+/// The kvm backend's lines when a cold boot with snapshots on took no
+/// snapshot (some with `error`).
+pub const MSG_NO_SNAPSHOT: [&str; 5] = [
+    "cannot take the boot snapshot; the next start boots cold again",
+    "the guest agent has no template point; no boot snapshot",
+    "no boot snapshot",
+    "cannot create the snapshot directory; no snapshot this boot",
+    "the VM ended before its snapshot was taken",
+];
+/// The `start` value of [`MSG_KVM_STARTED`] for a VM that booted its kernel.
+pub const START_COLD: &str = "cold";
+/// The `start` value of [`MSG_KVM_STARTED`] for a VM restored from a snapshot.
+pub const START_WARM: &str = "warm";
 
 /// One log line: its wall-clock time (µs since the Unix epoch), level,
 /// message and `key=value` fields.
@@ -157,6 +183,46 @@ pub struct Mark {
     pub logged_at: i64,
 }
 
+/// The VMM's restore of a VM from a snapshot ([`MSG_VM_RESTORED`]): when
+/// it was logged (right after the restore ended) and how long the whole
+/// restore and each of its phases took, in µs (a phase the line lacks is
+/// `None`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Restore {
+    /// Wall time of the line (µs since the epoch).
+    pub logged_at: i64,
+    /// The whole restore (`restore_us`).
+    pub total_us: f64,
+    /// State file read and checked against this machine (`state_us`).
+    pub state_us: Option<f64>,
+    /// The KVM VM, its irqchip, PIT and vCPUs created (`kvm_us`).
+    pub kvm_us: Option<f64>,
+    /// The memory file mapped copy-on-write and registered (`memory_us`).
+    pub memory_us: Option<f64>,
+    /// The vCPUs' saved state loaded (`vcpus_us`).
+    pub vcpus_us: Option<f64>,
+    /// The VM's saved clock, PIT and irqchip loaded (`vm_us`).
+    pub vm_us: Option<f64>,
+    /// Platform and virtio devices restored and attached (`devices_us`).
+    pub devices_us: Option<f64>,
+}
+
+/// A boot snapshot a cold boot took ([`MSG_SNAPSHOT_TAKEN`]; also read
+/// back from a `bench boot --json` document, where a missing field is
+/// `None`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct SnapshotTaken {
+    /// Pausing, saving and resuming the VM (`snapshot_ms`).
+    pub snapshot_ms: Option<f64>,
+    /// Guest memory holding data, saved (`memory_data_mib`).
+    pub memory_data_mib: Option<f64>,
+    /// The memory file's blocks on disk (`memory_disk_mib`).
+    pub memory_disk_mib: Option<f64>,
+    /// The state file (`state_bytes`).
+    pub state_bytes: Option<f64>,
+}
+
 /// The boot events of one helper run, each at its wall-clock time (µs).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BootEvents {
@@ -177,6 +243,40 @@ pub struct BootEvents {
     /// (`agent_start_us`, `init_done_us`, `userland_switched_us`,
     /// `connected_us`, guest `CLOCK_BOOTTIME`).
     pub agent_connected: Option<LogLine>,
+    /// kvm: the `start` field of [`MSG_KVM_STARTED`] ([`START_COLD`] or
+    /// [`START_WARM`]); `None` from a helper that predates warm start.
+    pub kvm_start: Option<String>,
+    /// kvm: the VM was restored from a snapshot.
+    pub restore: Option<Restore>,
+    /// kvm: a cold boot took the boot snapshot.
+    pub snapshot_taken: Option<SnapshotTaken>,
+    /// kvm: a snapshot could not be restored (the `error` field, or the
+    /// message when there is none); the start booted cold.
+    pub restore_failed: Option<String>,
+    /// kvm: why a cold boot with snapshots on took no snapshot (the
+    /// message, with its `error` field when there is one).
+    pub no_snapshot: Option<String>,
+}
+
+/// The `error` field of `line` (parsed as `l`). The helper writes it last
+/// and unquoted (`error = %e`, its `Display`), so it runs to the end of
+/// the line; a quoted one comes from the parsed fields.
+fn error_of(line: &str, l: &LogLine) -> Option<String> {
+    let (_, after) = line.split_once(l.message.as_str())?;
+    let (_, value) = after.split_once(" error=")?;
+    if value.starts_with('"') {
+        l.fields.get("error").cloned()
+    } else {
+        Some(value.trim_end().to_string())
+    }
+}
+
+/// The line's message, followed by its `error` field when it has one.
+fn with_error(line: &str, l: &LogLine) -> String {
+    match error_of(line, l) {
+        Some(e) => format!("{}: {e}", l.message),
+        None => l.message.clone(),
+    }
 }
 
 /// The helper's log text.
@@ -190,9 +290,37 @@ impl HelperLog<'_> {
             if let Some(l) = parse_line(line, MSG_START_VM) {
                 ev.start_vm_at.get_or_insert(l.at_us);
             } else if let Some(l) = parse_line(line, MSG_KVM_STARTED) {
+                if ev.kvm_start.is_none() {
+                    ev.kvm_start = l.fields.get("start").cloned();
+                }
                 if let Some(b) = l.num("build_ms") {
                     ev.kvm_started.get_or_insert((l.at_us, b));
                 }
+            } else if let Some(l) = parse_line(line, MSG_VM_RESTORED) {
+                if let (None, Some(total_us)) = (&ev.restore, l.num("restore_us")) {
+                    ev.restore = Some(Restore {
+                        logged_at: l.at_us,
+                        total_us,
+                        state_us: l.num("state_us"),
+                        kvm_us: l.num("kvm_us"),
+                        memory_us: l.num("memory_us"),
+                        vcpus_us: l.num("vcpus_us"),
+                        vm_us: l.num("vm_us"),
+                        devices_us: l.num("devices_us"),
+                    });
+                }
+            } else if let Some(l) = parse_line(line, MSG_SNAPSHOT_TAKEN) {
+                ev.snapshot_taken.get_or_insert(SnapshotTaken {
+                    snapshot_ms: l.num("snapshot_ms"),
+                    memory_data_mib: l.num("memory_data_mib"),
+                    memory_disk_mib: l.num("memory_disk_mib"),
+                    state_bytes: l.num("state_bytes"),
+                });
+            } else if let Some(l) = parse_line(line, MSG_RESTORE_FAILED) {
+                ev.restore_failed
+                    .get_or_insert_with(|| error_of(line, &l).unwrap_or(l.message));
+            } else if let Some(l) = MSG_NO_SNAPSHOT.iter().find_map(|m| parse_line(line, m)) {
+                ev.no_snapshot.get_or_insert_with(|| with_error(line, &l));
             } else if let Some(l) = parse_line(line, MSG_KVM_ENDED) {
                 if ev.kvm_first_run_ms.is_none() {
                     ev.kvm_first_run_ms = l.num("first_run_ms");
@@ -229,6 +357,35 @@ impl HelperLog<'_> {
         ev
     }
 }
+
+/// A warm start's helper log as the helper writes it (trimmed to the
+/// lines [`HelperLog::parse`] reads, plus some it must skip): startVM at
+/// 02:00:00, the restore ending 41 ms later after 30 ms, the agent
+/// redialling at the VMM's 89 ms (its mark stamped with the snapshot's
+/// guest clock) and its final hello read at 180 ms; the hello's boot
+/// times are the snapshot's own boot.
+#[cfg(test)]
+pub(super) const WARM_LOG: &str = r#"2026-12-06T02:00:00.000000Z  INFO startVM profile=bench-boot backend="kvm"
+2026-12-06T02:00:00.041000Z  INFO VM restored from a snapshot restore_us=30000 state_us=2000 kvm_us=8000 memory_us=5000 vcpus_us=6000 vm_us=1000 devices_us=8000 vcpus=2 mem_mib=1024
+2026-12-06T02:00:00.041500Z  INFO kvm vm started image=/work/target/guest-image kernel=/work/target/guest-image/vmlinux memory_mib=1024 cpus=2 start="warm" build_ms=33.1
+2026-12-06T02:00:00.100020Z  INFO guest boot milestone value=2734688858 at_us=89000
+2026-12-06T02:00:00.110000Z  INFO guest agent dialled vsock port 51234 ms=60
+2026-12-06T02:00:00.180000Z  INFO guest agent connected backend="kvm" agent="0.1.0" kernel="6.1.0-28-cloud-amd64" boot_ms=179.8 agent_start_us=1200000 init_done_us=2500000 userland_switched_us=1900000 connected_us=2650000
+2026-12-06T02:00:01.000000Z  INFO kvm vm stopped how=the guest powered the VM off ms=40
+2026-12-06T02:00:01.000100Z  INFO kvm vm ended how=the guest powered the VM off run_ms=950 build_ms=30.012 first_run_ms=32.5 teardown_ms=4.1 boot_marks=0xa3@89ms/guest2650ms
+"#;
+
+/// The helper log of a cold boot that took the boot snapshot (a warm
+/// series' unmeasured first boot): the agent's first connection is
+/// snapshotted, then it dials again.
+#[cfg(test)]
+pub(super) const SNAPSHOT_LOG: &str = r#"2026-12-06T01:59:50.000000Z  INFO startVM profile=bench-boot backend="kvm"
+2026-12-06T01:59:50.030000Z  INFO kvm vm started image=/work/target/guest-image kernel=/work/target/guest-image/vmlinux memory_mib=1024 cpus=2 start="cold" build_ms=29.5
+2026-12-06T01:59:52.700000Z  INFO guest agent dialled vsock port 51234 ms=2650
+2026-12-06T01:59:53.600000Z  INFO VM snapshot taken dir=/tmp/cowork-bench-7-data-kvm-warm/snapshots/kvm-0123456789abcdef state_bytes=48213 memory_data_mib=301 memory_disk_mib=305 state_ms=3.2 total_ms=880.4
+2026-12-06T01:59:53.600200Z  INFO boot snapshot taken dir=/tmp/cowork-bench-7-data-kvm-warm/snapshots/kvm-0123456789abcdef memory_data_mib=301 memory_disk_mib=305 state_bytes=48213 snapshot_ms=884.75
+2026-12-06T01:59:53.700000Z  INFO guest agent connected backend="kvm" agent="0.1.0" boot_ms=3700.1 agent_start_us=1200000 connected_us=2650000
+"#;
 
 #[cfg(test)]
 mod tests {
@@ -304,5 +461,84 @@ some guest console line
         assert_eq!(hello.at_us, base + 3_000_000);
         assert_eq!(hello.num("connected_us"), Some(2_500_000.0));
         assert!(ev.kvm_started.is_none() && ev.kvm_first_run_ms.is_none());
+    }
+
+    #[test]
+    fn a_warm_start_gives_its_kind_and_restore_phases() {
+        let ev = HelperLog(WARM_LOG).parse();
+        let base = parse_timestamp("2026-12-06T02:00:00Z").unwrap();
+        assert_eq!(ev.kvm_start.as_deref(), Some(START_WARM));
+        assert_eq!(ev.kvm_started, Some((base + 41_500, 33.1)));
+        assert_eq!(ev.kvm_first_run_ms, Some(32.5));
+        assert_eq!(
+            ev.restore,
+            Some(Restore {
+                logged_at: base + 41_000,
+                total_us: 30_000.0,
+                state_us: Some(2_000.0),
+                kvm_us: Some(8_000.0),
+                memory_us: Some(5_000.0),
+                vcpus_us: Some(6_000.0),
+                vm_us: Some(1_000.0),
+                devices_us: Some(8_000.0),
+            })
+        );
+        assert_eq!(ev.marks.len(), 1);
+        assert_eq!(ev.marks[0].at_us, 89_000);
+        assert_eq!(ev.agent_connected.map(|h| h.at_us), Some(base + 180_000));
+        assert!(ev.snapshot_taken.is_none() && ev.restore_failed.is_none());
+        assert!(ev.no_snapshot.is_none());
+    }
+
+    #[test]
+    fn a_cold_boot_gives_its_snapshot_or_why_there_is_none() {
+        let ev = HelperLog(SNAPSHOT_LOG).parse();
+        assert_eq!(ev.kvm_start.as_deref(), Some(START_COLD));
+        assert!(ev.restore.is_none());
+        // The VMM's own "VM snapshot taken" line is not the backend's.
+        assert_eq!(
+            ev.snapshot_taken,
+            Some(SnapshotTaken {
+                snapshot_ms: Some(884.75),
+                memory_data_mib: Some(301.0),
+                memory_disk_mib: Some(305.0),
+                state_bytes: Some(48_213.0),
+            })
+        );
+        assert!(ev.no_snapshot.is_none());
+
+        // A restore that failed, then a cold boot whose snapshot failed too.
+        let log = r#"2026-12-06T02:00:00.000000Z  INFO startVM profile=bench-boot backend="kvm"
+2026-12-06T02:00:00.020000Z  WARN the boot snapshot cannot be restored; removed, booting cold dir=/s/kvm-0123456789abcdef error=snapshot state: the key differs (another helper build)
+2026-12-06T02:00:00.050000Z  INFO kvm vm started image=/i kernel=/i/vmlinux memory_mib=1024 cpus=2 start="cold" build_ms=28.0
+2026-12-06T02:00:03.000000Z  WARN cannot take the boot snapshot; the next start boots cold again dir=/s/kvm-0123456789abcdef error=writing the memory file: No space left on device (os error 28)
+"#;
+        let ev = HelperLog(log).parse();
+        assert_eq!(ev.kvm_start.as_deref(), Some(START_COLD));
+        assert_eq!(
+            ev.restore_failed.as_deref(),
+            Some("snapshot state: the key differs (another helper build)")
+        );
+        assert_eq!(
+            ev.no_snapshot.as_deref(),
+            Some("cannot take the boot snapshot; the next start boots cold again: writing the memory file: No space left on device (os error 28)")
+        );
+        assert!(ev.snapshot_taken.is_none());
+        // An agent without a template point: the message alone.
+        let ev = HelperLog(
+            "2026-12-06T02:00:03Z  INFO the guest agent has no template point; no boot snapshot\n",
+        )
+        .parse();
+        assert_eq!(
+            ev.no_snapshot.as_deref(),
+            Some("the guest agent has no template point; no boot snapshot")
+        );
+        // A helper from before warm start: no start field.
+        let ev = HelperLog(
+            "2026-12-06T02:00:00Z  INFO kvm vm started image=/i kernel=/i/vmlinux memory_mib=1024 cpus=2 build_ms=28.0\n",
+        )
+        .parse();
+        assert_eq!(ev.kvm_start, None);
+        assert_eq!(ev.kvm_started.map(|s| s.1), Some(28.0));
     }
 }
