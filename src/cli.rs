@@ -342,13 +342,31 @@ pub enum BenchBackend {
     Both,
 }
 
+/// `bench boot`'s start kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchStart {
+    /// Every VM boots its kernel (the kvm backend's helpers run with
+    /// --snapshot off).
+    Cold,
+    /// kvm only: every measured VM restores the boot snapshot an unmeasured
+    /// first boot took (qemu always boots cold: refused alone, skipped with
+    /// a note beside kvm).
+    Warm,
+    /// A cold and, for kvm, a warm series, with warm/cold ratios.
+    Both,
+}
+
 /// `bench boot`'s options (see [`crate::bench::boot`]).
 #[derive(Debug, Args)]
 pub struct BenchBootArgs {
     /// Which backend(s) to boot.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BenchBackend,
-    /// Boots per backend.
+    /// Cold boots, warm starts (kvm: restored from a boot snapshot), or both
+    /// as separate series.
+    #[arg(long, value_enum, default_value = "cold")]
+    pub start: BenchStart,
+    /// Measured boots per series (backend and start kind).
     #[arg(short = 'n', long = "runs", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub runs: u32,
     /// Print the report as JSON on stdout (progress stays on stderr).
@@ -369,8 +387,9 @@ pub struct BenchBootArgs {
     /// Limit of each request (startVM, the first spawn, stopVM), seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
-    /// Unmeasured boots per backend first (the first formats the session
-    /// disk, which later starts find ready).
+    /// Unmeasured boots per series first (the first formats the session
+    /// disk, which later starts find ready; a warm series always has one,
+    /// which takes its boot snapshot).
     #[arg(long, default_value_t = 1)]
     pub warmup: u32,
     /// The helper to start (default: this executable).
@@ -392,13 +411,18 @@ pub struct BenchBootArgs {
 impl BenchBootArgs {
     /// The benchmark's options.
     pub fn options(&self) -> crate::bench::boot::Options {
-        use crate::bench::boot::Backends;
+        use crate::bench::boot::{Backends, Starts};
         crate::bench::boot::Options {
             backends: match self.backend {
                 BenchBackend::Auto => Backends::Auto,
                 BenchBackend::Kvm => Backends::Kvm,
                 BenchBackend::Qemu => Backends::Qemu,
                 BenchBackend::Both => Backends::Both,
+            },
+            start: match self.start {
+                BenchStart::Cold => Starts::Cold,
+                BenchStart::Warm => Starts::Warm,
+                BenchStart::Both => Starts::Both,
             },
             runs: self.runs as usize,
             json: self.json,
@@ -1186,6 +1210,34 @@ mod tests {
             Cli::try_parse_from(["h", "vm", "run", "--kernel", "k", "--socket", "/x"]).is_err()
         );
         assert!(Cli::try_parse_from(["h", "bench", "--data-dir", "/d"]).is_err());
+    }
+
+    #[test]
+    fn bench_boot_takes_its_start_kinds() {
+        use crate::bench::boot::{Backends, Starts};
+        let parse = |v: &[&str]| {
+            let cli = Cli::try_parse_from(v).unwrap();
+            match cli.command {
+                Some(Command::Bench(BenchArgs {
+                    what: Some(BenchCommand::Boot(b)),
+                    ..
+                })) => b.options(),
+                other => panic!("not bench boot: {other:?}"),
+            }
+        };
+        // Cold by default: what `bench boot` measured before warm starts.
+        let o = parse(&["h", "bench", "boot"]);
+        assert_eq!((o.start, o.backends), (Starts::Cold, Backends::Auto));
+        for (word, want) in [
+            ("cold", Starts::Cold),
+            ("warm", Starts::Warm),
+            ("both", Starts::Both),
+        ] {
+            let o = parse(&["h", "bench", "boot", "--backend", "kvm", "--start", word]);
+            assert_eq!((o.start, o.backends), (want, Backends::Kvm));
+        }
+        assert!(Cli::try_parse_from(["h", "bench", "boot", "--start", "hot"]).is_err());
+        assert!(help(&["h", "bench", "boot", "--help"]).contains("--start"));
     }
 
     #[test]

@@ -1,11 +1,16 @@
 //! `bench boot --chart FILE.svg`: a stacked timeline of the boot, one
-//! horizontal bar per backend, each segment the median of one phase of
-//! [`Phase::TIMELINE`] (when a VM stayed on its initramfs, "agent →
-//! hello" stands for the two userland segments), then the first spawn.
+//! horizontal bar per series (backend and start kind), each segment the
+//! median of one phase of the series' timeline ([`Phase::COLD_TIMELINE`]
+//! or [`Phase::WARM_TIMELINE`]), then the first spawn. Where a bar lacks
+//! the first phase of a pair of `FALLBACKS` (a VM that stayed on its
+//! initramfs, a warm start without the agent's redial mark), the pair's
+//! sum stands in its place.
 //!
 //! Drawn with `plotters`' SVG backend only (text as SVG `<text>`, no font
-//! files needed). Limits: medians of phases do not add up exactly to the
-//! median total; the total's median is written at the end of each bar.
+//! files needed). The legend lists only the segments some bar has; the
+//! picture grows with the bars and the legend. Limits: medians of phases
+//! do not add up exactly to the median total; the total's median is
+//! written at the end of each bar.
 
 use std::path::Path;
 
@@ -14,18 +19,21 @@ use plotters::prelude::*;
 use super::phases::{stat, Phase};
 use super::report::Report;
 
-/// Width and height of the picture in pixels (height grows per backend).
+/// Width of the picture in pixels.
 const WIDTH: u32 = 1000;
-/// Height of the picture's fixed parts (title, axis, legend) in pixels.
-const BASE_HEIGHT: u32 = 410;
-/// Room above the bars for the legend, in bar heights.
-const LEGEND_ROOM: f64 = 1.6;
+/// Height of the picture's fixed parts (title, margins, axis) in pixels.
+const CHROME_HEIGHT: u32 = 120;
+/// Height of one bar's row in pixels (the plot's vertical unit).
+const BAR_HEIGHT: u32 = 70;
+/// Height of one legend entry in pixels.
+const LEGEND_ENTRY_HEIGHT: u32 = 20;
+/// The legend box's padding and the gap below it, in pixels.
+const LEGEND_PADDING: u32 = 30;
 /// Room right of the longest bar for its total, as a share of its length.
 const TOTAL_ROOM: f64 = 0.3;
-/// Height added per backend bar in pixels.
-const BAR_HEIGHT: u32 = 70;
-/// One colour per stacked segment, in [`segments`] order.
-const COLOURS: [RGBColor; 8] = [
+/// One colour per stacked segment, in [`segments`] order (Tableau 20:
+/// enough for every cold and warm segment and the first spawn).
+const COLOURS: [RGBColor; 20] = [
     RGBColor(0x4e, 0x79, 0xa7),
     RGBColor(0xf2, 0x8e, 0x2b),
     RGBColor(0xe1, 0x57, 0x59),
@@ -33,7 +41,34 @@ const COLOURS: [RGBColor; 8] = [
     RGBColor(0x59, 0xa1, 0x4f),
     RGBColor(0xed, 0xc9, 0x48),
     RGBColor(0xb0, 0x7a, 0xa1),
+    RGBColor(0xff, 0x9d, 0xa7),
     RGBColor(0x9c, 0x75, 0x5f),
+    RGBColor(0xba, 0xb0, 0xac),
+    RGBColor(0xa0, 0xcb, 0xe8),
+    RGBColor(0xff, 0xbe, 0x7d),
+    RGBColor(0x8c, 0xd1, 0x7d),
+    RGBColor(0xb6, 0x99, 0x2d),
+    RGBColor(0x49, 0x98, 0x94),
+    RGBColor(0x86, 0xbc, 0xb6),
+    RGBColor(0xd3, 0x72, 0x95),
+    RGBColor(0xfa, 0xbf, 0xd2),
+    RGBColor(0xd4, 0xa6, 0xc8),
+    RGBColor(0x79, 0x70, 0x6e),
+];
+
+/// (first, second, sum): a bar without `first` shows `sum` in its slot
+/// and nothing in `second`'s.
+const FALLBACKS: [(Phase, Phase, Phase); 2] = [
+    (
+        Phase::AgentToUserland,
+        Phase::UserlandToHello,
+        Phase::AgentToHello,
+    ),
+    (
+        Phase::VmRunToRedial,
+        Phase::RedialToHelloRead,
+        Phase::VmmReadyToHelloRead,
+    ),
 ];
 
 /// Errors of drawing the chart.
@@ -45,25 +80,27 @@ pub enum ChartError {
     Draw { path: String, message: String },
 }
 
-/// The stacked segments in order, with the agent → hello fallback.
+/// The stacked segments in order: a cold boot's, a warm start's, the first
+/// spawn (each bar fills those of its start kind).
 fn segments() -> Vec<Phase> {
-    let mut s = Phase::TIMELINE.to_vec();
+    let mut s = Phase::COLD_TIMELINE.to_vec();
+    s.extend(Phase::WARM_TIMELINE);
     s.push(Phase::FirstSpawnToExit);
     s
 }
 
-/// One backend's bar.
+/// One series' bar.
 struct Bar {
-    /// The backend's name and accelerator.
+    /// The series' name and accelerator.
     name: String,
     /// The phase shown in each slot of [`segments`] and its median (ms;
-    /// absent phases as 0 width).
+    /// absent phases, and those of the other start kind, as 0 width).
     parts: Vec<(Phase, f64)>,
     /// The median of startVM → connected.
     total: Option<f64>,
 }
 
-/// One bar per backend that measured a boot.
+/// One bar per series that measured a boot.
 fn bars(report: &Report) -> Vec<Bar> {
     report
         .backends
@@ -71,28 +108,31 @@ fn bars(report: &Report) -> Vec<Bar> {
         .filter(|b| !b.runs.is_empty())
         .map(|b| {
             let med = |p: Phase| stat(&b.runs, p).map(|s| s.median_ms);
-            let switched = med(Phase::AgentToUserland).is_some();
-            let mut segs = Vec::new();
-            for p in segments() {
-                let v = match p {
-                    Phase::AgentToUserland if !switched => med(Phase::AgentToHello),
-                    Phase::UserlandToHello if !switched => None,
-                    _ => med(p),
-                };
-                let shown = if p == Phase::AgentToUserland && !switched {
-                    Phase::AgentToHello
-                } else {
-                    p
-                };
-                segs.push((shown, v.unwrap_or(0.0).max(0.0)));
-            }
+            let own = Phase::timeline(b.start);
+            let parts = segments()
+                .into_iter()
+                .map(|p| {
+                    let (shown, v) = if p != Phase::FirstSpawnToExit && !own.contains(&p) {
+                        (p, None)
+                    } else if let Some(&(_, _, sum)) =
+                        FALLBACKS.iter().find(|f| f.0 == p && med(f.0).is_none())
+                    {
+                        (sum, med(sum))
+                    } else if FALLBACKS.iter().any(|f| f.1 == p && med(f.0).is_none()) {
+                        (p, None)
+                    } else {
+                        (p, med(p))
+                    };
+                    (shown, v.unwrap_or(0.0).max(0.0))
+                })
+                .collect();
             let name = match &b.accel {
-                Some(a) => format!("{} ({a})", b.backend.as_str()),
-                None => b.backend.as_str().to_string(),
+                Some(a) => format!("{} ({a})", b.name()),
+                None => b.name(),
             };
             Bar {
                 name,
-                parts: segs,
+                parts,
                 total: med(Phase::StartVmToConnected),
             }
         })
@@ -115,7 +155,14 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
         .fold(0.0f64, f64::max)
         .max(1.0);
     let n = bars.len();
-    let height = BASE_HEIGHT + BAR_HEIGHT * n as u32;
+    let segs = segments();
+    // The slots some bar fills: one legend entry each.
+    let drawn: Vec<usize> = (0..segs.len())
+        .filter(|&si| bars.iter().any(|b| b.parts[si].1 > 0.0))
+        .collect();
+    let legend_height = LEGEND_ENTRY_HEIGHT * drawn.len() as u32 + LEGEND_PADDING;
+    let legend_room = f64::from(legend_height) / f64::from(BAR_HEIGHT);
+    let height = CHROME_HEIGHT + BAR_HEIGHT * n as u32 + legend_height;
     let root = SVGBackend::new(path, (WIDTH, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let title = format!(
@@ -129,7 +176,7 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
         .y_label_area_size(10)
         .build_cartesian_2d(
             0.0..longest * (1.0 + TOTAL_ROOM),
-            0.0..n as f64 + LEGEND_ROOM,
+            0.0..n as f64 + legend_room,
         )
         .map_err(|e| fail(&e))?;
     chart
@@ -151,8 +198,8 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
         })
         .collect();
     chart.draw_series(names).map_err(|e| fail(&e))?;
-    let segs = segments();
-    for (si, seg) in segs.iter().enumerate() {
+    for si in drawn {
+        let seg = segs[si];
         let colour = COLOURS[si % COLOURS.len()];
         let rects: Vec<Rectangle<(f64, f64)>> = bars
             .iter()
@@ -166,11 +213,14 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
                 })
             })
             .collect();
-        // The legend names what each bar shows in this slot.
-        let label = match bars.iter().map(|b| b.parts[si].0).find(|p| p != seg) {
+        // The legend names what the bars show in this slot.
+        let shown = |b: &Bar| (b.parts[si].1 > 0.0).then_some(b.parts[si].0);
+        let label = match bars.iter().filter_map(shown).find(|p| *p != seg) {
             None => seg.label().to_string(),
-            Some(other) if bars.iter().all(|b| b.parts[si].0 == other) => other.label().to_string(),
-            Some(other) => format!("{} (initramfs: {})", seg.label(), other.label()),
+            Some(other) if bars.iter().filter_map(shown).all(|p| p == other) => {
+                other.label().to_string()
+            }
+            Some(other) => format!("{} (or {})", seg.label(), other.label()),
         };
         chart
             .draw_series(rects)
@@ -206,14 +256,22 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), ChartError> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::phases::{Backend, Phases};
+    use super::super::phases::{Backend, Phases, StartKind};
     use super::super::report::BackendRuns;
     use super::*;
 
+    fn series(backend: Backend, start: StartKind, accel: &str, run: Phases) -> BackendRuns {
+        BackendRuns {
+            accel: Some(accel.into()),
+            runs: vec![run],
+            ..BackendRuns::new(backend, start)
+        }
+    }
+
     #[test]
-    fn writes_an_svg_with_one_bar_per_backend() {
+    fn writes_an_svg_with_one_bar_per_series() {
         let mut p = Phases::default();
-        for (i, ph) in Phase::TIMELINE.iter().enumerate() {
+        for (i, ph) in Phase::COLD_TIMELINE.iter().enumerate() {
             p.set(*ph, Some(100.0 * (i + 1) as f64));
         }
         p.set(Phase::StartVmToConnected, Some(2100.0));
@@ -222,6 +280,14 @@ mod tests {
         initramfs.set(Phase::AgentToUserland, None);
         initramfs.set(Phase::UserlandToHello, None);
         initramfs.set(Phase::AgentToHello, Some(700.0));
+        let mut warm = Phases::default();
+        for (i, ph) in Phase::WARM_TIMELINE.iter().enumerate() {
+            warm.set(*ph, Some(10.0 * (i + 1) as f64));
+        }
+        // Phases of a cold boot in a warm series' runs are not drawn.
+        warm.set(Phase::KernelToAgent, Some(5000.0));
+        warm.set(Phase::StartVmToConnected, Some(660.0));
+        warm.set(Phase::FirstSpawnToExit, Some(8.0));
         let report = Report {
             runs_requested: 1,
             warmup: 0,
@@ -229,21 +295,17 @@ mod tests {
             memory_gb: 1.0,
             cpus: 2,
             host_kernel: "test".into(),
+            notes: vec![],
             backends: vec![
-                BackendRuns {
-                    backend: Backend::Kvm,
-                    accel: Some("kvm".into()),
-                    runs: vec![p],
-                    failures: vec![],
-                },
-                BackendRuns {
-                    backend: Backend::Qemu,
-                    accel: Some("tcg".into()),
-                    runs: vec![initramfs],
-                    failures: vec![],
-                },
+                series(Backend::Kvm, StartKind::Cold, "kvm", p),
+                series(Backend::Kvm, StartKind::Warm, "kvm", warm.clone()),
+                series(Backend::Qemu, StartKind::Cold, "tcg", initramfs),
             ],
         };
+        let b = bars(&report);
+        let width = |bar: &Bar| bar.parts.iter().map(|p| p.1).sum::<f64>();
+        assert_eq!(width(&b[0]), 2100.0 + 20.0);
+        assert_eq!(width(&b[1]), 660.0 + 8.0);
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("boot.svg");
         write_svg(&report, &out).unwrap();
@@ -251,14 +313,40 @@ mod tests {
         assert!(svg.starts_with("<svg"), "{}", &svg[..80.min(svg.len())]);
         assert!(svg.trim_end().ends_with("</svg>"));
         for text in [
-            "kvm (kvm)",
-            "qemu (tcg)",
+            "kvm cold (kvm)",
+            "kvm warm (kvm)",
+            "qemu cold (tcg)",
             "connected 2100 ms",
+            "connected 660 ms",
             "kernel → agent start",
             "agent → hello",
+            "restore: guest memory",
+            "redial → final hello",
         ] {
             assert!(svg.contains(text), "{text} missing");
         }
+
+        // A warm start without the agent's redial mark: the guest side
+        // whole in its slot.
+        warm.set(Phase::VmRunToRedial, None);
+        warm.set(Phase::RedialToHelloRead, None);
+        warm.set(Phase::VmmReadyToHelloRead, Some(190.0));
+        let only_warm = Report {
+            backends: vec![series(Backend::Kvm, StartKind::Warm, "kvm", warm)],
+            ..report.clone()
+        };
+        let b = bars(&only_warm);
+        let slot = segments()
+            .iter()
+            .position(|p| *p == Phase::VmRunToRedial)
+            .unwrap();
+        assert_eq!(b[0].parts[slot], (Phase::VmmReadyToHelloRead, 190.0));
+        assert_eq!(b[0].parts[slot + 1].1, 0.0);
+        write_svg(&only_warm, &out).unwrap();
+        let svg = std::fs::read_to_string(&out).unwrap();
+        assert!(svg.contains("VMM ready → final hello read"));
+        assert!(!svg.contains("kernel → agent start"), "no cold slot drawn");
+
         let empty = Report {
             backends: vec![],
             ..report

@@ -6,22 +6,39 @@
 //!
 //! Each boot starts a fresh helper (this executable, or `--helper PATH`) on
 //! a temporary socket under `$TMPDIR` with `--backend kvm|qemu` and a data
-//! directory kept across the backend's boots (so its session disk is
+//! directory kept across the boots of one series (so its session disk is
 //! formatted once, by an unmeasured warm-up boot, as on a user's second
 //! and later starts; `--warmup 0` measures first boots too), drives it
 //! through [`crate::client`] as the desktop client does (configure,
 //! subscribeEvents, startVM, one spawn of `/bin/true`, stopVM), then reads
 //! the helper's log ([`log`]) for the VMM's and the agent's own timings and
-//! derives the phases ([`phases`]). With `--backend both` the two backends
-//! alternate run by run, and the report gives kvm/qemu ratios ([`report`]).
-//! Progress goes to stderr, one line per boot.
+//! derives the phases ([`phases`]).
+//!
+//! A series is one backend and one start kind (`--start cold|warm|both`,
+//! default `cold`): a cold kvm series runs its helpers with `--snapshot
+//! off`, so every VM boots its kernel; a warm kvm series runs them with
+//! `--snapshot auto` and a snapshot directory of its own, shared by its
+//! boots, and its first warm-up boot (always there, even with `--warmup
+//! 0`) boots cold and takes the boot snapshot that every later boot of the
+//! series restores. Every run's log must say it started as asked (`kvm vm
+//! started start="cold"|"warm"`); one that did not is a failed run. The
+//! qemu backend always boots cold: a warm qemu series is not run, the
+//! report says so in a note, and `--start warm` with qemu alone is
+//! refused. Each round runs every series once, in the order kvm cold, kvm
+//! warm, qemu cold; the report gives kvm/qemu ratios of the cold series and
+//! warm/cold ratios per backend ([`report`]). Progress goes to stderr, one
+//! line per boot.
 //!
 //! Limits: one boot at a time (the numbers are for an otherwise idle
 //! machine; other load shows up in them); the guest image must exist
 //! (`scripts/mkguestimage.sh`); the kvm backend needs a KVM that runs
-//! Linux (here: inside the nested harness, see docs/testing.md). A run that
-//! fails is reported with the end of its helper log and counted, and makes
-//! the exit status 1; the other runs are still reported.
+//! Linux (here: inside the nested harness, see docs/testing.md). A warm
+//! series' snapshot (guest memory with data, written under `$TMPDIR`) is
+//! removed with its data directory. A run that fails is reported with the
+//! end of its helper log and counted, and makes the exit status 1; the
+//! other runs are still reported. A warm series whose first warm-up boot
+//! took no snapshot runs nothing more: each of its runs is counted as
+//! failed, with the reason.
 
 pub mod chart;
 pub mod log;
@@ -35,7 +52,7 @@ use serde_json::{json, Value};
 
 use super::{launch_helper, HelperSpec};
 use crate::client::{Pipe, Subscription};
-use phases::{Backend, Phase, RunRecord};
+use phases::{Backend, Phase, RunRecord, StartKind};
 use report::{BackendRuns, Report};
 
 /// Default `COWORK_LOG` of the helper under test: info has every line
@@ -84,11 +101,78 @@ impl Backends {
     }
 }
 
+/// Which start kinds to measure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Starts {
+    /// Every VM boots its kernel (the kvm backend's snapshots off).
+    #[default]
+    Cold,
+    /// The kvm backend restores a boot snapshot its first warm-up boot
+    /// took.
+    Warm,
+    /// A cold and a warm series per backend that has both.
+    Both,
+}
+
+impl Starts {
+    /// The start kinds, cold first.
+    pub fn list(self) -> Vec<StartKind> {
+        match self {
+            Starts::Cold => vec![StartKind::Cold],
+            Starts::Warm => vec![StartKind::Warm],
+            Starts::Both => vec![StartKind::Cold, StartKind::Warm],
+        }
+    }
+}
+
+/// Where the helper's warm start is described (for what is not measured).
+const WARM_START_DOC: &str = "docs/boot.md#warm-start";
+
+/// What [`plan`] decided to run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The series, in round order (backend by backend, cold first).
+    pub series: Vec<(Backend, StartKind)>,
+    /// One line per backend with a start kind asked for that it cannot
+    /// run.
+    pub notes: Vec<String>,
+}
+
+/// The series to run and a note for each one asked for that cannot be
+/// run; no series at all is an error saying why.
+pub fn plan(backends: &[Backend], starts: Starts) -> Result<Plan, BootBenchError> {
+    let mut series = Vec::new();
+    let mut notes = Vec::new();
+    for &b in backends {
+        let mut skipped = Vec::new();
+        for kind in starts.list() {
+            if b.starts(kind) {
+                series.push((b, kind));
+            } else {
+                skipped.push(kind.as_str());
+            }
+        }
+        if !skipped.is_empty() {
+            notes.push(format!(
+                "{b}: cold only, no {b} {} series: the {b} backend has no warm start (it always boots cold, see {WARM_START_DOC})",
+                skipped.join(", "),
+                b = b.as_str(),
+            ));
+        }
+    }
+    if series.is_empty() {
+        return Err(BootBenchError::NothingToRun(notes.join("; ")));
+    }
+    Ok(Plan { series, notes })
+}
+
 /// Options of `bench boot` (parsed by `crate::cli`).
 #[derive(Clone, Debug)]
 pub struct Options {
     pub backends: Backends,
-    /// Boots per backend.
+    /// Which start kinds to measure.
+    pub start: Starts,
+    /// Measured boots per series.
     pub runs: usize,
     /// Print JSON on stdout instead of the table.
     pub json: bool,
@@ -106,7 +190,8 @@ pub struct Options {
     pub userland: String,
     /// Limit of each request (startVM, spawn, stopVM).
     pub timeout: Duration,
-    /// Unmeasured boots per backend before the measured ones.
+    /// Unmeasured boots per series before the measured ones (a warm series
+    /// has at least one: it takes the snapshot).
     pub warmup: usize,
     /// `COWORK_LOG` of the helpers (at least info, see [`HELPER_LOG_FILTER`]).
     pub helper_log: String,
@@ -143,6 +228,53 @@ pub enum BootBenchError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Chart(#[from] chart::ChartError),
+    #[error("nothing to measure: {0}; use --start cold, or --backend kvm where this host's KVM runs Linux")]
+    NothingToRun(String),
+    #[error("asked for a warm start, but the helper booted cold: {0}")]
+    NotWarm(String),
+    #[error("asked for a cold boot, but the helper restored a boot snapshot (its log says start=\"warm\"; was --snapshot off ignored?)")]
+    NotCold,
+    #[error("cannot tell whether the VM started cold or warm: the helper logged no `kvm vm started` line with a start field (a helper built before warm start?)")]
+    StartUnknown,
+    #[error("the first warm-up boot took no boot snapshot: {0}")]
+    NoSnapshot(String),
+}
+
+/// Checks that the helper started the VM as asked: a kvm run by the
+/// `start` field of its `kvm vm started` line (a qemu run always boots
+/// cold).
+pub fn check_start(
+    backend: Backend,
+    asked: StartKind,
+    ev: &log::BootEvents,
+) -> Result<(), BootBenchError> {
+    if backend == Backend::Qemu {
+        return Ok(());
+    }
+    match (asked, ev.kvm_start.as_deref()) {
+        (StartKind::Cold, Some(log::START_COLD)) | (StartKind::Warm, Some(log::START_WARM)) => {
+            Ok(())
+        }
+        (StartKind::Cold, Some(log::START_WARM)) => Err(BootBenchError::NotCold),
+        (StartKind::Warm, Some(log::START_COLD)) => {
+            Err(BootBenchError::NotWarm(match &ev.restore_failed {
+                Some(e) => format!("its boot snapshot could not be restored ({e})"),
+                None => "there was no boot snapshot of this machine shape".to_string(),
+            }))
+        }
+        _ => Err(BootBenchError::StartUnknown),
+    }
+}
+
+/// Why a boot that was to take the boot snapshot took none (its log's
+/// reason, when it gave one).
+fn no_snapshot_reason(ev: &log::BootEvents) -> String {
+    ev.no_snapshot.clone().unwrap_or_else(|| {
+        format!(
+            "the helper logged no \"{}\" line, nor why",
+            log::MSG_SNAPSHOT_TAKEN
+        )
+    })
 }
 
 fn client_err(what: &'static str) -> impl Fn(crate::client::ClientError) -> BootBenchError {
@@ -179,7 +311,7 @@ pub fn main(opts: Options) -> i32 {
             let read = std::fs::read_to_string(path)
                 .map_err(|e| e.to_string())
                 .and_then(|t| serde_json::from_str::<Value>(&t).map_err(|e| e.to_string()))
-                .and_then(|v| Report::from_json(&v));
+                .and_then(|v| Report::from_json(&v).map_err(|e| e.to_string()));
             match read {
                 Ok(r) => r,
                 Err(e) => {
@@ -188,7 +320,18 @@ pub fn main(opts: Options) -> i32 {
                 }
             }
         }
-        None => rt.block_on(run_all(&opts)),
+        None => match plan(&opts.backends.list(), opts.start) {
+            Ok(plan) => {
+                for n in &plan.notes {
+                    eprintln!("bench boot: note: {n}");
+                }
+                rt.block_on(run_all(&opts, plan))
+            }
+            Err(e) => {
+                eprintln!("bench boot: {e}");
+                return 2;
+            }
+        },
     };
     if opts.json {
         match serde_json::to_string_pretty(&report.to_json()) {
@@ -217,33 +360,34 @@ pub fn main(opts: Options) -> i32 {
     code
 }
 
-/// Data directories kept across one backend's boots; removed on drop
-/// unless the logs are kept.
+/// Data directories kept across one series' boots (a warm series' boot
+/// snapshots live in its own); removed on drop unless the logs are kept.
 struct DataDirs {
-    dirs: Vec<(Backend, PathBuf)>,
+    dirs: Vec<((Backend, StartKind), PathBuf)>,
     keep: bool,
 }
 
 impl DataDirs {
-    fn new(list: &[Backend], keep: bool) -> DataDirs {
-        let dirs = list
+    fn new(series: &[(Backend, StartKind)], keep: bool) -> DataDirs {
+        let dirs = series
             .iter()
-            .map(|b| {
+            .map(|&(b, kind)| {
                 let d = std::env::temp_dir().join(format!(
-                    "cowork-bench-{}-data-{}",
+                    "cowork-bench-{}-data-{}-{}",
                     std::process::id(),
-                    b.as_str()
+                    b.as_str(),
+                    kind.as_str()
                 ));
-                (*b, d)
+                ((b, kind), d)
             })
             .collect();
         DataDirs { dirs, keep }
     }
 
-    fn of(&self, b: Backend) -> Option<&std::path::Path> {
+    fn of(&self, series: (Backend, StartKind)) -> Option<&std::path::Path> {
         self.dirs
             .iter()
-            .find(|(x, _)| *x == b)
+            .find(|(x, _)| *x == series)
             .map(|(_, d)| d.as_path())
     }
 }
@@ -260,41 +404,141 @@ impl Drop for DataDirs {
     }
 }
 
-/// Boots every backend `opts.runs` times, alternating, after the warm-up.
-async fn run_all(opts: &Options) -> Report {
-    let list = opts.backends.list();
-    let data = DataDirs::new(&list, opts.keep_logs);
-    let mut backends: Vec<BackendRuns> = list
+/// The snapshot directory of a warm series, in its data directory.
+const SNAPSHOT_SUBDIR: &str = "snapshots";
+
+/// One helper run of a series: what it expects of the start and where.
+struct Boot<'a> {
+    backend: Backend,
+    /// The series' start kind (sets the helper's `--snapshot`).
+    series: StartKind,
+    /// How this boot must start (a warm series' first warm-up boots cold).
+    expect: StartKind,
+    /// `warmup1`, `3`: names the helper's directory.
+    run: String,
+    data_dir: Option<&'a std::path::Path>,
+}
+
+/// What one progress line says of a run's phases.
+fn progress(p: &phases::Phases, kind: StartKind) -> String {
+    let show = |ph: Phase| {
+        p.get(ph)
+            .map_or_else(|| "absent".to_string(), |v| format!("{v:.1} ms"))
+    };
+    match kind {
+        StartKind::Cold => format!(
+            "startVM → connected {}, guest side {}, first spawn → exit {}",
+            show(Phase::StartVmToConnected),
+            show(Phase::KernelToHello),
+            show(Phase::FirstSpawnToExit),
+        ),
+        StartKind::Warm => format!(
+            "startVM → connected {}, restore {}, VM runs → final hello {}, first spawn → exit {}",
+            show(Phase::StartVmToConnected),
+            show(Phase::RestoreTotal),
+            show(Phase::VmmReadyToHelloRead),
+            show(Phase::FirstSpawnToExit),
+        ),
+    }
+}
+
+/// Boots every series `opts.runs` times, round by round, after the
+/// warm-up.
+async fn run_all(opts: &Options, plan: Plan) -> Report {
+    let Plan { series, notes } = plan;
+    let data = DataDirs::new(&series, opts.keep_logs);
+    let mut backends: Vec<BackendRuns> = series
         .iter()
-        .map(|&backend| BackendRuns {
-            backend,
-            accel: None,
-            runs: Vec::new(),
-            failures: Vec::new(),
-        })
+        .map(|&(b, kind)| BackendRuns::new(b, kind))
         .collect();
-    for i in 0..opts.warmup {
-        for &b in &list {
-            let name = b.as_str();
-            match one_boot(opts, b, &format!("warmup{}", i + 1), data.of(b)).await {
-                Ok(rec) => eprintln!(
-                    "bench boot: {name} warm-up {}/{}: startVM → connected {:.1} ms (not counted)",
-                    i + 1,
-                    opts.warmup,
-                    rec.start_vm_ms
-                ),
-                Err(e) => eprintln!(
-                    "bench boot: {name} warm-up {}/{} failed (not counted): {e}",
-                    i + 1,
-                    opts.warmup
-                ),
+    // Warm series whose snapshot boot failed: why.
+    let mut broken: Vec<Option<String>> = vec![None; backends.len()];
+    let warmups = |kind: StartKind| match kind {
+        StartKind::Cold => opts.warmup,
+        StartKind::Warm => opts.warmup.max(1),
+    };
+    let rounds = series.iter().map(|s| warmups(s.1)).max().unwrap_or(0);
+    for i in 0..rounds {
+        for (k, b) in backends.iter_mut().enumerate() {
+            let count = warmups(b.start);
+            if i >= count || broken[k].is_some() {
+                continue;
+            }
+            let takes_snapshot = b.start == StartKind::Warm && i == 0;
+            let boot = Boot {
+                backend: b.backend,
+                series: b.start,
+                expect: if takes_snapshot {
+                    StartKind::Cold
+                } else {
+                    b.start
+                },
+                run: format!("warmup{}", i + 1),
+                data_dir: data.of((b.backend, b.start)),
+            };
+            let name = b.name();
+            let what = if takes_snapshot {
+                " (takes the boot snapshot)"
+            } else {
+                ""
+            };
+            match one_boot(opts, &boot).await {
+                Ok(rec) => {
+                    eprintln!(
+                        "bench boot: {name} warm-up {}/{count}{what}: startVM → connected {:.1} ms (not counted)",
+                        i + 1,
+                        rec.start_vm_ms
+                    );
+                    if takes_snapshot {
+                        match rec.events.snapshot_taken {
+                            Some(s) => b.snapshot = Some(s),
+                            None => {
+                                let e = BootBenchError::NoSnapshot(no_snapshot_reason(&rec.events));
+                                eprintln!("bench boot: {name}: {e}");
+                                broken[k] = Some(e.to_string());
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    eprintln!(
+                        "bench boot: {name} warm-up {}/{count}{what} failed (not counted): {e}",
+                        i + 1
+                    );
+                    if takes_snapshot {
+                        let first = e.lines().next().unwrap_or_default();
+                        broken[k] = Some(
+                            BootBenchError::NoSnapshot(format!("the boot failed: {first}"))
+                                .to_string(),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    for (k, why) in broken.iter().enumerate() {
+        if let Some(why) = why {
+            for i in 0..opts.runs {
+                backends[k]
+                    .failures
+                    .push(format!("run {}: not run: {why}", i + 1));
             }
         }
     }
     for i in 0..opts.runs {
-        for b in backends.iter_mut() {
-            let name = b.backend.as_str();
-            match one_boot(opts, b.backend, &(i + 1).to_string(), data.of(b.backend)).await {
+        for (k, b) in backends.iter_mut().enumerate() {
+            if broken[k].is_some() {
+                continue;
+            }
+            let name = b.name();
+            let boot = Boot {
+                backend: b.backend,
+                series: b.start,
+                expect: b.start,
+                run: (i + 1).to_string(),
+                data_dir: data.of((b.backend, b.start)),
+            };
+            match one_boot(opts, &boot).await {
                 Ok(rec) => {
                     let accel = match b.backend {
                         Backend::Kvm => Some("kvm".to_string()),
@@ -304,17 +548,11 @@ async fn run_all(opts: &Options) -> Report {
                         b.accel = accel;
                     }
                     let p = phases::phases(&rec);
-                    let show = |ph: Phase| {
-                        p.get(ph)
-                            .map_or_else(|| "absent".to_string(), |v| format!("{v:.1} ms"))
-                    };
                     eprintln!(
-                        "bench boot: {name} {}/{}: startVM → connected {}, guest side {}, first spawn → exit {}",
+                        "bench boot: {name} {}/{}: {}",
                         i + 1,
                         opts.runs,
-                        show(Phase::StartVmToConnected),
-                        show(Phase::KernelToHello),
-                        show(Phase::FirstSpawnToExit),
+                        progress(&p, b.start)
                     );
                     b.runs.push(p);
                 }
@@ -337,25 +575,40 @@ async fn run_all(opts: &Options) -> Report {
         host_kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
+        notes,
         backends,
     }
 }
 
-/// One boot in a fresh helper; the error text ends with the helper's log
-/// tail.
-async fn one_boot(
-    opts: &Options,
-    backend: Backend,
-    run: &str,
-    data_dir: Option<&std::path::Path>,
-) -> Result<RunRecord, String> {
-    let tag = format!("-{}-{run}", backend.as_str());
-    let args = [
+/// One boot in a fresh helper, checked to have started as `boot.expect`
+/// says; the error text ends with the helper's log tail.
+async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> {
+    let backend = boot.backend;
+    let tag = format!(
+        "-{}-{}-{}",
+        backend.as_str(),
+        boot.series.as_str(),
+        boot.run
+    );
+    let snapshot_dir = boot.data_dir.map(|d| d.join(SNAPSHOT_SUBDIR));
+    let snapshot_dir = snapshot_dir
+        .as_deref()
+        .map(|d| d.to_string_lossy().into_owned());
+    let mut args = vec![
         "--backend",
         backend.as_str(),
         "--userland",
         opts.userland.as_str(),
     ];
+    if backend == Backend::Kvm {
+        match (boot.series, snapshot_dir.as_deref()) {
+            (StartKind::Warm, Some(dir)) => {
+                args.extend(["--snapshot", "auto", "--snapshot-dir", dir])
+            }
+            (StartKind::Warm, None) => args.extend(["--snapshot", "auto"]),
+            (StartKind::Cold, _) => args.extend(["--snapshot", "off"]),
+        }
+    }
     let mut helper = launch_helper(&HelperSpec {
         exe: opts.helper.as_deref(),
         args: &args,
@@ -363,35 +616,44 @@ async fn one_boot(
         keep: opts.keep_logs,
         tag: &tag,
         bind_limit: BIND_LIMIT,
-        data_dir,
+        data_dir: boot.data_dir,
     })
     .map_err(|e| BootBenchError::Helper(e).to_string())?;
     // The profile (and with it the session disk) must be the same across
-    // the backend's boots: its root lives with the kept data directory.
-    let profile_root =
-        data_dir.map_or_else(|| helper.dir.join("profile"), |d| d.join("profile-root"));
+    // the series' boots: its root lives with the kept data directory.
+    let profile_root = boot
+        .data_dir
+        .map_or_else(|| helper.dir.join("profile"), |d| d.join("profile-root"));
     let measured = drive(opts, &helper.socket, &helper.dir, &profile_root).await;
     let log = std::fs::read_to_string(&helper.log).map_err(|source| BootBenchError::Log {
         path: helper.log.clone(),
         source,
     });
+    let failed = |helper: &mut super::Helper, e: &dyn std::fmt::Display| {
+        // Stopped first, so the tail has how its VM ended (a guest that
+        // died under the spawn shows only as a closed link until then).
+        helper.stop();
+        format!(
+            "{e}\nhelper log tail (after stopping it):\n{}",
+            helper.log_tail_lines(FAILED_BOOT_LOG_LINES)
+        )
+    };
     match (measured, log) {
-        (Ok((start_vm_sent_at, start_vm_ms, spawn_exit_ms)), Ok(text)) => Ok(RunRecord {
-            backend,
-            start_vm_sent_at,
-            start_vm_ms,
-            spawn_exit_ms: Some(spawn_exit_ms),
-            events: log::HelperLog(&text).parse(),
-        }),
-        (Err(e), _) => {
-            // Stopped first, so the tail has how its VM ended (a guest that
-            // died under the spawn shows only as a closed link until then).
-            helper.stop();
-            Err(format!(
-                "{e}\nhelper log tail (after stopping it):\n{}",
-                helper.log_tail_lines(FAILED_BOOT_LOG_LINES)
-            ))
+        (Ok((start_vm_sent_at, start_vm_ms, spawn_exit_ms)), Ok(text)) => {
+            let events = log::HelperLog(&text).parse();
+            if let Err(e) = check_start(backend, boot.expect, &events) {
+                return Err(failed(&mut helper, &e));
+            }
+            Ok(RunRecord {
+                backend,
+                start: boot.expect,
+                start_vm_sent_at,
+                start_vm_ms,
+                spawn_exit_ms: Some(spawn_exit_ms),
+                events,
+            })
         }
+        (Err(e), _) => Err(failed(&mut helper, &e)),
         (_, Err(e)) => Err(e.to_string()),
     }
 }
@@ -462,4 +724,72 @@ async fn drive(
         .await
         .map_err(client_err("stopVM"))?;
     Ok((sent_at, start_vm_ms, spawn_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log::{HelperLog, SNAPSHOT_LOG, WARM_LOG};
+    use super::*;
+
+    #[test]
+    fn series_are_planned_with_a_note_for_qemu_warm() {
+        let Plan { series, notes } = plan(&[Backend::Kvm, Backend::Qemu], Starts::Both).unwrap();
+        assert_eq!(
+            series,
+            vec![
+                (Backend::Kvm, StartKind::Cold),
+                (Backend::Kvm, StartKind::Warm),
+                (Backend::Qemu, StartKind::Cold),
+            ]
+        );
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with("qemu: cold only"), "{notes:?}");
+        assert!(notes[0].contains(WARM_START_DOC), "{notes:?}");
+        let Plan { series, notes } = plan(&[Backend::Kvm], Starts::Cold).unwrap();
+        assert_eq!(series, vec![(Backend::Kvm, StartKind::Cold)]);
+        assert!(notes.is_empty());
+        let Plan { series, notes } = plan(&[Backend::Kvm, Backend::Qemu], Starts::Warm).unwrap();
+        assert_eq!(series, vec![(Backend::Kvm, StartKind::Warm)]);
+        assert_eq!(notes.len(), 1);
+        // qemu alone, warm: nothing to measure, and why.
+        let e = plan(&[Backend::Qemu], Starts::Warm)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qemu backend has no warm start"), "{e}");
+        assert!(e.contains("docs/boot.md"), "{e}");
+        assert!(e.contains("--start cold"), "{e}");
+    }
+
+    #[test]
+    fn a_run_must_have_started_as_asked() {
+        let warm = HelperLog(WARM_LOG).parse();
+        let cold = HelperLog(SNAPSHOT_LOG).parse();
+        check_start(Backend::Kvm, StartKind::Warm, &warm).unwrap();
+        check_start(Backend::Kvm, StartKind::Cold, &cold).unwrap();
+        let e = check_start(Backend::Kvm, StartKind::Cold, &warm).unwrap_err();
+        assert!(matches!(e, BootBenchError::NotCold), "{e}");
+        let e = check_start(Backend::Kvm, StartKind::Warm, &cold).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "asked for a warm start, but the helper booted cold: there was no boot snapshot of this machine shape"
+        );
+        let mut failed = cold.clone();
+        failed.restore_failed = Some("the key differs".into());
+        let e = check_start(Backend::Kvm, StartKind::Warm, &failed).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("its boot snapshot could not be restored (the key differs)"),
+            "{e}"
+        );
+        let old = log::BootEvents::default();
+        let e = check_start(Backend::Kvm, StartKind::Cold, &old).unwrap_err();
+        assert!(matches!(e, BootBenchError::StartUnknown), "{e}");
+        // qemu always boots cold; its log has no start field.
+        check_start(Backend::Qemu, StartKind::Cold, &old).unwrap();
+        // The snapshot boot's reason, or that there was none.
+        assert!(no_snapshot_reason(&cold).contains("boot snapshot taken"));
+        let mut why = cold;
+        why.no_snapshot = Some("no boot snapshot: EIO".into());
+        assert_eq!(no_snapshot_reason(&why), "no boot snapshot: EIO");
+    }
 }

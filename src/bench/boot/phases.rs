@@ -24,16 +24,36 @@
 //! parsed its configuration and realised our devices; what is left before
 //! the first guest instruction is QEMU's machine reset). A phase whose
 //! source is missing is `None` (absent, `null` in JSON), never guessed.
+//!
+//! A warm start ([`StartKind::Warm`], kvm only) restores the boot snapshot
+//! instead of booting, so the guest's boot clock and the hello's boot
+//! marks are those of the snapshot's own boot and say nothing about this
+//! start: none of the kernel and agent phases is derived for it. Its
+//! phases are host-side: the VMM's restore phases (from its
+//! `VM restored from a snapshot` line; "VMM ready" is the first `KVM_RUN`
+//! after the restore), the agent's connection after the restore (the
+//! boot-port mark it writes when it dials again, by the VMM's clock: only
+//! its host time is used), the helper reading the agent's final hello,
+//! and `startVM`'s answer ([`Phase::WARM_TIMELINE`]). The phases both
+//! kinds measure the same way (helper → VMM ready, VMM ready → final hello
+//! read, final hello read → answered, startVM → connected, first spawn →
+//! exit) give the warm/cold ratios.
 
 use guest_agent::milestone::{self, Milestone};
 
 use super::log::{BootEvents, LogLine};
 
 /// Half a millisecond in µs: the midpoint of a guest stamp truncated to ms.
-const HALF_MS_US: f64 = 500.0;
+const HALF_MS_US: f64 = US_PER_MS / 2.0;
+
+/// µs per ms.
+const US_PER_MS: f64 = 1000.0;
 
 /// Which backend a run used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Deserialize, serde::Serialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum Backend {
     Kvm,
     Qemu,
@@ -44,6 +64,45 @@ impl Backend {
         match self {
             Backend::Kvm => "kvm",
             Backend::Qemu => "qemu",
+        }
+    }
+
+    /// Whether the backend can start a VM this way (the qemu backend
+    /// always boots cold).
+    pub fn starts(self, kind: StartKind) -> bool {
+        kind == StartKind::Cold || self == Backend::Kvm
+    }
+}
+
+/// How a run's VM started.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Deserialize,
+    serde::Serialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum StartKind {
+    /// The kernel booted (kvm with `--snapshot off`; every qemu boot; every
+    /// run of a document from before warm starts were measured).
+    #[default]
+    Cold,
+    /// The kvm backend restored its boot snapshot.
+    Warm,
+}
+
+impl StartKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StartKind::Cold => "cold",
+            StartKind::Warm => "warm",
         }
     }
 }
@@ -74,6 +133,40 @@ pub enum Phase {
     /// Agent connected (guest) → `startVM` answered (host): reading the
     /// hello, checking it, wiring the link, the reply.
     HelloToConnected,
+    /// Warm: `startVM` sent → the VMM begins the restore (the request,
+    /// the session disk check, the devices, the VM thread).
+    HelperToRestore,
+    /// Warm, restore: the state file read and checked against this
+    /// machine.
+    RestoreState,
+    /// Warm, restore: the KVM VM, its irqchip, PIT and vCPUs created.
+    RestoreKvm,
+    /// Warm, restore: the memory file mapped copy-on-write and registered.
+    RestoreMemory,
+    /// Warm, restore: the vCPUs' saved state loaded.
+    RestoreVcpus,
+    /// Warm, restore: the VM's saved clock, PIT and irqchip loaded.
+    RestoreVm,
+    /// Warm, restore: platform and virtio devices restored and attached.
+    RestoreDevices,
+    /// Warm: the whole restore (the six phases above).
+    RestoreTotal,
+    /// Warm: restore done → the first `KVM_RUN` (the VM thread hands the
+    /// machine over and resumes the devices and vCPUs).
+    RestoredToVmRun,
+    /// Warm: first `KVM_RUN` → the agent dialled the host again (its link
+    /// was reset by the restore).
+    VmRunToRedial,
+    /// Warm: the agent dialled → the helper read its final hello (template
+    /// hello, this boot's Setup, the session disk and share mounted, final
+    /// hello).
+    RedialToHelloRead,
+    /// VMM ready → the helper read the agent's final hello (host clock):
+    /// cold, the whole guest boot; warm, the guest-side part of the start.
+    VmmReadyToHelloRead,
+    /// The helper read the agent's final hello → `startVM` answered (host
+    /// clock): checking the hello, wiring the link, the reply.
+    HelloReadToConnected,
     /// `startVM` sent → its reply (the guest connected), at the client.
     StartVmToConnected,
     /// First `spawn` of `/bin/true` sent → its exit event, at the client.
@@ -81,7 +174,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 10] = [
+    pub const ALL: [Phase; 23] = [
         Phase::HelperToVmmReady,
         Phase::VmmReadyToKernel,
         Phase::KernelToAgent,
@@ -90,13 +183,27 @@ impl Phase {
         Phase::AgentToHello,
         Phase::KernelToHello,
         Phase::HelloToConnected,
+        Phase::HelperToRestore,
+        Phase::RestoreState,
+        Phase::RestoreKvm,
+        Phase::RestoreMemory,
+        Phase::RestoreVcpus,
+        Phase::RestoreVm,
+        Phase::RestoreDevices,
+        Phase::RestoreTotal,
+        Phase::RestoredToVmRun,
+        Phase::VmRunToRedial,
+        Phase::RedialToHelloRead,
+        Phase::VmmReadyToHelloRead,
+        Phase::HelloReadToConnected,
         Phase::StartVmToConnected,
         Phase::FirstSpawnToExit,
     ];
 
-    /// The phases that follow each other from `startVM` to connected (the
-    /// chart's stacked segments), when the VM switched to a userland disk.
-    pub const TIMELINE: [Phase; 6] = [
+    /// The phases that follow each other from `startVM` to connected in a
+    /// cold boot (the chart's stacked segments), when the VM switched to a
+    /// userland disk.
+    pub const COLD_TIMELINE: [Phase; 6] = [
         Phase::HelperToVmmReady,
         Phase::VmmReadyToKernel,
         Phase::KernelToAgent,
@@ -104,6 +211,60 @@ impl Phase {
         Phase::UserlandToHello,
         Phase::HelloToConnected,
     ];
+
+    /// The phases that follow each other from `startVM` to connected in a
+    /// warm start.
+    pub const WARM_TIMELINE: [Phase; 11] = [
+        Phase::HelperToRestore,
+        Phase::RestoreState,
+        Phase::RestoreKvm,
+        Phase::RestoreMemory,
+        Phase::RestoreVcpus,
+        Phase::RestoreVm,
+        Phase::RestoreDevices,
+        Phase::RestoredToVmRun,
+        Phase::VmRunToRedial,
+        Phase::RedialToHelloRead,
+        Phase::HelloReadToConnected,
+    ];
+
+    /// The stacked phases of a start of this kind.
+    pub fn timeline(kind: StartKind) -> &'static [Phase] {
+        match kind {
+            StartKind::Cold => &Phase::COLD_TIMELINE,
+            StartKind::Warm => &Phase::WARM_TIMELINE,
+        }
+    }
+
+    /// Whether a start of this kind measures the phase (the others are
+    /// always absent for it).
+    pub fn measured_in(self, kind: StartKind) -> bool {
+        match self {
+            Phase::HelperToVmmReady
+            | Phase::VmmReadyToHelloRead
+            | Phase::HelloReadToConnected
+            | Phase::StartVmToConnected
+            | Phase::FirstSpawnToExit => true,
+            Phase::VmmReadyToKernel
+            | Phase::KernelToAgent
+            | Phase::AgentToUserland
+            | Phase::UserlandToHello
+            | Phase::AgentToHello
+            | Phase::KernelToHello
+            | Phase::HelloToConnected => kind == StartKind::Cold,
+            Phase::HelperToRestore
+            | Phase::RestoreState
+            | Phase::RestoreKvm
+            | Phase::RestoreMemory
+            | Phase::RestoreVcpus
+            | Phase::RestoreVm
+            | Phase::RestoreDevices
+            | Phase::RestoreTotal
+            | Phase::RestoredToVmRun
+            | Phase::VmRunToRedial
+            | Phase::RedialToHelloRead => kind == StartKind::Warm,
+        }
+    }
 
     /// The JSON key.
     pub fn key(self) -> &'static str {
@@ -116,6 +277,19 @@ impl Phase {
             Phase::AgentToHello => "agent_to_hello",
             Phase::KernelToHello => "kernel_to_hello",
             Phase::HelloToConnected => "hello_to_connected",
+            Phase::HelperToRestore => "helper_to_restore",
+            Phase::RestoreState => "restore_state",
+            Phase::RestoreKvm => "restore_kvm",
+            Phase::RestoreMemory => "restore_memory",
+            Phase::RestoreVcpus => "restore_vcpus",
+            Phase::RestoreVm => "restore_vm",
+            Phase::RestoreDevices => "restore_devices",
+            Phase::RestoreTotal => "restore_total",
+            Phase::RestoredToVmRun => "restored_to_vm_run",
+            Phase::VmRunToRedial => "vm_run_to_redial",
+            Phase::RedialToHelloRead => "redial_to_hello_read",
+            Phase::VmmReadyToHelloRead => "vmm_ready_to_hello_read",
+            Phase::HelloReadToConnected => "hello_read_to_connected",
             Phase::StartVmToConnected => "startvm_to_connected",
             Phase::FirstSpawnToExit => "first_spawn_to_exit",
         }
@@ -132,6 +306,19 @@ impl Phase {
             Phase::AgentToHello => "agent → hello",
             Phase::KernelToHello => "kernel → hello (guest side)",
             Phase::HelloToConnected => "hello → startVM answered",
+            Phase::HelperToRestore => "helper → restore begins",
+            Phase::RestoreState => "restore: state file",
+            Phase::RestoreKvm => "restore: KVM VM and vCPUs",
+            Phase::RestoreMemory => "restore: guest memory",
+            Phase::RestoreVcpus => "restore: vCPU state",
+            Phase::RestoreVm => "restore: VM clock, PIT, irqchip",
+            Phase::RestoreDevices => "restore: devices",
+            Phase::RestoreTotal => "restore (VMM, total)",
+            Phase::RestoredToVmRun => "restored → first KVM_RUN",
+            Phase::VmRunToRedial => "VM runs → agent redialled",
+            Phase::RedialToHelloRead => "redial → final hello (Setup, disks)",
+            Phase::VmmReadyToHelloRead => "VMM ready → final hello read",
+            Phase::HelloReadToConnected => "final hello read → answered",
             Phase::StartVmToConnected => "startVM → connected",
             Phase::FirstSpawnToExit => "first spawn → exit",
         }
@@ -163,6 +350,9 @@ impl Phases {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunRecord {
     pub backend: Backend,
+    /// How the VM started (checked against the helper's log before the
+    /// phases are derived).
+    pub start: StartKind,
     /// Wall time (µs since the epoch) the client sent `startVM`.
     pub start_vm_sent_at: i64,
     /// `startVM` sent → answered, at the client (ms).
@@ -191,7 +381,7 @@ fn guest_clock(hello: Option<&LogLine>, ev: &BootEvents) -> GuestClock {
         g.userland_switched = ev.marks.iter().find_map(|m| {
             let (code, guest_ms) = milestone::decode(m.value);
             (code == Milestone::UserlandSwitched as u8)
-                .then_some(f64::from(guest_ms) * 1000.0 + HALF_MS_US)
+                .then_some(f64::from(guest_ms) * US_PER_MS + HALF_MS_US)
         });
     }
     g
@@ -200,16 +390,29 @@ fn guest_clock(hello: Option<&LogLine>, ev: &BootEvents) -> GuestClock {
 /// Wall time (µs) at which our VMM began building the VM: each mark's log
 /// line minus the VMM's own time of the write (the smallest difference is
 /// the least delayed line); else the "started" line minus the build time.
-fn vmm_origin(ev: &BootEvents) -> Option<f64> {
+/// A restored VM's VMM clock starts with the restore: its line (logged as
+/// the restore ended) minus the restore's time.
+fn vmm_origin(rec: &RunRecord) -> Option<f64> {
+    let ev = &rec.events;
+    if rec.start == StartKind::Warm {
+        if let Some(r) = ev.restore {
+            return Some(r.logged_at as f64 - r.total_us);
+        }
+    }
     let from_marks = ev
         .marks
         .iter()
         .map(|m| m.logged_at as f64 - m.at_us as f64)
         .min_by(f64::total_cmp);
-    from_marks.or_else(|| {
-        ev.kvm_started
-            .map(|(at, build_ms)| at as f64 - build_ms * 1000.0)
-    })
+    match rec.start {
+        StartKind::Cold => from_marks.or_else(|| {
+            ev.kvm_started
+                .map(|(at, build_ms)| at as f64 - build_ms * US_PER_MS)
+        }),
+        // The "started" line's build time is the helper's, from before the
+        // VM thread began the restore.
+        StartKind::Warm => from_marks,
+    }
 }
 
 /// Wall time (µs) at which the guest's boot clock read zero (see the module
@@ -217,7 +420,7 @@ fn vmm_origin(ev: &BootEvents) -> Option<f64> {
 fn kernel_clock_start(rec: &RunRecord, g: &GuestClock) -> Option<f64> {
     match rec.backend {
         Backend::Kvm => {
-            let origin = vmm_origin(&rec.events)?;
+            let origin = vmm_origin(rec)?;
             rec.events
                 .marks
                 .iter()
@@ -227,7 +430,7 @@ fn kernel_clock_start(rec: &RunRecord, g: &GuestClock) -> Option<f64> {
                     let prompt =
                         code == Milestone::InitDone as u8 || code == Milestone::Connected as u8;
                     prompt.then(|| {
-                        origin + m.at_us as f64 - f64::from(guest_ms) * 1000.0 - HALF_MS_US
+                        origin + m.at_us as f64 - f64::from(guest_ms) * US_PER_MS - HALF_MS_US
                     })
                 })
                 .min_by(f64::total_cmp)
@@ -242,7 +445,7 @@ fn kernel_clock_start(rec: &RunRecord, g: &GuestClock) -> Option<f64> {
 /// Wall time (µs) the VMM was ready (see the module documentation).
 fn vmm_ready(rec: &RunRecord) -> Option<f64> {
     match rec.backend {
-        Backend::Kvm => Some(vmm_origin(&rec.events)? + rec.events.kvm_first_run_ms? * 1000.0),
+        Backend::Kvm => Some(vmm_origin(rec)? + rec.events.kvm_first_run_ms? * US_PER_MS),
         Backend::Qemu => {
             let hello_at = rec.events.agent_connected.as_ref().map(|h| h.at_us);
             rec.events
@@ -257,18 +460,33 @@ fn vmm_ready(rec: &RunRecord) -> Option<f64> {
 }
 
 fn diff_ms(later: Option<f64>, earlier: Option<f64>) -> Option<f64> {
-    Some((later? - earlier?) / 1000.0)
+    Some((later? - earlier?) / US_PER_MS)
 }
 
-/// The phases of one run.
+/// The phases of one run: those of its start kind (see the module
+/// documentation), then those both kinds measure.
 pub fn phases(rec: &RunRecord) -> Phases {
-    let g = guest_clock(rec.events.agent_connected.as_ref(), &rec.events);
     let t0 = Some(rec.start_vm_sent_at as f64);
     let ready = vmm_ready(rec);
-    let clock0 = kernel_clock_start(rec, &g);
-    let answered = Some(rec.start_vm_sent_at as f64 + rec.start_vm_ms * 1000.0);
+    let answered = Some(rec.start_vm_sent_at as f64 + rec.start_vm_ms * US_PER_MS);
+    let hello_read = rec.events.agent_connected.as_ref().map(|h| h.at_us as f64);
     let mut p = Phases::default();
+    match rec.start {
+        StartKind::Cold => cold_phases(rec, ready, answered, &mut p),
+        StartKind::Warm => warm_phases(rec, t0, ready, hello_read, &mut p),
+    }
     p.set(Phase::HelperToVmmReady, diff_ms(ready, t0));
+    p.set(Phase::VmmReadyToHelloRead, diff_ms(hello_read, ready));
+    p.set(Phase::HelloReadToConnected, diff_ms(answered, hello_read));
+    p.set(Phase::StartVmToConnected, Some(rec.start_vm_ms));
+    p.set(Phase::FirstSpawnToExit, rec.spawn_exit_ms);
+    p
+}
+
+/// A cold boot's guest phases, from the guest's boot clock.
+fn cold_phases(rec: &RunRecord, ready: Option<f64>, answered: Option<f64>, p: &mut Phases) {
+    let g = guest_clock(rec.events.agent_connected.as_ref(), &rec.events);
+    let clock0 = kernel_clock_start(rec, &g);
     p.set(Phase::VmmReadyToKernel, diff_ms(clock0, ready));
     p.set(Phase::KernelToAgent, diff_ms(g.agent_start, Some(0.0)));
     p.set(
@@ -283,9 +501,41 @@ pub fn phases(rec: &RunRecord) -> Phases {
     p.set(Phase::KernelToHello, diff_ms(g.connected, Some(0.0)));
     let hello_at = clock0.zip(g.connected).map(|(c, k)| c + k);
     p.set(Phase::HelloToConnected, diff_ms(answered, hello_at));
-    p.set(Phase::StartVmToConnected, Some(rec.start_vm_ms));
-    p.set(Phase::FirstSpawnToExit, rec.spawn_exit_ms);
-    p
+}
+
+/// A warm start's phases, from the host's clocks only: the VMM's restore
+/// phases, its first `KVM_RUN`, the agent's redial (the first "connected"
+/// boot-port mark, at the VMM's time of the write) and the helper reading
+/// the final hello.
+fn warm_phases(
+    rec: &RunRecord,
+    t0: Option<f64>,
+    ready: Option<f64>,
+    hello_read: Option<f64>,
+    p: &mut Phases,
+) {
+    let ev = &rec.events;
+    let origin = vmm_origin(rec);
+    p.set(Phase::HelperToRestore, diff_ms(origin, t0));
+    if let Some(r) = ev.restore {
+        let us = |v: Option<f64>| v.map(|v| v / US_PER_MS);
+        p.set(Phase::RestoreState, us(r.state_us));
+        p.set(Phase::RestoreKvm, us(r.kvm_us));
+        p.set(Phase::RestoreMemory, us(r.memory_us));
+        p.set(Phase::RestoreVcpus, us(r.vcpus_us));
+        p.set(Phase::RestoreVm, us(r.vm_us));
+        p.set(Phase::RestoreDevices, us(r.devices_us));
+        p.set(Phase::RestoreTotal, us(Some(r.total_us)));
+        let restored = origin.map(|o| o + r.total_us);
+        p.set(Phase::RestoredToVmRun, diff_ms(ready, restored));
+    }
+    let redial = origin.zip(ev.marks.iter().find_map(|m| {
+        let (code, _guest_ms) = milestone::decode(m.value);
+        (code == Milestone::Connected as u8).then_some(m.at_us as f64)
+    }));
+    let redial = redial.map(|(o, at)| o + at);
+    p.set(Phase::VmRunToRedial, diff_ms(redial, ready));
+    p.set(Phase::RedialToHelloRead, diff_ms(hello_read, redial));
 }
 
 /// Median, 90th percentile and count of one phase over the runs that
@@ -368,6 +618,7 @@ mod tests {
         };
         let rec = RunRecord {
             backend: Backend::Kvm,
+            start: StartKind::Cold,
             start_vm_sent_at: T0,
             start_vm_ms: 810.0,
             spawn_exit_ms: Some(4.5),
@@ -386,8 +637,16 @@ mod tests {
         close(Phase::AgentToHello, 300.5);
         close(Phase::KernelToHello, 700.5);
         close(Phase::HelloToConnected, 9.5);
+        close(Phase::VmmReadyToHelloRead, 797.0);
+        close(Phase::HelloReadToConnected, 8.0);
         close(Phase::StartVmToConnected, 810.0);
         close(Phase::FirstSpawnToExit, 4.5);
+        // A cold boot measures no warm phase.
+        for ph in Phase::ALL {
+            if !ph.measured_in(StartKind::Cold) {
+                assert_eq!(p.get(ph), None, "{ph:?}");
+            }
+        }
     }
 
     #[test]
@@ -403,6 +662,7 @@ mod tests {
         };
         let rec = RunRecord {
             backend: Backend::Qemu,
+            start: StartKind::Cold,
             start_vm_sent_at: T0,
             start_vm_ms: 3_125.0,
             spawn_exit_ms: None,
@@ -418,6 +678,9 @@ mod tests {
         assert_eq!(p.get(Phase::HelloToConnected), Some(5.0));
         assert_eq!(p.get(Phase::FirstSpawnToExit), None);
 
+        assert_eq!(p.get(Phase::VmmReadyToHelloRead), Some(3000.0));
+        assert_eq!(p.get(Phase::HelloReadToConnected), Some(5.0));
+
         // No hello line at all: every guest and derived phase is absent.
         let bare = RunRecord {
             events: BootEvents::default(),
@@ -428,6 +691,81 @@ mod tests {
             let want = ph == Phase::StartVmToConnected;
             assert_eq!(p.get(ph).is_some(), want, "{ph:?}");
         }
+    }
+
+    #[test]
+    fn warm_phases_are_the_restore_and_the_host_side_never_the_snapshot_boot() {
+        use super::super::log::{parse_timestamp, HelperLog, WARM_LOG};
+        let base = parse_timestamp("2026-12-06T02:00:00Z").unwrap();
+        // startVM sent 0.2 ms before the daemon logged it; answered at
+        // 02:00:00.190.
+        let rec = RunRecord {
+            backend: Backend::Kvm,
+            start: StartKind::Warm,
+            start_vm_sent_at: base - 200,
+            start_vm_ms: 190.2,
+            spawn_exit_ms: Some(6.0),
+            events: HelperLog(WARM_LOG).parse(),
+        };
+        let p = phases(&rec);
+        let close = |ph: Phase, want: f64| {
+            let got = p.get(ph).unwrap_or_else(|| panic!("{ph:?} absent"));
+            assert!((got - want).abs() < 1e-6, "{ph:?}: {got} != {want}");
+        };
+        // The VMM began the restore at 11 ms (its line at 41 ms, 30 ms
+        // long); first KVM_RUN at the VMM's 32.5 ms; the redial mark at
+        // its 89 ms; the final hello read at 180 ms.
+        close(Phase::HelperToRestore, 11.2);
+        close(Phase::RestoreState, 2.0);
+        close(Phase::RestoreKvm, 8.0);
+        close(Phase::RestoreMemory, 5.0);
+        close(Phase::RestoreVcpus, 6.0);
+        close(Phase::RestoreVm, 1.0);
+        close(Phase::RestoreDevices, 8.0);
+        close(Phase::RestoreTotal, 30.0);
+        close(Phase::RestoredToVmRun, 2.5);
+        close(Phase::VmRunToRedial, 56.5);
+        close(Phase::RedialToHelloRead, 80.0);
+        close(Phase::HelperToVmmReady, 43.7);
+        close(Phase::VmmReadyToHelloRead, 136.5);
+        close(Phase::HelloReadToConnected, 10.0);
+        close(Phase::StartVmToConnected, 190.2);
+        close(Phase::FirstSpawnToExit, 6.0);
+        // The stacked phases add up to startVM → connected.
+        let sum: f64 = Phase::WARM_TIMELINE
+            .iter()
+            .filter_map(|ph| p.get(*ph))
+            .sum();
+        assert!((sum - 190.2).abs() < 1e-6, "{sum}");
+        // The hello's boot times and the mark's guest clock are the
+        // snapshot's boot: no kernel or agent phase is made of them.
+        for ph in Phase::ALL {
+            if !ph.measured_in(StartKind::Warm) {
+                assert_eq!(p.get(ph), None, "{ph:?}");
+            }
+        }
+
+        // Without the restore line: the restore phases are absent, the
+        // rest comes from the VMM clock the marks give.
+        let mut bare = rec.clone();
+        bare.events.restore = None;
+        let p = phases(&bare);
+        for ph in [
+            Phase::RestoreState,
+            Phase::RestoreTotal,
+            Phase::RestoredToVmRun,
+        ] {
+            assert_eq!(p.get(ph), None, "{ph:?}");
+        }
+        let got = p.get(Phase::VmRunToRedial).unwrap();
+        assert!((got - 56.5).abs() < 1e-6, "{got}");
+        // Without a redial mark: the guest side stays whole, unsplit.
+        let mut unmarked = rec;
+        unmarked.events.marks.clear();
+        let p = phases(&unmarked);
+        assert_eq!(p.get(Phase::VmRunToRedial), None);
+        assert_eq!(p.get(Phase::RedialToHelloRead), None);
+        assert!((p.get(Phase::VmmReadyToHelloRead).unwrap() - 136.5).abs() < 1e-6);
     }
 
     #[test]
