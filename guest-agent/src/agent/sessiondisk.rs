@@ -80,7 +80,7 @@ pub const TAIL_LEN: u64 = 1024 * 1024;
 /// its ext4 name; busybox's `mke2fs` only makes ext2 and is not used).
 pub const MKFS_CANDIDATES: [&str; 2] = ["/sbin/mkfs.ext4", "/usr/sbin/mkfs.ext4"];
 /// The guest image's self-contained mke2fs (`scripts/mkguestimage.sh`):
-/// `mkfs.ext4`, its libraries, the loader as [`MKFS_LOADER`] and
+/// `mkfs.ext4`, its libraries, the loader as `MKFS_LOADER` and
 /// `mke2fs.conf`, flat. Gone with the initramfs after a userland switch,
 /// so [`carry_mkfs`] copies it to [`MKFS_CARRIED`] first.
 pub const MKFS_BUNDLE: &str = "/lib/cowork-mkfs";

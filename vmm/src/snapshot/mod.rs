@@ -3,7 +3,7 @@
 //!
 //! A snapshot is a directory holding two files:
 //! * [`STATE_FILE`]: everything but guest memory, versioned and
-//!   checksummed, with the caller's key ([`file`]): the shape of the
+//!   checksummed, with the caller's key ([`file`](mod@file)): the shape of the
 //!   machine (vCPUs, memory, command line, devices), each vCPU's KVM state
 //!   and the VM's in-kernel devices ([`kvm_state`]), the UART, and each
 //!   virtio-mmio transport with its queues and its device's own state
