@@ -534,8 +534,7 @@ const TCG_SIGNATURE: &[u8; 12] = b"TCGTCGTCGTCG";
 /// Whether this helper runs in a guest of QEMU's TCG emulator (the nested
 /// harness: our VMM on the KVM of an L1 whose SVM QEMU emulates).
 fn under_qemu_tcg() -> bool {
-    // SAFETY: CPUID exists on every x86_64 CPU and only reads.
-    let leaf = unsafe { std::arch::x86_64::__cpuid(CPUID_HYPERVISOR_LEAF) };
+    let leaf = std::arch::x86_64::__cpuid(CPUID_HYPERVISOR_LEAF);
     let mut sig = [0u8; 12];
     sig[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
     sig[4..8].copy_from_slice(&leaf.ecx.to_le_bytes());
