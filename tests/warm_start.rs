@@ -49,11 +49,19 @@ fn host_now_secs() -> f64 {
 
 /// The body: `STARTS` starts of one VM under `backend`.
 async fn three_starts(backend: &str) {
-    let mut helper = VmHelper::start_temp(
+    // Its own snapshot directory (not the nested harness's shared one):
+    // the first start must be cold, and the test cuts the snapshot.
+    let tmp = tempfile::Builder::new()
+        .prefix("warm-start-")
+        .tempdir_in(nested::helper_base_dir())
+        .expect("tempdir");
+    let snapshots = vm_helper::data_dir(tmp.path()).join("snapshots");
+    let mut helper = VmHelper::start_in_with(
         &built_helper(),
-        "warm-start-",
-        &nested::helper_base_dir(),
+        tmp.path(),
+        "helper",
         backend,
+        &["--snapshot-dir", &snapshots.to_string_lossy()],
         Duration::from_secs(15),
     );
     let (pipe, mut sub) = session::client(&helper, "warm", "/tmp/warm-profile", START_LIMIT).await;
@@ -63,7 +71,7 @@ async fn three_starts(backend: &str) {
     for start in 0..starts {
         if kvm && start == STARTS {
             check_starts(&helper.log_text(), &["cold", "warm", "warm"], 1);
-            truncate_snapshot(&vm_helper::data_dir(&helper.dir));
+            truncate_snapshot(&snapshots);
         }
         session::start_vm(
             &pipe,
@@ -148,9 +156,9 @@ fn check_starts(log: &str, kinds: &[&str], snapshots: usize) {
     );
 }
 
-/// Cuts the state file of the one boot snapshot under `data` in half.
-fn truncate_snapshot(data: &std::path::Path) {
-    let stores: Vec<_> = std::fs::read_dir(data.join("snapshots"))
+/// Cuts the state file of the one boot snapshot under `snapshots` in half.
+fn truncate_snapshot(snapshots: &std::path::Path) {
+    let stores: Vec<_> = std::fs::read_dir(snapshots)
         .expect("the snapshot directory")
         .flatten()
         .map(|e| e.path())

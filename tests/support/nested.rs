@@ -568,6 +568,23 @@ pub fn run_on_linux_kvm(
     }
 }
 
+/// The kvm backend's snapshot directory every nested suite's helper uses
+/// (`COWORK_SNAPSHOT_DIR`, unless the caller set one): `nested-snapshots`
+/// beside the test binaries' `deps`, on the host's disk that L1 shares, so
+/// the first kvm start of a run boots cold and takes the boot snapshot and
+/// the suites after it run on restored machines (issue 24: the VM suites
+/// against warm starts too). A suite that must boot cold or own its
+/// snapshots passes `--snapshot off` or its own `--snapshot-dir`.
+pub fn shared_snapshot_dir(exe: &Path) -> PathBuf {
+    if let Some(dir) = env::var_os("COWORK_SNAPSHOT_DIR") {
+        return PathBuf::from(dir);
+    }
+    exe.parent()
+        .and_then(Path::parent)
+        .unwrap_or_else(|| Path::new("."))
+        .join("nested-snapshots")
+}
+
 /// Re-runs this test binary's `spec.test` inside the nested harness (in
 /// direct mode, with `spec.inside_env=1`) and checks that it passed there;
 /// retries L1 deaths and failed runs up to `spec.attempts` times (nested
@@ -577,8 +594,9 @@ pub fn rerun_test(spec: &Rerun<'_>) {
     let test = spec.test;
     let exe = std::env::current_exe().expect("the test binary's path");
     let inner = format!(
-        "{}=1 COWORK_NESTED_MODE=direct timeout -k 5 {} {} --exact {test} --nocapture --test-threads=1 2>&1",
+        "{}=1 COWORK_NESTED_MODE=direct COWORK_SNAPSHOT_DIR={} timeout -k 5 {} {} --exact {test} --nocapture --test-threads=1 2>&1",
         spec.inside_env,
+        shell_quote(&shared_snapshot_dir(&exe).to_string_lossy()),
         spec.inner_timeout.as_secs(),
         shell_quote(&exe.to_string_lossy())
     );
