@@ -12,8 +12,9 @@
 //! boots in all, one VM at a time.
 //!
 //! Gate: as `tests/qemu_e2e.rs` (QEMU and the guest image, found the way
-//! the helper finds it); the image must also carry `/sbin/mkfs.ext4`
-//! (rebuild it with `scripts/mkguestimage.sh`). With `COWORK_QEMU_TESTS=1`
+//! the helper finds it); the image must also carry mkfs.ext4, as the
+//! self-contained bundle `/lib/cowork-mkfs/` or, in older images,
+//! `/sbin/mkfs.ext4` (rebuild it with `scripts/mkguestimage.sh`). With `COWORK_QEMU_TESTS=1`
 //! a missing prerequisite fails the test instead of skipping it.
 
 mod support;
@@ -58,10 +59,10 @@ fn image_for_helper() -> Result<GuestImage, String> {
         .map_err(|e| format!("cannot list {}: {e}", img.initramfs.display()))?;
     if !String::from_utf8_lossy(&listing.stdout)
         .lines()
-        .any(|l| l == "sbin/mkfs.ext4")
+        .any(|l| l == "lib/cowork-mkfs/mkfs.ext4" || l == "sbin/mkfs.ext4")
     {
         return Err(format!(
-            "the guest image in {} has no sbin/mkfs.ext4",
+            "the guest image in {} has no mkfs.ext4 (lib/cowork-mkfs/ or sbin/)",
             img.dir.display()
         ));
     }
