@@ -643,10 +643,8 @@ impl Vm {
             mem_mib,
             "VM built"
         );
-        let stop = StopHandle(Arc::downgrade(&exit));
-        let pause = PauseHandle(Arc::downgrade(&exit));
-        Ok(Vm {
-            live: Some(Live {
+        Ok(Vm::assemble(
+            Live {
                 kvm,
                 vm_fd,
                 ram,
@@ -659,18 +657,38 @@ impl Vm {
                 _com1_irq: com1_irq,
                 paused_clock: None,
                 virtio: transports,
-            }),
-            stop,
-            pause,
+            },
             origin,
-            timeline: Timeline {
+            Timeline {
                 build,
                 entry: Some(loaded.kind),
                 ..Default::default()
             },
-            cmdline: full_cmdline,
+            full_cmdline,
             seccomp,
-        })
+        ))
+    }
+
+    /// The VM around `live` (built or restored), with its stop and pause
+    /// handles on `live`'s exit signal.
+    fn assemble(
+        live: Live,
+        origin: Instant,
+        timeline: Timeline,
+        cmdline: String,
+        seccomp: seccomp::Mode,
+    ) -> Vm {
+        let stop = StopHandle(Arc::downgrade(&live.exit));
+        let pause = PauseHandle(Arc::downgrade(&live.exit));
+        Vm {
+            live: Some(live),
+            stop,
+            pause,
+            origin,
+            timeline,
+            cmdline,
+            seccomp,
+        }
     }
 
     /// A handle another thread can use to stop [`Vm::run`].
@@ -1198,10 +1216,8 @@ impl Vm {
             mem_mib,
             "VM restored from a snapshot"
         );
-        let stop = StopHandle(Arc::downgrade(&exit));
-        let pause = PauseHandle(Arc::downgrade(&exit));
-        Ok(Vm {
-            live: Some(Live {
+        Ok(Vm::assemble(
+            Live {
                 kvm,
                 vm_fd,
                 ram,
@@ -1214,18 +1230,16 @@ impl Vm {
                 _com1_irq: com1_irq,
                 paused_clock: None,
                 virtio: transports,
-            }),
-            stop,
-            pause,
+            },
             origin,
-            timeline: Timeline {
+            Timeline {
                 build,
                 restore: Some(phases),
                 ..Default::default()
             },
-            cmdline: full_cmdline,
+            full_cmdline,
             seccomp,
-        })
+        ))
     }
 }
 
