@@ -405,7 +405,7 @@ impl Plan {
 
     /// This machine's snapshot store, when snapshots are on.
     fn store(&self, opts: &BootOptions) -> Option<Store> {
-        let key = warm::MachineIdentity {
+        let identity = warm::MachineIdentity {
             kernel: &self.kernel,
             initrd: &self.image.initramfs,
             root_disks: self
@@ -418,9 +418,8 @@ impl Plan {
             mem_mib: self.mem_mib,
             vcpus: self.vcpus,
             devices: self.devices(),
-        }
-        .key();
-        Store::new(&opts.snapshot, key)
+        };
+        Store::new(&opts.snapshot, || identity.key())
     }
 
     /// Everything one try needs, new: the vsock host side with the agent's

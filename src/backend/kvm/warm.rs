@@ -187,13 +187,15 @@ pub struct Store {
 }
 
 impl Store {
-    /// The store for `key` under `opts`' directory; none when snapshots
-    /// are off.
-    pub fn new(opts: &SnapshotOptions, key: String) -> Option<Store> {
+    /// The store for the key `key` makes under `opts`' directory; none
+    /// (and the key never made: it stats files and reads `/proc`) when
+    /// snapshots are off.
+    pub fn new(opts: &SnapshotOptions, key: impl FnOnce() -> String) -> Option<Store> {
         if opts.mode == SnapshotMode::Off {
             return None;
         }
         let root = opts.dir.as_ref()?;
+        let key = key();
         let dir = root.join(format!("{STORE_PREFIX}{:016x}", fnv1a(key.as_bytes())));
         Some(Store { dir, key })
     }
@@ -414,10 +416,10 @@ mod tests {
             mode: SnapshotMode::Off,
             ..opts.clone()
         };
-        assert!(Store::new(&off, "k".into()).is_none());
-        assert!(Store::new(&SnapshotOptions::default(), "k".into()).is_none());
-        let a = Store::new(&opts, "a".into()).unwrap();
-        let b = Store::new(&opts, "b".into()).unwrap();
+        assert!(Store::new(&off, || unreachable!("no key is made when off")).is_none());
+        assert!(Store::new(&SnapshotOptions::default(), || "k".into()).is_none());
+        let a = Store::new(&opts, || "a".into()).unwrap();
+        let b = Store::new(&opts, || "b".into()).unwrap();
         assert_ne!(a.dir(), b.dir());
         assert_eq!(a.key(), "a");
         assert!(!a.exists());
@@ -425,7 +427,7 @@ mod tests {
         let mode = fs::metadata(&root).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
         // Three stores, used in the order c, a, b: c goes.
-        let c = Store::new(&opts, "c".into()).unwrap();
+        let c = Store::new(&opts, || "c".into()).unwrap();
         for s in [&c, &a, &b] {
             fs::create_dir(s.dir()).unwrap();
             fs::write(s.dir().join(vmm::snapshot::STATE_FILE), b"x").unwrap();
