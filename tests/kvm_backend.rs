@@ -301,7 +301,8 @@ async fn body_async() {
         "the in-process VM did not start: {log}"
     );
     assert!(
-        log.contains("session share mounted"),
+        // The FUSE INIT of the guest's mount reached the in-process device.
+        log.contains("virtio-fs: FUSE session initialized"),
         "the agent did not mount the in-process virtio-fs share: {log}"
     );
     assert!(

@@ -267,6 +267,31 @@ pub struct Hello {
     /// the final hello, and from a sandbox's or plain agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
+    /// What the agent did with the CA of the `Setup`'s `trustCa` (final
+    /// hello only; absent when the `Setup` carried none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_trust: Option<CaTrust>,
+    /// The agent answers [`HostMessage::Quiesce`] at its template point
+    /// (template hello only; agents that predate it leave it out, and the
+    /// host then snapshots without asking).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub quiesce: bool,
+}
+
+/// How the guest came to trust the egress CA (the answer to
+/// [`Op::TrustCa`], or the final hello's [`Hello::ca_trust`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CaTrust {
+    /// The CA was added to the system bundle.
+    pub bundle: bool,
+    /// The combined bundle is bound over a read-only system bundle.
+    pub bound: bool,
+    /// The CA was written as a trust anchor for `update-ca-certificates`.
+    pub anchor: bool,
+    /// Why the CA could not be trusted (then nothing above is true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl Hello {
@@ -499,15 +524,29 @@ pub enum Op {
 pub enum HostMessage {
     /// A request; the agent answers with a `Response` of the same id.
     Request { id: u64, op: Op },
+    /// At the template point, before the host snapshots the machine: the
+    /// agent lets the background work of its boot finish (egress start-up,
+    /// bounded by its gate's limit) and answers [`AgentMessage::Quiesced`],
+    /// so the snapshot holds an idle machine and no start restored from it
+    /// spends its first moments finishing that work. Then it waits for its
+    /// `Setup` as before.
+    Quiesce,
     /// The answer to a template hello ([`Hello::TEMPLATE`]): what this boot
     /// is, as opposed to the machine it may have been restored from. The
     /// payload is [`SETUP_ENTROPY_BYTES`] of host entropy the agent adds to
     /// the kernel's RNG before forcing a reseed; `wallClockNs` is the host's
     /// `CLOCK_REALTIME` (ns since the epoch) the agent sets the guest's
     /// clock to. Then the agent mounts the session disk and share and says
-    /// its final hello.
+    /// its final hello. `trustCa`, when the host runs an egress proxy, is
+    /// its CA certificate (PEM): the agent trusts it while it mounts (as
+    /// [`Op::TrustCa`] would, one round trip later) and says how in the
+    /// final hello's [`Hello::ca_trust`].
     #[serde(rename_all = "camelCase")]
-    Setup { wall_clock_ns: u64 },
+    Setup {
+        wall_clock_ns: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trust_ca: Option<String>,
+    },
     /// The client's answer to a guest-originated request.
     #[serde(rename_all = "camelCase")]
     GuestResponse {
@@ -522,6 +561,14 @@ pub enum HostMessage {
 #[serde(tag = "type", rename_all = "camelCase")]
 pub enum AgentMessage {
     Hello(Hello),
+    /// The answer to [`HostMessage::Quiesce`]: nothing of the boot runs in
+    /// the background any more (`complete`), or the wait gave up;
+    /// `waitedMs` is how long the agent waited.
+    #[serde(rename_all = "camelCase")]
+    Quiesced {
+        waited_ms: u64,
+        complete: bool,
+    },
     /// Answer to `HostMessage::Request`; bulk results travel in the payload.
     Response {
         id: u64,

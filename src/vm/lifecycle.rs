@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use guest_agent::proto::{Hello, Op};
+use guest_agent::proto::{CaTrust, Hello, Op};
 use tokio::sync::{oneshot, watch};
 
 use super::link::{hello_with_setup, AgentLink, HelloError};
@@ -130,10 +130,11 @@ impl ProfileVm {
             host_paths,
         };
 
+        let ca_pem = self.cfg.egress.ca_pem();
         let hello = tokio::select! {
             h = tokio::time::timeout(HELLO_TIMEOUT, async move {
                 let stream = agent.await.map_err(|e| ProfileVmError::Start(e.into()))?;
-                hello_with_setup(stream)
+                hello_with_setup(stream, ca_pem)
                     .await
                     .map_err(|e| ProfileVmError::Start(e.into()))
             }) => match h {
@@ -175,8 +176,13 @@ impl ProfileVm {
             connected_us = hello.boot.connected_us,
             "guest agent connected"
         );
+        let ca_trust = hello.ca_trust.clone();
         let link = self.attach(hello, stream);
-        self.trust_egress_ca(&link).await;
+        match ca_trust {
+            // A VM's agent trusted the CA of its Setup before its final hello.
+            Some(done) => log_ca_trust(&done),
+            None => self.trust_egress_ca(&link).await,
+        }
         self.running.store(true, Ordering::Release);
         self.hub
             .publish(&event::startup_step(step::GUEST_CONNECT, "completed"))
@@ -227,15 +233,16 @@ impl ProfileVm {
             pem: pem.to_string(),
         };
         match link.call(op, &[], CALL_TIMEOUT).await {
-            Ok((result, _)) => tracing::info!(
-                bundle = result["bundle"].as_bool(),
-                bound = result["bound"].as_bool(),
-                "the guest trusts the egress CA"
-            ),
-            Err(e) => tracing::error!(
-                error = %e,
-                "the guest could not trust the egress CA: sessions cannot reach the API hosts"
-            ),
+            Ok((result, _)) => log_ca_trust(&CaTrust {
+                bundle: result["bundle"].as_bool().unwrap_or(false),
+                bound: result["bound"].as_bool().unwrap_or(false),
+                anchor: result["anchor"].as_bool().unwrap_or(false),
+                error: None,
+            }),
+            Err(e) => log_ca_trust(&CaTrust {
+                error: Some(e.to_string()),
+                ..CaTrust::default()
+            }),
         }
     }
 
@@ -418,6 +425,22 @@ async fn run_machine(
             let poweroff_by = by.unwrap_or_else(|_| Instant::now() + POWEROFF_DEADLINE);
             machine.kill_by(poweroff_by).await;
         }
+    }
+}
+
+/// One line for how the guest came to trust the egress CA (or why not).
+fn log_ca_trust(done: &CaTrust) {
+    match &done.error {
+        None => tracing::info!(
+            bundle = done.bundle,
+            bound = done.bound,
+            anchor = done.anchor,
+            "the guest trusts the egress CA"
+        ),
+        Some(e) => tracing::error!(
+            error = %e,
+            "the guest could not trust the egress CA: sessions cannot reach the API hosts"
+        ),
     }
 }
 

@@ -443,9 +443,11 @@ impl ProfileVm {
 
 /// Reads the agent's hello; a VM's template hello ([`Hello::is_template`])
 /// gets this boot's `Setup` (host entropy and wall clock, see
-/// `guest_agent::agent::setup`) and the final hello is read after it.
+/// `guest_agent::agent::setup`, and `trust_ca`, the egress CA the agent
+/// trusts before its final hello) and the final hello is read after it.
 pub(super) async fn hello_with_setup(
     stream: UnixStream,
+    trust_ca: Option<&str>,
 ) -> Result<(Hello, UnixStream), HelloError> {
     use tokio::io::AsyncWriteExt;
     let (hello, mut stream) = read_hello(stream).await?;
@@ -458,7 +460,11 @@ pub(super) async fn hello_with_setup(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     let mut frame = Vec::new();
-    proto::encode_frame_into(&mut frame, &HostMessage::Setup { wall_clock_ns }, &entropy);
+    let setup = HostMessage::Setup {
+        wall_clock_ns,
+        trust_ca: trust_ca.map(String::from),
+    };
+    proto::encode_frame_into(&mut frame, &setup, &entropy);
     stream
         .write_all(&frame)
         .await
@@ -690,13 +696,18 @@ mod tests {
                     .unwrap()
             );
             let env = proto::decode::<HostMessage>(buf).unwrap();
-            let HostMessage::Setup { wall_clock_ns } = env.header else {
+            let HostMessage::Setup {
+                wall_clock_ns,
+                trust_ca,
+            } = env.header
+            else {
                 panic!("not a setup: {:?}", env.header)
             };
+            assert_eq!(trust_ca.as_deref(), Some("the CA"));
             agent.write_all(&hello(false)).await.unwrap();
             (wall_clock_ns, env.payload)
         });
-        let (h, _stream) = hello_with_setup(host).await.unwrap();
+        let (h, _stream) = hello_with_setup(host, Some("the CA")).await.unwrap();
         assert!(!h.is_template());
         let (clock, entropy) = guest.await.unwrap();
         let now = std::time::SystemTime::now()
@@ -713,7 +724,7 @@ mod tests {
         use tokio::io::AsyncWriteExt;
         let (host, mut agent) = UnixStream::pair().unwrap();
         agent.write_all(&hello(false)).await.unwrap();
-        let (h, _s) = hello_with_setup(host).await.unwrap();
+        let (h, _s) = hello_with_setup(host, None).await.unwrap();
         assert!(!h.is_template());
 
         let (host, mut agent) = UnixStream::pair().unwrap();
@@ -726,7 +737,7 @@ mod tests {
             agent.write_all(&hello(true)).await.unwrap();
             agent
         });
-        let e = hello_with_setup(host).await.unwrap_err().to_string();
+        let e = hello_with_setup(host, None).await.unwrap_err().to_string();
         assert!(e.contains("template hello again"), "{e}");
         guest.await.unwrap();
     }

@@ -360,7 +360,9 @@ impl ProfileVm {
                     .await;
             }
             // The link reader handles these itself.
-            AgentMessage::Hello(_) | AgentMessage::Response { .. } => return false,
+            AgentMessage::Hello(_)
+            | AgentMessage::Quiesced { .. }
+            | AgentMessage::Response { .. } => return false,
         }
         true
     }

@@ -271,7 +271,7 @@ fn session_users(config: &Config) -> Option<users::UserDb> {
         return None;
     }
     let db = users::UserDb::system();
-    tracing::info!(
+    tracing::debug!(
         shell = users::login_shell(),
         "each session runs as its own user"
     );
@@ -306,9 +306,13 @@ fn run_agent(
         let mut config = config;
         tracing::info!(connect = %config.connect, pid = std::process::id(), "agent starting");
         let (spawns, egress_ready) = start_egress(&config);
+        let mut ca_trust = None;
         let io = if config.init {
-            match template_point(&mut config, &clock, marks).await {
-                Ok(io) => io,
+            match template_point(&mut config, &clock, marks, &egress_ready).await {
+                Ok((io, trusted)) => {
+                    ca_trust = trusted;
+                    io
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "giving up at the template point");
                     return EXIT_LINK;
@@ -323,7 +327,7 @@ fn run_agent(
                 }
             };
             marks.mark(Milestone::Connected, sys::boottime_us());
-            tracing::info!(connect = %config.connect, "connected to the host");
+            tracing::debug!(connect = %config.connect, "connected to the host");
             match FdIo::new(conn) {
                 Ok(io) => io,
                 Err(e) => {
@@ -333,7 +337,7 @@ fn run_agent(
             }
         };
         match Agent::with_egress_io(config, io, clock, spawns, egress_ready) {
-            Ok(agent) => agent.run().await,
+            Ok(agent) => agent.with_ca_trust(ca_trust).run().await,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the agent");
                 EXIT_LINK
@@ -350,13 +354,16 @@ fn run_agent(
 const MAX_TEMPLATE_DIALS: usize = 8;
 
 /// A VM's template point (see [`setup`]): dials, says the template hello,
-/// applies the host's `Setup`, finishes the boot (session disk, share) and
-/// returns the link for the agent proper, which then says its final hello.
+/// applies the host's `Setup`, finishes the boot (session disk and share,
+/// and the `Setup`'s egress CA at the same time) and returns the link for
+/// the agent proper, which then says its final hello, with what became of
+/// the CA.
 async fn template_point(
     config: &mut Config,
     clock: &BootClock,
     marks: BootMarks,
-) -> Result<FdIo, setup::SetupError> {
+    egress_ready: &egress::EgressGate,
+) -> Result<(FdIo, Option<proto::CaTrust>), setup::SetupError> {
     let hello = Hello {
         protocol: proto::PROTOCOL_VERSION,
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -366,6 +373,8 @@ async fn template_point(
         userland: userland::booted(),
         session_disk: None,
         phase: Some(Hello::TEMPLATE.to_string()),
+        ca_trust: None,
+        quiesce: true,
     };
     let target = config.connect.clone();
     let dial = || {
@@ -375,21 +384,40 @@ async fn template_point(
                 .await
                 .map_err(|e| e.to_string())?;
             marks.mark(Milestone::Connected, sys::boottime_us());
-            tracing::info!(connect = %target, "connected to the host");
+            // Debug only: every console byte is a port I/O exit, and the
+            // host logs the same connection.
+            tracing::debug!(connect = %target, "connected to the host");
             FdIo::new(fd)
                 .map(|io| io.stream())
                 .map_err(|e| e.to_string())
         }
     };
-    let (stream, setup) = setup::template_handshake(dial, &hello, MAX_TEMPLATE_DIALS).await?;
+    let quiet = || async {
+        let began = sys::boottime_us();
+        let complete = egress_ready.wait().await == egress::gate::Passage::Open;
+        (sys::boottime_us().saturating_sub(began) / 1000, complete)
+    };
+    let (stream, setup) =
+        setup::template_handshake(dial, &hello, quiet, MAX_TEMPLATE_DIALS).await?;
     if let Err(e) = setup::apply(&setup) {
         tracing::warn!(error = %e, "this boot's setup is incomplete");
     }
+    let trust = setup.trust_ca.clone().map(|pem| {
+        let root = config.trust_root.clone();
+        tokio::task::spawn_blocking(move || trust::report(trust::trust_ca(&root, &pem)))
+    });
     match tokio::task::spawn_blocking(init::finish_machine_init).await {
         Ok(paths) => config.private_paths.extend(paths),
         Err(e) => tracing::error!(error = %e, "finishing the boot failed"),
     }
-    Ok(stream.into_io())
+    let ca_trust = match trust {
+        Some(task) => Some(task.await.unwrap_or_else(|e| proto::CaTrust {
+            error: Some(format!("the trust task failed: {e}")),
+            ..Default::default()
+        })),
+        None => None,
+    };
+    Ok((stream.into_io(), ca_trust))
 }
 
 /// Starts egress when this agent has a host proxy (see
@@ -481,6 +509,8 @@ pub struct Agent {
     writer: JoinHandle<io::Result<()>>,
     procs: Processes,
     guest: GuestRequests,
+    /// For the hello: the template point's trust of the `Setup`'s CA.
+    ca_trust: Option<proto::CaTrust>,
 }
 
 impl Agent {
@@ -581,7 +611,15 @@ impl Agent {
             writer,
             procs,
             guest,
+            ca_trust: None,
         })
+    }
+
+    /// Reports `ca_trust` (the template point's trust of the `Setup`'s CA)
+    /// in the hello.
+    pub fn with_ca_trust(mut self, ca_trust: Option<proto::CaTrust>) -> Self {
+        self.ca_trust = ca_trust;
+        self
     }
 
     /// The router for guest-originated requests of this connection.
@@ -601,6 +639,8 @@ impl Agent {
             userland: userland::booted(),
             session_disk: sessiondisk::outcome(),
             phase: None,
+            ca_trust: self.ca_trust.take(),
+            quiesce: false,
         });
         let ending = match self.outbox.send(&hello, &[]).await {
             Ok(()) => self.serve().await,
@@ -656,8 +696,8 @@ impl Agent {
                     } => {
                         self.guest.complete(&id, result_json, error);
                     }
-                    HostMessage::Setup { .. } => {
-                        tracing::warn!("a Setup after the template point is ignored");
+                    HostMessage::Setup { .. } | HostMessage::Quiesce => {
+                        tracing::warn!("a Setup or Quiesce after the template point is ignored");
                     }
                 },
                 Err(e) => self.refuse_malformed(&header, e).await,
@@ -783,13 +823,10 @@ impl Agent {
             Op::TrustCa { pem } => {
                 let root = self.config.trust_root.clone();
                 self.in_background(id, move || {
-                    let done = trust::trust_ca(&root, &pem).map_err(|e| e.to_string())?;
-                    tracing::info!(
-                        bundle = done.bundle,
-                        bound = done.bound,
-                        anchor = done.anchor,
-                        "egress CA trusted"
-                    );
+                    let done = trust::report(trust::trust_ca(&root, &pem));
+                    if let Some(e) = done.error {
+                        return Err(e);
+                    }
                     Ok((
                         json!({"bundle": done.bundle, "bound": done.bound, "anchor": done.anchor}),
                         Vec::new(),

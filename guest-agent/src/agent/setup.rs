@@ -47,6 +47,8 @@ pub struct Setup {
     pub wall_clock_ns: u64,
     /// Host entropy ([`proto::SETUP_ENTROPY_BYTES`]).
     pub entropy: Vec<u8>,
+    /// The egress CA to trust before the final hello, when the host has one.
+    pub trust_ca: Option<String>,
 }
 
 /// The handshake or the setup failed.
@@ -85,31 +87,72 @@ fn link_lost(e: &SetupError) -> bool {
     }
 }
 
-/// Says the template hello on `conn` and waits for the `Setup`.
-/// `Ok(None)`: the link went away (a snapshot or a restore reset it).
-pub async fn exchange<S>(conn: &mut S, hello: &Hello) -> Result<Option<Setup>, SetupError>
+/// Says the template hello on `conn` and waits for the `Setup`, answering
+/// a `Quiesce` on the way once `quiet` (the boot's background work
+/// finishing: `(waited_ms, complete)`) returns. `Ok(None)`: the link went
+/// away (a snapshot or a restore reset it).
+pub async fn exchange<S, Q, QF>(
+    conn: &mut S,
+    hello: &Hello,
+    quiet: Q,
+) -> Result<Option<Setup>, SetupError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    Q: Fn() -> QF,
+    QF: std::future::Future<Output = (u64, bool)>,
 {
-    use tokio::io::AsyncWriteExt;
-    let mut frame = Vec::new();
-    proto::encode_frame_into(&mut frame, &AgentMessage::Hello(hello.clone()), &[]);
-    let sent = conn.write_all(&frame).await.map_err(SetupError::Write);
-    if let Err(e) = sent {
+    let hello = AgentMessage::Hello(hello.clone());
+    if let Err(e) = send(conn, &hello).await {
         return if link_lost(&e) { Ok(None) } else { Err(e) };
     }
     let mut buf = Vec::new();
-    match framing::read_frame(conn, proto::MAX_MESSAGE, &mut buf).await {
-        Ok(true) => {}
-        Ok(false) => return Ok(None),
-        Err(e) => {
-            let e = SetupError::Link(e);
+    loop {
+        match framing::read_frame(conn, proto::MAX_MESSAGE, &mut buf).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(e) => {
+                let e = SetupError::Link(e);
+                return if link_lost(&e) { Ok(None) } else { Err(e) };
+            }
+        }
+        let message = proto::decode::<HostMessage>(std::mem::take(&mut buf));
+        if !matches!(&message, Ok(env) if env.header == HostMessage::Quiesce) {
+            return setup_of(message);
+        }
+        let (waited_ms, complete) = quiet().await;
+        tracing::info!(waited_ms, complete, "quiet for the host's snapshot");
+        let answer = AgentMessage::Quiesced {
+            waited_ms,
+            complete,
+        };
+        if let Err(e) = send(conn, &answer).await {
             return if link_lost(&e) { Ok(None) } else { Err(e) };
         }
     }
-    match proto::decode::<HostMessage>(buf) {
+}
+
+/// Writes one frame of `msg` (no payload) to `conn`.
+async fn send<S>(conn: &mut S, msg: &AgentMessage) -> Result<(), SetupError>
+where
+    S: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt;
+    let mut frame = Vec::new();
+    proto::encode_frame_into(&mut frame, msg, &[]);
+    conn.write_all(&frame).await.map_err(SetupError::Write)
+}
+
+/// The `Setup` in the host's (decoded) message.
+fn setup_of(
+    message: Result<Envelope<HostMessage>, proto::ProtoError>,
+) -> Result<Option<Setup>, SetupError> {
+    match message {
         Ok(Envelope {
-            header: HostMessage::Setup { wall_clock_ns },
+            header:
+                HostMessage::Setup {
+                    wall_clock_ns,
+                    trust_ca,
+                },
             payload,
         }) => {
             if payload.len() != proto::SETUP_ENTROPY_BYTES {
@@ -121,6 +164,7 @@ where
             Ok(Some(Setup {
                 wall_clock_ns,
                 entropy: payload,
+                trust_ca,
             }))
         }
         Ok(other) => Err(SetupError::NotSetup(format!("{:?}", other.header))),
@@ -128,22 +172,26 @@ where
     }
 }
 
-/// Dials with `dial`, says the template hello `hello` and returns the
+/// Dials with `dial`, says the template hello `hello` (answering a
+/// `Quiesce` once `quiet` returns, see [`exchange`]) and returns the
 /// connection and the `Setup`; dials again (at most `max_dials` times in
 /// all) whenever the link goes away before the `Setup` arrives.
-pub async fn template_handshake<S, D, F>(
+pub async fn template_handshake<S, D, F, Q, QF>(
     mut dial: D,
     hello: &Hello,
+    quiet: Q,
     max_dials: usize,
 ) -> Result<(S, Setup), SetupError>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     D: FnMut() -> F,
     F: std::future::Future<Output = Result<S, String>>,
+    Q: Fn() -> QF,
+    QF: std::future::Future<Output = (u64, bool)>,
 {
     for attempt in 1..=max_dials.max(1) {
         let mut conn = dial().await.map_err(SetupError::Redial)?;
-        match exchange(&mut conn, hello).await? {
+        match exchange(&mut conn, hello, &quiet).await? {
             Some(setup) => return Ok((conn, setup)),
             None => tracing::info!(
                 attempt,
@@ -162,9 +210,7 @@ pub fn apply(setup: &Setup) -> Result<(), SetupError> {
     let entropy = add_entropy_and_reseed(&setup.entropy);
     let clock = set_wall_clock(setup.wall_clock_ns);
     match (&entropy, &clock) {
-        (Ok(()), Ok(())) => tracing::info!(
-            "setup applied: kernel RNG reseeded with host entropy, clock set from the host"
-        ),
+        (Ok(()), Ok(())) => tracing::info!("setup applied: RNG reseeded, clock set"),
         _ => tracing::warn!(
             entropy = ?entropy.as_ref().err().map(ToString::to_string),
             clock = ?clock.as_ref().err().map(ToString::to_string),
@@ -251,6 +297,7 @@ mod tests {
         Hello {
             protocol: proto::PROTOCOL_VERSION,
             phase: Some(Hello::TEMPLATE.into()),
+            ca_trust: None,
             ..Hello::default()
         }
     }
@@ -272,6 +319,7 @@ mod tests {
             &mut f,
             &HostMessage::Setup {
                 wall_clock_ns: 1_700_000_000_123_456_789,
+                trust_ca: Some("the CA".into()),
             },
             &vec![7u8; entropy],
         );
@@ -288,6 +336,23 @@ mod tests {
         let host = tokio::spawn(async move {
             let (mut first, _) = listener.accept().await.unwrap();
             assert!(read_hello(&mut first).await.is_template());
+            // As before a snapshot: quiet first, then the link goes away.
+            let mut f = Vec::new();
+            proto::encode_frame_into(&mut f, &HostMessage::Quiesce, &[]);
+            first.write_all(&f).await.unwrap();
+            let mut buf = Vec::new();
+            assert!(
+                framing::read_frame(&mut first, proto::MAX_MESSAGE, &mut buf)
+                    .await
+                    .unwrap()
+            );
+            assert_eq!(
+                proto::decode::<AgentMessage>(buf).unwrap().header,
+                AgentMessage::Quiesced {
+                    waited_ms: 5,
+                    complete: true
+                }
+            );
             drop(first);
             let (mut second, _) = listener.accept().await.unwrap();
             let h = read_hello(&mut second).await;
@@ -306,8 +371,12 @@ mod tests {
                     .map_err(|e| e.to_string())
             }
         };
-        let (_conn, setup) = template_handshake(dial, &template(), 3).await.unwrap();
+        let quiet = || async { (5, true) };
+        let (_conn, setup) = template_handshake(dial, &template(), quiet, 3)
+            .await
+            .unwrap();
         assert_eq!(setup.wall_clock_ns, 1_700_000_000_123_456_789);
+        assert_eq!(setup.trust_ca.as_deref(), Some("the CA"));
         assert_eq!(setup.entropy, vec![7u8; proto::SETUP_ENTROPY_BYTES]);
         host.await.unwrap();
     }
@@ -338,7 +407,7 @@ mod tests {
                 host.write_all(&frame).await.unwrap();
                 host
             });
-            let e = exchange(&mut agent, &template())
+            let e = exchange(&mut agent, &template(), || async { (0, true) })
                 .await
                 .unwrap_err()
                 .to_string();
@@ -351,7 +420,10 @@ mod tests {
             drop(b);
             Ok::<_, String>(a)
         };
-        let e = template_handshake(dial, &template(), 2).await.unwrap_err();
+        let quiet = || async { (0, true) };
+        let e = template_handshake(dial, &template(), quiet, 2)
+            .await
+            .unwrap_err();
         assert!(e.to_string().contains("2 times"), "{e}");
     }
 

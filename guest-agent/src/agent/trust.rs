@@ -2,8 +2,10 @@
 //! put real credentials into requests (sessions hold placeholders only), so
 //! session programs must trust the CA that signs those hosts' certificates.
 //!
-//! [`trust_ca`] (the host's `TrustCa` request, sent once after the hello)
-//! makes the CA certificate, and nothing else, trusted in three places:
+//! [`trust_ca`] (a VM's `Setup` carries the CA, trusted while the boot
+//! finishes; elsewhere the host's `TrustCa` request, sent once after the
+//! hello) makes the CA certificate, and nothing else, trusted in three
+//! places:
 //!
 //! - [`CA_FILE`] (`/run/cowork/egress-ca.pem`, mode 0644): a file holding
 //!   only that CA, which the host names in every spawn's
@@ -73,6 +75,35 @@ pub struct Trusted {
     pub bound: bool,
     /// The trust anchor was written.
     pub anchor: bool,
+}
+
+/// The wire form of a [`trust_ca`] result (the final hello's
+/// `caTrust`), logged once here.
+pub fn report(result: Result<Trusted, TrustError>) -> crate::proto::CaTrust {
+    match result {
+        Ok(done) => {
+            // The host logs the same from the reply or the final hello.
+            tracing::debug!(
+                bundle = done.bundle,
+                bound = done.bound,
+                anchor = done.anchor,
+                "egress CA trusted"
+            );
+            crate::proto::CaTrust {
+                bundle: done.bundle,
+                bound: done.bound,
+                anchor: done.anchor,
+                error: None,
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the egress CA could not be trusted");
+            crate::proto::CaTrust {
+                error: Some(e.to_string()),
+                ..Default::default()
+            }
+        }
+    }
 }
 
 /// Checks that `pem` is one certificate.

@@ -675,8 +675,10 @@ impl Snapshotter {
 }
 
 /// The agent's stream of a cold boot that takes a snapshot: the agent's
-/// first connection says the template hello (peeked, not read); the VM is
-/// saved then, which resets its vsock connections, so the agent dials
+/// first connection says the template hello (peeked; an agent that answers
+/// `Quiesce` is asked to let its boot's background work finish first, see
+/// [`warm::quiesce`]); the VM is saved then, which resets its vsock
+/// connections, so the agent dials
 /// again and the second connection is the link (its template hello is the
 /// lifecycle's to read, as after a restore). A first hello that is not a
 /// template hello (an image without a template point) is the link itself,
@@ -689,9 +691,23 @@ fn agent_after_snapshot(
 ) -> AgentStream {
     Box::pin(async move {
         let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
-        let first = accept_agent(&mut listener, &console, &connected, deadline).await?;
+        let mut first = accept_agent(&mut listener, &console, &connected, deadline).await?;
         match warm::peek_hello(&first).await {
-            Ok(Some(hello)) if hello.is_template() => {}
+            Ok(Some(hello)) if hello.is_template() => {
+                if hello.quiesce {
+                    match warm::quiesce(&mut first, warm::QUIESCE_LIMIT).await {
+                        Ok((waited_ms, complete)) => tracing::info!(
+                            waited_ms,
+                            complete,
+                            "the guest is quiet for its snapshot"
+                        ),
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "the guest did not say it is quiet; snapshotting it as it is"
+                        ),
+                    }
+                }
+            }
             Ok(_) => {
                 tracing::info!("the guest agent has no template point; no boot snapshot");
                 return Ok(first);

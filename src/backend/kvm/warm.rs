@@ -350,6 +350,65 @@ pub async fn peek_hello(stream: &UnixStream) -> Result<Option<Hello>, PeekError>
     }
 }
 
+/// How long the host waits for the agent's `Quiesced` before it snapshots
+/// anyway: the agent's own wait is bounded by its egress gate (30 s), and a
+/// snapshot of a machine still finishing its boot is correct, only slower
+/// to start from; a few seconds cover a healthy boot under emulation.
+pub const QUIESCE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Errors of asking the agent to be quiet before the snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum QuiesceError {
+    #[error("the agent link: {0}")]
+    Link(#[from] guest_agent::framing::FrameError),
+    #[error("cannot ask the agent to be quiet: {0}")]
+    Write(io::Error),
+    #[error("the link closed before the agent answered")]
+    Closed,
+    #[error("the agent answered with something else than Quiesced")]
+    Unexpected,
+    #[error("no answer within {0:?}")]
+    Timeout(std::time::Duration),
+}
+
+/// Asks the agent at its template point (whose hello said it answers) to
+/// let its boot's background work finish: consumes the template hello on
+/// `stream` (the connection is dropped at the snapshot anyway), sends
+/// `Quiesce` and reads the `Quiesced`, within `limit`. Returns how long the
+/// agent waited and whether its work finished.
+pub async fn quiesce(
+    stream: &mut UnixStream,
+    limit: std::time::Duration,
+) -> Result<(u64, bool), QuiesceError> {
+    use tokio::io::AsyncWriteExt;
+    let exchange = async {
+        let mut buf = Vec::new();
+        if !guest_agent::framing::read_frame(&mut *stream, proto::MAX_MESSAGE, &mut buf).await? {
+            return Err(QuiesceError::Closed);
+        }
+        let mut frame = Vec::new();
+        proto::encode_frame_into(&mut frame, &proto::HostMessage::Quiesce, &[]);
+        stream
+            .write_all(&frame)
+            .await
+            .map_err(QuiesceError::Write)?;
+        buf.clear();
+        if !guest_agent::framing::read_frame(&mut *stream, proto::MAX_MESSAGE, &mut buf).await? {
+            return Err(QuiesceError::Closed);
+        }
+        match proto::decode::<AgentMessage>(buf).map(|e| e.header) {
+            Ok(AgentMessage::Quiesced {
+                waited_ms,
+                complete,
+            }) => Ok((waited_ms, complete)),
+            _ => Err(QuiesceError::Unexpected),
+        }
+    };
+    tokio::time::timeout(limit, exchange)
+        .await
+        .unwrap_or(Err(QuiesceError::Timeout(limit)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,6 +520,51 @@ mod tests {
             userland: None,
             session_disk: None,
             phase: phase.map(Into::into),
+            ca_trust: None,
+            quiesce: false,
+        }
+    }
+
+    /// The template hello is consumed, `Quiesce` sent, `Quiesced` read; any
+    /// other answer, or none in time, is an error the caller logs.
+    #[tokio::test]
+    async fn quiesce_asks_and_reads_the_answer_within_the_limit() {
+        use tokio::io::AsyncWriteExt;
+        for answer in [
+            Some(AgentMessage::Quiesced {
+                waited_ms: 12,
+                complete: true,
+            }),
+            Some(AgentMessage::Hello(hello(None))),
+            None,
+        ] {
+            let (mut host, mut agent) = UnixStream::pair().unwrap();
+            agent
+                .write_all(&frame(&AgentMessage::Hello(hello(Some(Hello::TEMPLATE)))))
+                .await
+                .unwrap();
+            let reply = answer.clone();
+            let guest = tokio::spawn(async move {
+                let mut buf = Vec::new();
+                assert!(
+                    guest_agent::framing::read_frame(&mut agent, proto::MAX_MESSAGE, &mut buf)
+                        .await
+                        .unwrap()
+                );
+                let msg = proto::decode::<proto::HostMessage>(buf).unwrap();
+                assert_eq!(msg.header, proto::HostMessage::Quiesce);
+                if let Some(r) = reply {
+                    agent.write_all(&frame(&r)).await.unwrap();
+                }
+                agent
+            });
+            let got = quiesce(&mut host, std::time::Duration::from_millis(300)).await;
+            match answer {
+                Some(AgentMessage::Quiesced { .. }) => assert_eq!(got.unwrap(), (12, true)),
+                Some(_) => assert!(matches!(got, Err(QuiesceError::Unexpected)), "{got:?}"),
+                None => assert!(matches!(got, Err(QuiesceError::Timeout(_))), "{got:?}"),
+            }
+            drop(guest.await.unwrap());
         }
     }
 
