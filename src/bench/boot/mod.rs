@@ -555,6 +555,7 @@ async fn run_all(opts: &Options, plan: Plan) -> Report {
                         progress(&p, b.start)
                     );
                     b.runs.push(p);
+                    b.rss.extend(rec.rss);
                 }
                 Err(e) => {
                     eprintln!("bench boot: {name} {}/{} failed: {e}", i + 1, opts.runs);
@@ -624,7 +625,9 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
     let profile_root = boot
         .data_dir
         .map_or_else(|| helper.dir.join("profile"), |d| d.join("profile-root"));
-    let measured = drive(opts, &helper.socket, &helper.dir, &profile_root).await;
+    // The kvm backend's guest memory is the helper's own; QEMU's is not.
+    let pid = (backend == Backend::Kvm).then(|| helper.child.id());
+    let measured = drive(opts, &helper.socket, &helper.dir, &profile_root, pid).await;
     let log = std::fs::read_to_string(&helper.log).map_err(|source| BootBenchError::Log {
         path: helper.log.clone(),
         source,
@@ -639,7 +642,7 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
         )
     };
     match (measured, log) {
-        (Ok((start_vm_sent_at, start_vm_ms, spawn_exit_ms)), Ok(text)) => {
+        (Ok((start_vm_sent_at, start_vm_ms, spawn_exit_ms, rss)), Ok(text)) => {
             let events = log::HelperLog(&text).parse();
             if let Err(e) = check_start(backend, boot.expect, &events) {
                 return Err(failed(&mut helper, &e));
@@ -650,6 +653,7 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
                 start_vm_sent_at,
                 start_vm_ms,
                 spawn_exit_ms: Some(spawn_exit_ms),
+                rss,
                 events,
             })
         }
@@ -659,13 +663,15 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
 }
 
 /// Drives one helper: startVM, the first spawn, stopVM. Returns the wall
-/// time startVM was sent (µs), startVM's duration and spawn → exit (ms).
+/// time startVM was sent (µs), startVM's duration and spawn → exit (ms),
+/// and the resident memory of process `rss_of` once startVM answered.
 async fn drive(
     opts: &Options,
     socket: &std::path::Path,
     dir: &std::path::Path,
     profile_root: &std::path::Path,
-) -> Result<(i64, f64, f64), BootBenchError> {
+    rss_of: Option<u32>,
+) -> Result<(i64, f64, f64, Option<phases::Rss>), BootBenchError> {
     let root_s = profile_root.to_string_lossy().into_owned();
     let pipe = Pipe::connect_with_timeout(socket, opts.timeout)
         .await
@@ -701,6 +707,11 @@ async fn drive(
     if r.get("connected") != Some(&Value::Bool(true)) {
         return Err(BootBenchError::NotConnected(r));
     }
+    let rss = rss_of.and_then(|pid| {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| phases::Rss::of_status(&s))
+    });
     let id = "bench-boot-first-spawn";
     let t = Instant::now();
     pipe.call(
@@ -723,7 +734,7 @@ async fn drive(
     pipe.call("stopVM", Value::Null)
         .await
         .map_err(client_err("stopVM"))?;
-    Ok((sent_at, start_vm_ms, spawn_ms))
+    Ok((sent_at, start_vm_ms, spawn_ms, rss))
 }
 
 #[cfg(test)]

@@ -359,7 +359,39 @@ pub struct RunRecord {
     pub start_vm_ms: f64,
     /// First spawn → its exit event, at the client (ms).
     pub spawn_exit_ms: Option<f64>,
+    /// The kvm helper's resident memory once `startVM` answered (its guest
+    /// memory is its own; `None` for QEMU, whose is not).
+    pub rss: Option<Rss>,
     pub events: BootEvents,
+}
+
+/// Resident memory of a process (`/proc/<pid>/status`), KiB: anonymous
+/// (a cold VM's touched RAM, a restored one's written pages) and file-backed
+/// (a restored VM's pages read from its snapshot, the executable).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Rss {
+    pub anon_kib: u64,
+    pub file_kib: u64,
+}
+
+impl Rss {
+    /// `RssAnon` and `RssFile` of a `/proc/<pid>/status` text.
+    pub fn of_status(status: &str) -> Option<Rss> {
+        let field = |name: &str| {
+            status.lines().find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+        };
+        Some(Rss {
+            anon_kib: field("RssAnon:")?,
+            file_kib: field("RssFile:")?,
+        })
+    }
 }
 
 /// The guest's boot clock as the hello reported it (µs).
@@ -570,6 +602,24 @@ pub fn stat(runs: &[Phases], phase: Phase) -> Option<Stat> {
 }
 
 #[cfg(test)]
+mod rss_tests {
+    use super::Rss;
+
+    #[test]
+    fn resident_memory_is_read_from_a_status_text() {
+        let status = "Name:\tcowork-helper\nVmRSS:\t  150000 kB\nRssAnon:\t  120000 kB\nRssFile:\t   30000 kB\nRssShmem:\t       0 kB\n";
+        assert_eq!(
+            Rss::of_status(status),
+            Some(Rss {
+                anon_kib: 120_000,
+                file_kib: 30_000
+            })
+        );
+        assert_eq!(Rss::of_status("Name:\tx\nRssAnon:\t1 kB\n"), None);
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::super::log::{parse_line, Mark, MSG_AGENT_CONNECTED};
     use super::*;
@@ -622,6 +672,7 @@ mod tests {
             start_vm_sent_at: T0,
             start_vm_ms: 810.0,
             spawn_exit_ms: Some(4.5),
+            rss: None,
             events: ev,
         };
         let p = phases(&rec);
@@ -666,6 +717,7 @@ mod tests {
             start_vm_sent_at: T0,
             start_vm_ms: 3_125.0,
             spawn_exit_ms: None,
+            rss: None,
             events: ev,
         };
         let p = phases(&rec);
@@ -705,6 +757,7 @@ mod tests {
             start_vm_sent_at: base - 200,
             start_vm_ms: 190.2,
             spawn_exit_ms: Some(6.0),
+            rss: None,
             events: HelperLog(WARM_LOG).parse(),
         };
         let p = phases(&rec);

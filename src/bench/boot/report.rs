@@ -37,7 +37,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::log::SnapshotTaken;
-use super::phases::{stat, Backend, Phase, Phases, StartKind, Stat};
+use super::phases::{stat, Backend, Phase, Phases, Rss, StartKind, Stat};
 
 /// The `schema` value of the JSON document.
 pub const SCHEMA: &str = "cowork-helper bench boot v2";
@@ -69,6 +69,8 @@ pub struct BackendRuns {
     pub failures: Vec<String>,
     /// Warm: the boot snapshot the series' first, unmeasured boot took.
     pub snapshot: Option<SnapshotTaken>,
+    /// kvm: the helper's resident memory once each run's startVM answered.
+    pub rss: Vec<Rss>,
 }
 
 impl BackendRuns {
@@ -81,6 +83,7 @@ impl BackendRuns {
             runs: Vec::new(),
             failures: Vec::new(),
             snapshot: None,
+            rss: Vec::new(),
         }
     }
 
@@ -191,6 +194,8 @@ struct DocumentSeries {
     failures: Vec<String>,
     #[serde(default)]
     snapshot: Option<SnapshotTaken>,
+    #[serde(default)]
+    rss_after_connected: Vec<Rss>,
     /// Each run's phases by key (other keys, such as `start`, are skipped).
     runs: Vec<BTreeMap<String, Value>>,
 }
@@ -266,6 +271,7 @@ impl Report {
                     "accel": b.accel,
                     "failures": b.failures,
                     "snapshot": snapshot_json(b.snapshot),
+                    "rss_after_connected": b.rss,
                     "runs": b.runs.iter().map(|r| phases_json(r, b.start)).collect::<Vec<_>>(),
                     "summary": summary,
                 })
@@ -335,6 +341,7 @@ impl Report {
                     .collect(),
                 failures: b.failures,
                 snapshot: b.snapshot,
+                rss: b.rss_after_connected,
             })
             .collect();
         Ok(Report {
@@ -426,6 +433,14 @@ impl Report {
             if let Some(s) = b.snapshot {
                 out += &format!("  {}\n", snapshot_words(&s));
             }
+            if let Some(r) = rss_median(&b.rss) {
+                out += &format!(
+                    "  helper resident once connected (median of {}): {:.1} MiB anonymous, {:.1} MiB file-backed\n",
+                    b.rss.len(),
+                    r.anon_kib as f64 / KIB,
+                    r.file_kib as f64 / KIB
+                );
+            }
             for f in &b.failures {
                 out += &format!("  failed: {f}\n");
             }
@@ -435,6 +450,18 @@ impl Report {
         }
         out
     }
+}
+
+/// The median of each field of `samples` (`None` without samples).
+fn rss_median(samples: &[Rss]) -> Option<Rss> {
+    let median = |mut v: Vec<u64>| {
+        v.sort_unstable();
+        v.get(v.len() / 2).copied()
+    };
+    Some(Rss {
+        anon_kib: median(samples.iter().map(|r| r.anon_kib).collect())?,
+        file_kib: median(samples.iter().map(|r| r.file_kib).collect())?,
+    })
 }
 
 /// One line on a boot snapshot: how long it took and how large it is.
@@ -535,6 +562,20 @@ mod tests {
             memory_disk_mib: Some(305.0),
             state_bytes: Some(48_213.0),
         });
+        warm.rss = vec![
+            Rss {
+                anon_kib: 30 * 1024,
+                file_kib: 90 * 1024,
+            },
+            Rss {
+                anon_kib: 20 * 1024,
+                file_kib: 80 * 1024,
+            },
+            Rss {
+                anon_kib: 40 * 1024,
+                file_kib: 85 * 1024,
+            },
+        ];
         r.backends.insert(1, warm);
         r.notes = vec!["qemu: cold only".into()];
         r
@@ -623,6 +664,11 @@ mod tests {
         assert!(warm["runs"][0]["kernel_to_agent"].is_null());
         assert_eq!(warm["snapshot"]["snapshot_ms"], 884.75);
         assert_eq!(warm["snapshot"]["state_bytes"], 48_213.0);
+        assert_eq!(warm["rss_after_connected"][1]["anon_kib"], 20 * 1024);
+        assert_eq!(warm["rss_after_connected"][1]["file_kib"], 80 * 1024);
+        assert!(v["backends"][0]["rss_after_connected"]
+            .as_array()
+            .is_some_and(Vec::is_empty));
         // kvm/qemu compares the cold series; warm/cold per backend.
         assert_eq!(v["ratios"]["startvm_to_connected"], 0.25);
         let wc = &v["warm_cold_ratios"]["kvm"];
@@ -644,6 +690,8 @@ mod tests {
             "snapshot taken by the first warm-up boot: 884.8 ms, memory 301.0 MiB with data (305.0 MiB on disk), state 47.1 KiB",
             "note: qemu: cold only",
             "(a warm series has at least one, which takes its boot snapshot)",
+            // Medians of each field: 30 of 20/30/40, 85 of 80/85/90.
+            "helper resident once connected (median of 3): 30.0 MiB anonymous, 85.0 MiB file-backed",
         ] {
             assert!(t.contains(want), "{want} missing:\n{t}");
         }
