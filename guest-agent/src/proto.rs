@@ -269,8 +269,9 @@ pub struct Hello {
     pub phase: Option<String>,
     /// What the agent did with the CA of the `Setup`'s `trustCa` (final
     /// hello only; absent when the `Setup` carried none).
+    /// (Boxed: it is rare and keeps every message small.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ca_trust: Option<CaTrust>,
+    pub ca_trust: Option<Box<CaTrust>>,
     /// The agent answers [`HostMessage::Quiesce`] at its template point
     /// (template hello only; agents that predate it leave it out, and the
     /// host then snapshots without asking).

@@ -639,7 +639,7 @@ impl Agent {
             userland: userland::booted(),
             session_disk: sessiondisk::outcome(),
             phase: None,
-            ca_trust: self.ca_trust.take(),
+            ca_trust: self.ca_trust.take().map(Box::new),
             quiesce: false,
         });
         let ending = match self.outbox.send(&hello, &[]).await {

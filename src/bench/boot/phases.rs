@@ -367,7 +367,8 @@ pub struct RunRecord {
 
 /// Resident memory of a process (`/proc/<pid>/status`), KiB: anonymous
 /// (a cold VM's touched RAM, a restored one's written pages) and file-backed
-/// (a restored VM's pages read from its snapshot, the executable).
+/// (a restored VM's pages read from its snapshot, the executable; shared
+/// memory counts here too: a snapshot in a tmpfs data directory).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Rss {
     pub anon_kib: u64,
@@ -389,7 +390,7 @@ impl Rss {
         };
         Some(Rss {
             anon_kib: field("RssAnon:")?,
-            file_kib: field("RssFile:")?,
+            file_kib: field("RssFile:")? + field("RssShmem:").unwrap_or(0),
         })
     }
 }
@@ -607,12 +608,12 @@ mod rss_tests {
 
     #[test]
     fn resident_memory_is_read_from_a_status_text() {
-        let status = "Name:\tcowork-helper\nVmRSS:\t  150000 kB\nRssAnon:\t  120000 kB\nRssFile:\t   30000 kB\nRssShmem:\t       0 kB\n";
+        let status = "Name:\tcowork-helper\nVmRSS:\t  150000 kB\nRssAnon:\t  120000 kB\nRssFile:\t   30000 kB\nRssShmem:\t     512 kB\n";
         assert_eq!(
             Rss::of_status(status),
             Some(Rss {
                 anon_kib: 120_000,
-                file_kib: 30_000
+                file_kib: 30_512
             })
         );
         assert_eq!(Rss::of_status("Name:\tx\nRssAnon:\t1 kB\n"), None);
