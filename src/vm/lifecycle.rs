@@ -429,6 +429,8 @@ async fn run_machine(
 }
 
 /// One line for how the guest came to trust the egress CA (or why not).
+/// The error is the guest's words: quoted and escaped, a newline in them
+/// cannot forge a log line.
 fn log_ca_trust(done: &CaTrust) {
     match &done.error {
         None => tracing::info!(
@@ -438,7 +440,7 @@ fn log_ca_trust(done: &CaTrust) {
             "the guest trusts the egress CA"
         ),
         Some(e) => tracing::error!(
-            error = %e,
+            error = ?e,
             "the guest could not trust the egress CA: sessions cannot reach the API hosts"
         ),
     }
