@@ -795,6 +795,12 @@ impl Vm {
         em.add_subscriber(Arc::new(Mutex::new(ExitWatcher {
             exit: live.exit.clone(),
         })));
+        // Devices paused by an earlier run, or restored from a snapshot,
+        // serve again before any vCPU runs.
+        for t in &live.virtio {
+            t.resume();
+        }
+
         let stop = Arc::new(AtomicBool::new(false));
         let first_run = Arc::new(OnceLock::new());
         let shared = VcpuShared {
@@ -816,17 +822,6 @@ impl Vm {
                     break;
                 }
             }
-        }
-
-        // Devices paused by an earlier run, or restored from a snapshot,
-        // serve again. The vCPUs already run: each device's worker takes a
-        // thread and a seccomp filter to start (tens of ms in all under
-        // emulation), and nothing the guest does meanwhile is lost. A kick
-        // waits in its ioeventfd and every queue is kicked once at resume; a
-        // register access waits for the transport's lock; a reset before
-        // the resume leaves nothing to resume.
-        for t in &live.virtio {
-            t.resume();
         }
 
         let mut loop_err = None;
