@@ -313,7 +313,7 @@ pub fn run_machine_init() -> MachineInit {
 /// home, and bash with what it loads. [`run_machine_init`] reads them
 /// before the template point so they are in the page cache a snapshot
 /// keeps: a restored machine then finds them in memory instead of reading
-/// its root disk at emulated speed (the cold boot pays once, ~2 MiB).
+/// its root disk at emulated speed (the cold boot pays once, ~4 MiB).
 /// Missing files are skipped (another userland, the initramfs).
 pub const PREFETCH: &[&str] = &[
     "/etc/ssl/certs/ca-certificates.crt",
