@@ -255,15 +255,19 @@ fn ms(d: Duration) -> f64 {
 /// `VmHWM` and `VmRSS` of a process in KiB.
 fn mem_kib(pid: u32) -> Option<(u64, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| -> Option<u64> {
-        s.lines()
-            .find(|l| l.starts_with(name))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()
-    };
-    Some((field("VmHWM:")?, field("VmRSS:")?))
+    Some((status_kib(&s, "VmHWM:")?, status_kib(&s, "VmRSS:")?))
+}
+
+/// The value of the `name` line (`"VmRSS:"`) of a `/proc/<pid>/status`
+/// text, in KiB.
+pub(crate) fn status_kib(status: &str, name: &str) -> Option<u64> {
+    status
+        .lines()
+        .find(|l| l.starts_with(name))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// CPU time (user + system) a process has used so far, in milliseconds.

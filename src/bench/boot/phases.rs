@@ -378,19 +378,11 @@ pub struct Rss {
 impl Rss {
     /// `RssAnon` and `RssFile` of a `/proc/<pid>/status` text.
     pub fn of_status(status: &str) -> Option<Rss> {
-        let field = |name: &str| {
-            status.lines().find_map(|l| {
-                l.strip_prefix(name)?
-                    .trim()
-                    .strip_suffix("kB")?
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-            })
-        };
+        use crate::bench::status_kib;
         Some(Rss {
-            anon_kib: field("RssAnon:")?,
-            file_kib: field("RssFile:")? + field("RssShmem:").unwrap_or(0),
+            anon_kib: status_kib(status, "RssAnon:")?,
+            file_kib: status_kib(status, "RssFile:")?
+                + status_kib(status, "RssShmem:").unwrap_or(0),
         })
     }
 }
