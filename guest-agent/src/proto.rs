@@ -282,7 +282,7 @@ pub struct Hello {
 /// How the guest came to trust the egress CA (the answer to
 /// [`Op::TrustCa`], or the final hello's [`Hello::ca_trust`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(default, rename_all = "camelCase")]
 pub struct CaTrust {
     /// The CA was added to the system bundle.
     pub bundle: bool,
@@ -513,8 +513,8 @@ pub enum Op {
     Shutdown,
     /// Trust this CA certificate (PEM): the host's egress proxy signs the
     /// API hosts' certificates with it. Written to [`EGRESS_CA_FILE`] and
-    /// into the userland's system bundle; result `{"bundle": bool,
-    /// "bound": bool, "anchor": bool}`. Sent once after the hello, before
+    /// into the userland's system bundle; result a [`CaTrust`] (`{"bundle":
+    /// bool, "bound": bool, "anchor": bool}`). Sent once after the hello, before
     /// any spawn; a later one replaces it.
     TrustCa { pem: String },
 }
@@ -791,5 +791,30 @@ mod tests {
         // 10 000 names in 2^30 values: a collision has probability ~5 %; more than
         // one would mean a broken spread.
         assert!(seen.len() >= 9_999, "{} distinct", seen.len());
+    }
+
+    /// `TrustCa`'s reply and the final hello's `caTrust` share one shape;
+    /// what an agent leaves out reads as false.
+    #[test]
+    fn ca_trust_has_the_wire_shape_of_the_trust_ca_reply() {
+        let done = CaTrust {
+            bundle: true,
+            bound: false,
+            anchor: true,
+            error: None,
+        };
+        let v = serde_json::to_value(&done).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"bundle": true, "bound": false, "anchor": true})
+        );
+        let partial: CaTrust = serde_json::from_value(serde_json::json!({"bundle": true})).unwrap();
+        assert_eq!(
+            partial,
+            CaTrust {
+                bundle: true,
+                ..CaTrust::default()
+            }
+        );
     }
 }

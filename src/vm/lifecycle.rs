@@ -232,18 +232,18 @@ impl ProfileVm {
         let op = Op::TrustCa {
             pem: pem.to_string(),
         };
-        match link.call(op, &[], CALL_TIMEOUT).await {
-            Ok((result, _)) => log_ca_trust(&CaTrust {
-                bundle: result["bundle"].as_bool().unwrap_or(false),
-                bound: result["bound"].as_bool().unwrap_or(false),
-                anchor: result["anchor"].as_bool().unwrap_or(false),
-                error: None,
-            }),
-            Err(e) => log_ca_trust(&CaTrust {
-                error: Some(e.to_string()),
+        // The reply has the shape of the final hello's `caTrust`.
+        let done = match link.call(op, &[], CALL_TIMEOUT).await {
+            Ok((result, _)) => serde_json::from_value(result).unwrap_or_else(|e| CaTrust {
+                error: Some(format!("the agent's answer does not read: {e}")),
                 ..CaTrust::default()
             }),
-        }
+            Err(e) => CaTrust {
+                error: Some(e.to_string()),
+                ..CaTrust::default()
+            },
+        };
+        log_ca_trust(&done);
     }
 
     /// The agent's stream ended: every process it ran is gone.

@@ -827,10 +827,9 @@ impl Agent {
                     if let Some(e) = done.error {
                         return Err(e);
                     }
-                    Ok((
-                        json!({"bundle": done.bundle, "bound": done.bound, "anchor": done.anchor}),
-                        Vec::new(),
-                    ))
+                    // The reply is the final hello's `caTrust`, as JSON.
+                    let reply = serde_json::to_value(&done).map_err(|e| e.to_string())?;
+                    Ok((reply, Vec::new()))
                 });
             }
             Op::Shutdown => {
