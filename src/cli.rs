@@ -214,9 +214,9 @@ pub struct Cli {
         help_heading = VM_HEADING
     )]
     pub guest_thp: vmm::memory::Backing,
-    /// kvm backend: restore a boot snapshot of the machine instead of
-    /// booting when there is one, and take one at the first cold boot
-    /// (`auto`), or always boot cold (`off`).
+    /// VM backends (kvm, qemu): restore a boot snapshot of the machine
+    /// instead of booting when there is one, and take one at the first cold
+    /// boot (`auto`), or always boot cold (`off`).
     #[arg(
         long,
         env = SNAPSHOT_ENV,
@@ -224,8 +224,8 @@ pub struct Cli {
         default_value = "auto",
         help_heading = VM_HEADING
     )]
-    pub snapshot: crate::backend::kvm::SnapshotMode,
-    /// Where the kvm backend keeps its boot snapshots (one directory per
+    pub snapshot: crate::backend::snapstore::SnapshotMode,
+    /// Where the VM backends keep their boot snapshots (one directory per
     /// machine shape). Default: `snapshots` in the data directory.
     #[arg(
         long,
@@ -583,7 +583,7 @@ pub const GUEST_THP_ENV: &str = "COWORK_GUEST_THP";
 pub const SNAPSHOT_ENV: &str = "COWORK_SNAPSHOT";
 /// Environment variable of `--snapshot-dir`.
 pub const SNAPSHOT_DIR_ENV: &str = "COWORK_SNAPSHOT_DIR";
-/// The kvm backend's snapshots' directory under the data directory.
+/// The VM backends' snapshots' directory under the data directory.
 pub const SNAPSHOTS_DIR: &str = "snapshots";
 
 /// An environment variable the helper reads without a flag: a test hook
@@ -809,7 +809,7 @@ impl Cli {
             userland: self.userland.into(),
             seccomp: self.seccomp.into(),
             memory_backing: self.guest_thp,
-            snapshot: crate::backend::kvm::SnapshotOptions {
+            snapshot: crate::backend::snapstore::SnapshotOptions {
                 mode: self.snapshot,
                 dir: Some(
                     self.snapshot_dir

@@ -12,8 +12,9 @@
 //! by both and never by one from the other: [`image`] (finding the guest
 //! image), [`userland`] (which root disk the guest gets), [`guest`] (vsock
 //! identity, agent dial, power-off, KVM suitability), [`console`] (the
-//! guest console's lines and tail), [`sizing`] (memory and vCPUs) and
-//! [`fsgrants`] (host folders granted through the virtio-fs share).
+//! guest console's lines and tail), [`sizing`] (memory and vCPUs),
+//! [`snapstore`] (where boot snapshots are kept) and [`fsgrants`] (host
+//! folders granted through the virtio-fs share).
 //!
 //! Errors: what crosses this seam is typed. [`boot`] fails with a
 //! [`BootError`] (the backend's own error: [`SandboxError`],
@@ -35,6 +36,7 @@ pub mod kvm;
 pub mod qemu;
 pub mod sandbox;
 pub mod sizing;
+pub mod snapstore;
 pub mod userland;
 
 use std::fmt;
@@ -269,9 +271,9 @@ pub struct BootOptions {
     /// How the kvm backend backs guest RAM (the daemon's `--guest-thp`:
     /// huge pages advised unless `off`).
     pub memory_backing: vmm::memory::Backing,
-    /// The kvm backend's boot snapshots (the daemon's `--snapshot` and
-    /// `--snapshot-dir`; [`kvm::warm`]).
-    pub snapshot: kvm::SnapshotOptions,
+    /// The VM backends' boot snapshots (the daemon's `--snapshot` and
+    /// `--snapshot-dir`; [`snapstore`], `kvm::warm`, `qemu::warm`).
+    pub snapshot: snapstore::SnapshotOptions,
     /// The QEMU binary (the daemon's `--qemu`: a path, or a name looked up
     /// in `PATH`); none: [`qemu::DEFAULT_QEMU`].
     pub qemu: Option<PathBuf>,

@@ -86,7 +86,6 @@ use super::userland::{self, UserlandError};
 use super::{AgentStream, BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
 use warm::Store;
-pub use warm::{SnapshotMode, SnapshotOptions};
 
 pub mod warm;
 
@@ -419,7 +418,7 @@ impl Plan {
             vcpus: self.vcpus,
             devices: self.devices(),
         };
-        Store::new(&opts.snapshot, || identity.key())
+        Store::new(&opts.snapshot, warm::KVM_STORE, || identity.key())
     }
 
     /// Everything one try needs, new: the vsock host side with the agent's
