@@ -38,7 +38,7 @@ Builds, into the output directory:
                label cowork-rootfs (scripts/mkrootfs.sh; built once into the cache, a few
                minutes, then linked or copied from there)
   rootfs-info  what mkrootfs.sh recorded about it (suite, packages, sizes, build time)
-  image-info   $IMAGE_FORMAT, kernel version, the agent's SHA-256 and, with a rootfs,
+  image-info   $IMAGE_FORMAT, kernel version, the agent's SHA-256, its AGENT_FEATURES and, with a rootfs,
                ROOTFS_SHA256 and ROOTFS_SUITE
 
 On success prints shell-style assignments on stdout:
@@ -199,6 +199,8 @@ fi
 	printf '%s\n' "$IMAGE_FORMAT"
 	printf 'KERNEL_VERSION=%s\n' "$KERNEL_VERSION"
 	printf 'AGENT_SHA256=%s\n' "$(sha256sum "$agent" | cut -d' ' -f1)"
+	# What the agent can do that the helper asks for (src/backend/image.rs).
+	printf 'AGENT_FEATURES=template-console\n'
 	if [[ -n "$ROOTFS" ]]; then
 		printf 'ROOTFS_SHA256=%s\n' "$ROOTFS_SHA256"
 		printf 'ROOTFS_SUITE=%s\n' "$ROOTFS_SUITE"

@@ -64,6 +64,27 @@ pub const EGRESS_SOCKET_ENV: &str = "COWORK_EGRESS_SOCKET";
 /// virtio-fs grants) holds against guest root too.
 pub const ROOT_SESSION_ENV: &str = "COWORK_ROOT_SESSION";
 
+/// Kernel command-line variable (so the VM agent's environment) saying how
+/// the agent signals its template point when the machine has no vsock
+/// device yet: [`TEMPLATE_SIGNAL_CONSOLE`] is the only value. The qemu
+/// backend boots its snapshot-taking machines without the devices QEMU
+/// cannot migrate (vsock among them) and hot-plugs them after the
+/// snapshot, so the agent cannot say its template hello until then.
+pub const TEMPLATE_SIGNAL_ENV: &str = "COWORK_TEMPLATE_SIGNAL";
+/// [`TEMPLATE_SIGNAL_ENV`]'s value: once its boot's background work is done
+/// (the egress gate), the agent prints [`TEMPLATE_CONSOLE_MARK`] on the
+/// console, then dials the host every [`TEMPLATE_POLL_MS`] until the vsock
+/// device arrives, and goes on with its template hello as always.
+pub const TEMPLATE_SIGNAL_CONSOLE: &str = "console";
+/// The console line (its start) that says the agent is at its template
+/// point (see [`TEMPLATE_SIGNAL_ENV`]); what follows it is informational.
+/// Any guest code could print it: the host only snapshots the machine
+/// earlier than it would otherwise, it trusts nothing more.
+pub const TEMPLATE_CONSOLE_MARK: &str = "cowork-agent: template point";
+/// Pause between the agent's dials while it waits for a hot-plugged vsock
+/// device (ms): short, because a restored machine's start waits on it.
+pub const TEMPLATE_POLL_MS: u64 = 10;
+
 /// virtio-fs tag of the host's session share in a VM (ours, not the official
 /// helper's `claudeshared`). Its root holds `/<session>/<mount name>` for each
 /// mount the host granted; the host enforces each mount's mode.

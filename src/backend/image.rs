@@ -45,6 +45,13 @@ pub const IMAGE_DIR_ENV: &str = "COWORK_GUEST_IMAGE_DIR";
 pub const IMAGE_DIR_NAME: &str = "guest-image";
 /// First line of `image-info` in an image built by `scripts/mkguestimage.sh`.
 pub const IMAGE_FORMAT: &str = "cowork-guest-image/1";
+/// `image-info`'s line listing what the image's agent can do beyond the
+/// format (`AGENT_FEATURES=a,b`; an image without it has none).
+pub const AGENT_FEATURES_KEY: &str = "AGENT_FEATURES";
+/// The agent signals its template point on the console when asked
+/// (`guest_agent::proto::TEMPLATE_SIGNAL_ENV`): the qemu backend's boot
+/// snapshot needs it.
+pub const FEATURE_TEMPLATE_CONSOLE: &str = "template-console";
 /// Files every guest image has.
 pub const IMAGE_FILES: [&str; 3] = ["vmlinuz", "initramfs", "image-info"];
 /// The default userland's read-only root filesystem inside an image or
@@ -126,6 +133,8 @@ pub struct GuestImage {
     /// The default userland ([`ROOTFS_FILE`]): the image directory's own,
     /// else one from a userland directory (see [`ImageSearch`]).
     pub rootfs: Option<PathBuf>,
+    /// Its agent has [`FEATURE_TEMPLATE_CONSOLE`].
+    pub template_console: bool,
 }
 
 impl GuestImage {
@@ -148,11 +157,17 @@ impl GuestImage {
             return Err(NotAnImage::Foreign(dir.to_path_buf()));
         }
         let rootfs = dir.join(ROOTFS_FILE);
+        let template_console = info
+            .lines()
+            .filter_map(|l| l.strip_prefix(AGENT_FEATURES_KEY)?.strip_prefix('='))
+            .flat_map(|v| v.split(','))
+            .any(|f| f.trim() == FEATURE_TEMPLATE_CONSOLE);
         Ok(GuestImage {
             dir: dir.to_path_buf(),
             vmlinuz: dir.join("vmlinuz"),
             initramfs: dir.join("initramfs"),
             rootfs: rootfs.is_file().then_some(rootfs),
+            template_console,
         })
     }
 }
@@ -383,6 +398,11 @@ mod tests {
         assert_eq!(img.vmlinuz, ours.path().join("vmlinuz"));
         assert_eq!(img.initramfs, ours.path().join("initramfs"));
         assert_eq!(img.rootfs, None, "no rootfs.img: initramfs userland");
+        assert!(!img.template_console, "no AGENT_FEATURES line");
+        let featured = image_dir(&format!(
+            "{IMAGE_FORMAT}\nKERNEL_VERSION=6\n{AGENT_FEATURES_KEY}=other,{FEATURE_TEMPLATE_CONSOLE}"
+        ));
+        assert!(GuestImage::at(featured.path()).unwrap().template_console);
         // A bundle of ours wins over every other place.
         let elsewhere = tempfile::tempdir().unwrap();
         write_image(&elsewhere.path().join("system"), IMAGE_FORMAT);

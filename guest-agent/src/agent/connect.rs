@@ -36,13 +36,52 @@ pub enum ConnectError {
     },
 }
 
-/// Connects to `target`, retrying within `patience`.
+/// The pauses between connection attempts: `first`, doubling up to `max`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pacing {
+    first: Duration,
+    max: Duration,
+}
+
+impl Pacing {
+    /// From [`FIRST_RETRY`] up to [`MAX_RETRY`]: the host's listener is
+    /// usually there, or soon.
+    pub const GROWING: Pacing = Pacing {
+        first: FIRST_RETRY,
+        max: MAX_RETRY,
+    };
+
+    /// The pause after `pause`.
+    fn next(self, pause: Duration) -> Duration {
+        (pause * 2).min(self.max)
+    }
+
+    /// The same pause every time (waiting for a device that will be
+    /// hot-plugged: the moment it binds should not wait for a long pause).
+    pub const fn steady(pause: Duration) -> Pacing {
+        Pacing {
+            first: pause,
+            max: pause,
+        }
+    }
+}
+
+/// Connects to `target`, retrying within `patience` ([`Pacing::GROWING`]).
 pub async fn connect(target: &ConnectTarget, patience: Duration) -> Result<OwnedFd, ConnectError> {
+    connect_paced(target, patience, Pacing::GROWING).await
+}
+
+/// Connects to `target`, retrying within `patience` at `pacing`.
+pub async fn connect_paced(
+    target: &ConnectTarget,
+    patience: Duration,
+    pacing: Pacing,
+) -> Result<OwnedFd, ConnectError> {
     if let ConnectTarget::Fd(fd) = *target {
         return adopt_fd(fd);
     }
     let deadline = tokio::time::Instant::now() + patience;
-    let mut pause = FIRST_RETRY;
+    let mut pause = pacing.first;
     loop {
         let attempt = match target {
             ConnectTarget::Unix(path) => tokio::net::UnixStream::connect(path)
@@ -65,7 +104,7 @@ pub async fn connect(target: &ConnectTarget, patience: Duration) -> Result<Owned
             Err(e) if tokio::time::Instant::now() + pause < deadline => {
                 tracing::debug!(target_addr = %target, error = %e, "host not reachable yet; retrying");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(MAX_RETRY);
+                pause = pacing.next(pause);
             }
             Err(e) => {
                 return Err(ConnectError::GaveUp {
@@ -163,6 +202,20 @@ mod tests {
             .unwrap();
         drop(fd);
         listener.await.unwrap();
+    }
+
+    #[test]
+    fn pacing_grows_to_its_limit_or_stays_steady() {
+        let mut p = Pacing::GROWING.first;
+        let mut seen = vec![p];
+        for _ in 0..8 {
+            p = Pacing::GROWING.next(p);
+            seen.push(p);
+        }
+        assert_eq!(seen[1], FIRST_RETRY * 2);
+        assert_eq!(*seen.last().unwrap(), MAX_RETRY);
+        let steady = Pacing::steady(Duration::from_millis(10));
+        assert_eq!(steady.next(steady.first), Duration::from_millis(10));
     }
 
     #[tokio::test]

@@ -377,10 +377,24 @@ async fn template_point(
         quiesce: true,
     };
     let target = config.connect.clone();
+    let quiet = || async {
+        let began = sys::boottime_us();
+        let complete = egress_ready.wait().await == egress::gate::Passage::Open;
+        (sys::boottime_us().saturating_sub(began) / 1000, complete)
+    };
+    let pacing = if signals_on_console() {
+        // No vsock device yet (the qemu backend hot-plugs it after its
+        // snapshot): quiet down, say so on the console, then poll for it.
+        let (waited_ms, complete) = quiet().await;
+        announce_on_console(waited_ms, complete);
+        connect::Pacing::steady(std::time::Duration::from_millis(proto::TEMPLATE_POLL_MS))
+    } else {
+        connect::Pacing::GROWING
+    };
     let dial = || {
         let target = target.clone();
         async move {
-            let fd = connect::connect(&target, connect::CONNECT_PATIENCE)
+            let fd = connect::connect_paced(&target, connect::CONNECT_PATIENCE, pacing)
                 .await
                 .map_err(|e| e.to_string())?;
             marks.mark(Milestone::Connected, sys::boottime_us());
@@ -391,11 +405,6 @@ async fn template_point(
                 .map(|io| io.stream())
                 .map_err(|e| e.to_string())
         }
-    };
-    let quiet = || async {
-        let began = sys::boottime_us();
-        let complete = egress_ready.wait().await == egress::gate::Passage::Open;
-        (sys::boottime_us().saturating_sub(began) / 1000, complete)
     };
     let (stream, setup) =
         setup::template_handshake(dial, &hello, quiet, MAX_TEMPLATE_DIALS).await?;
@@ -418,6 +427,27 @@ async fn template_point(
         None => None,
     };
     Ok((stream.into_io(), ca_trust))
+}
+
+/// Whether the kernel command line asks for the template point on the
+/// console ([`proto::TEMPLATE_SIGNAL_ENV`]).
+fn signals_on_console() -> bool {
+    std::env::var(proto::TEMPLATE_SIGNAL_ENV).is_ok_and(|v| v == proto::TEMPLATE_SIGNAL_CONSOLE)
+}
+
+/// Prints [`proto::TEMPLATE_CONSOLE_MARK`] on the console (the agent's
+/// stderr as init), whatever the log filter: the host snapshots the
+/// machine when it reads it.
+fn announce_on_console(quiet_ms: u64, complete: bool) {
+    use std::io::Write;
+    let line = format!(
+        "{} quiet_ms={quiet_ms} complete={complete}\n",
+        proto::TEMPLATE_CONSOLE_MARK
+    );
+    let mut err = std::io::stderr().lock();
+    if let Err(e) = err.write_all(line.as_bytes()).and_then(|()| err.flush()) {
+        tracing::error!(error = %e, "cannot announce the template point on the console");
+    }
 }
 
 /// Starts egress when this agent has a host proxy (see
