@@ -8,8 +8,18 @@
 //! it through `VHOST_USER_PROTOCOL_F_CONFIG`, one without (rng) does not
 //! offer that feature (QEMU's vhost-user-rng warns when it is offered).
 //!
+//! Migration: the features include `VHOST_F_LOG_ALL` and the protocol
+//! features `VHOST_USER_PROTOCOL_F_LOG_SHMFD`, without which QEMU refuses
+//! to migrate any machine that has the device, *stopped* ones too. The
+//! qemu backend's boot snapshot migrates a stopped machine, whose devices
+//! QEMU has stopped first (`GET_VRING_BASE`), so no page is written while
+//! it is saved; a log QEMU hands over (`SET_LOG_BASE`) is taken by the
+//! vhost-user-backend crate, but this device writes guest memory without
+//! marking it.
+//!
 //! Limits: one frontend connection per server (bind a new one for the next
-//! VM); one worker thread; no dirty-page logging (no live migration).
+//! VM); one worker thread; no dirty-page logging, so no *live* migration
+//! of a running machine (pages written during one would be lost).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -111,16 +121,21 @@ impl<T: VhostQueueModel> VhostUserBackendMut for SingleQueueBackend<T> {
         self.model.features()
             | (1 << VIRTIO_F_NOTIFY_ON_EMPTY)
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            // See the module doc: for the snapshot of a stopped machine.
+            | VhostUserVirtioFeatures::LOG_ALL.bits()
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         // CONFIG only with a config space to serve: QEMU's frontends of
         // config-less devices (vhost-user-rng) do not negotiate it and log
         // a warning on every boot when the backend offers it.
+        // LOG_SHMFD: see the module doc (for the snapshot of a stopped
+        // machine).
+        let base = VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::LOG_SHMFD;
         if self.model.config().is_empty() {
-            VhostUserProtocolFeatures::MQ
+            base
         } else {
-            VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG
+            base | VhostUserProtocolFeatures::CONFIG
         }
     }
 
@@ -291,7 +306,10 @@ mod tests {
     #[test]
     fn config_is_offered_only_with_a_config_space() {
         let rng = backend(RngModel::new());
-        assert_eq!(rng.protocol_features(), VhostUserProtocolFeatures::MQ);
+        assert_eq!(
+            rng.protocol_features(),
+            VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::LOG_SHMFD
+        );
         assert!(rng.get_config(0, 1).is_empty());
 
         let dir = tempfile::tempdir().unwrap();
@@ -308,6 +326,14 @@ mod tests {
             .contains(VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG));
         // virtio_blk_config starts with the capacity in 512-byte sectors.
         assert_eq!(blk.get_config(0, 8), (2048u64).to_le_bytes().to_vec());
+        // QEMU migrates (snapshots) a machine only when every vhost-user
+        // device offers VHOST_F_LOG_ALL; no log is ever handed over.
+        let log_all = VhostUserVirtioFeatures::LOG_ALL.bits();
+        assert_eq!(blk.features() & log_all, log_all);
+        assert_eq!(rng.features() & log_all, log_all);
+        assert!(blk
+            .protocol_features()
+            .contains(VhostUserProtocolFeatures::LOG_SHMFD));
     }
 
     /// What [`ExitEvent`]'s `Drop` relies on: vhost-user-backend leaves the
