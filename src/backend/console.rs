@@ -21,14 +21,41 @@ pub const QUOTED_LINES: usize = 15;
 /// Longest console line kept; the rest of a longer one starts a new line.
 pub const MAX_CONSOLE_LINE: usize = 1024;
 
-/// The last console lines, shared by the readers and the error paths.
+/// The last console lines, shared by the readers and the error paths, and
+/// the lines someone waits for ([`Console::watch`]).
 #[derive(Clone, Default)]
 pub(crate) struct Console {
     tail: Arc<Mutex<VecDeque<String>>>,
+    watches: Arc<Mutex<Vec<Watch>>>,
+}
+
+/// A wait for the first line containing `text`.
+struct Watch {
+    text: &'static str,
+    found: tokio::sync::oneshot::Sender<String>,
 }
 
 impl Console {
+    /// The first line from now on that contains `text` (the guest prints
+    /// it: a line says what the guest claims, nothing more).
+    pub(crate) fn watch(&self, text: &'static str) -> tokio::sync::oneshot::Receiver<String> {
+        let (found, line) = tokio::sync::oneshot::channel();
+        self.watches.locked().push(Watch { text, found });
+        line
+    }
+
     pub(crate) fn push(&self, line: String) {
+        {
+            let mut w = self.watches.locked();
+            if !w.is_empty() {
+                let (hit, rest): (Vec<Watch>, Vec<Watch>) =
+                    w.drain(..).partition(|x| line.contains(x.text));
+                *w = rest;
+                for x in hit {
+                    let _ = x.found.send(line.clone());
+                }
+            }
+        }
         let mut t = self.tail.locked();
         if t.len() == CONSOLE_TAIL {
             t.pop_front();
@@ -169,6 +196,19 @@ pub fn clean_console_line(raw: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_gets_the_first_matching_line_once() {
+        let console = Console::default();
+        let mut mark = console.watch("template point");
+        let mut other = console.watch("never");
+        let mut lines = ConsoleLines::new(console.clone(), "serial");
+        lines.feed(b"booting\nagent: template point quiet_ms=3\nagent: template point again\n");
+        assert_eq!(mark.try_recv().unwrap(), "agent: template point quiet_ms=3");
+        assert!(other.try_recv().is_err());
+        assert_eq!(console.watches.locked().len(), 1);
+        assert_eq!(console.lines().len(), 3);
+    }
 
     #[test]
     fn console_lines_are_cleaned() {

@@ -245,6 +245,13 @@ pub enum AgentDialError {
         source: HostError,
         console: ConsoleQuote,
     },
+    /// The machine's vsock (and other hot-plugged) devices could not be
+    /// added (the qemu backend's snapshot layout).
+    #[error("cannot add the guest's vsock, virtio-fs and entropy devices: {source}{console}")]
+    Hotplug {
+        source: Box<dyn std::error::Error + Send + Sync>,
+        console: ConsoleQuote,
+    },
     /// The agent did not dial within [`AGENT_DIAL_TIMEOUT`].
     #[error("the guest agent did not dial vsock port {AGENT_PORT} within {}s{console}", .waited.as_secs())]
     Timeout {

@@ -63,14 +63,18 @@
 
 mod machine;
 mod plan;
+mod qmp;
 mod rundir;
 #[cfg(test)]
 mod tests;
+pub mod warm;
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Instant;
 
 use devices::blk::{BlkConfig, ImageError, RawImage, SESSION_DISK_SERIAL};
 use devices::fs::SessionFs;
@@ -84,19 +88,25 @@ use tokio::process::Command;
 
 use super::console::Console;
 use super::fsgrants::SharedFolders;
-use super::guest::{agent_stream, cmdline_words, EgressAcceptor, EgressServeError, GUEST_CID};
+use super::guest::{
+    accept_agent, agent_stream, cmdline_words, AgentDialError, EgressAcceptor, EgressServeError,
+    AGENT_DIAL_TIMEOUT, GUEST_CID,
+};
 use super::image::{GuestImage, NoImage};
 use super::sizing;
+use super::snapstore::Store;
 use super::userland::{self, UserlandError, UserlandPlan};
-use super::{BackendMachine, BootOptions, Booted, HostPaths};
+use super::{AgentStream, BackendMachine, BootOptions, Booted, HostPaths};
 use crate::egress::EgressProxy;
 use machine::{pump_console, SingleQueueThreads, VhostThread};
 pub use machine::{QemuEnd, QemuMachine};
 pub use plan::{
-    choose_accel, find_qemu, qemu_opt_escape, Accel, QemuPlan, RootDiskSocket, ACCEL_ENV,
-    DEFAULT_QEMU, FS_QUEUE_SIZE, KERNEL_CMDLINE, QEMU_ENV,
+    choose_accel, find_qemu, qemu_opt_escape, Accel, Hotplug, Layout, QemuPlan, RootDiskSocket,
+    ACCEL_ENV, DEFAULT_QEMU, FS_QUEUE_SIZE, KERNEL_CMDLINE, QEMU_ENV,
 };
+use qmp::Qmp;
 use rundir::RunDir;
+use warm::{Prepared, QemuIdentity, WarmError, QEMU_STORE};
 
 /// Guest memory when `startVM` does not say.
 pub const DEFAULT_MEMORY_MIB: u64 = 2048;
@@ -135,6 +145,10 @@ pub enum QemuError {
     VhostUserRng(#[from] VhostUserServeError),
     #[error("cannot start the vhost-user thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot make the guest's memory for the boot snapshot: {0}")]
+    Memory(WarmError),
+    #[error("cannot restore the boot snapshot: {0}")]
+    Restore(WarmError),
     #[error("cannot start {qemu}: {source}")]
     Spawn {
         qemu: PathBuf,
@@ -216,34 +230,168 @@ pub async fn boot(
     };
     let host_cpus = sizing::host_cpus();
     let userland = userland::plan(opts.userland, &image, opts.bundle_path.as_deref())?;
-    let run_dir = RunDir::create(&opts.host)?;
-    let root_disks = userland
-        .disks
-        .iter()
-        .enumerate()
-        .map(|(i, disk)| RootDiskSocket {
-            disk: disk.clone(),
-            socket: run_dir.0.join(format!("root{i}.sock")),
-        })
-        .collect();
-    let plan = QemuPlan {
-        qemu,
-        image,
-        accel,
-        memory_mib: memory_mib(opts.memory_gb),
-        cpus: sizing::cpu_count(opts.cpu_count, host_cpus),
-        vsock_socket: run_dir.0.join("vsock.sock"),
-        fs_socket: run_dir.0.join("fs.sock"),
-        blk_socket: run_dir.0.join("blk.sock"),
-        rng_socket: run_dir.0.join("rng.sock"),
-        session_disk: session_disk.to_path_buf(),
-        root_disks,
-        extra_cmdline: cmdline_words(
-            opts.guest_log.as_deref(),
-            opts.guest_root_session.as_deref(),
-        ),
+    let memory_mib = memory_mib(opts.memory_gb);
+    let cpus = sizing::cpu_count(opts.cpu_count, host_cpus);
+    let extra_cmdline = cmdline_words(
+        opts.guest_log.as_deref(),
+        opts.guest_root_session.as_deref(),
+    );
+    // One per attempt: a failed restore's sockets are not reused.
+    let make_plan = |layout: Layout| -> Result<(QemuPlan, RunDir), QemuError> {
+        let run_dir = RunDir::create(&opts.host)?;
+        let root_disks = userland
+            .disks
+            .iter()
+            .enumerate()
+            .map(|(i, disk)| RootDiskSocket {
+                disk: disk.clone(),
+                socket: run_dir.0.join(format!("root{i}.sock")),
+            })
+            .collect();
+        let layout = match layout {
+            Layout::Migratable {
+                ram_fd, incoming, ..
+            } => Layout::Migratable {
+                ram_fd,
+                qmp: run_dir.0.join("qmp.sock"),
+                incoming,
+            },
+            Layout::Full => Layout::Full,
+        };
+        let plan = QemuPlan {
+            qemu: qemu.clone(),
+            image: image.clone(),
+            accel,
+            memory_mib,
+            cpus,
+            vsock_socket: run_dir.0.join("vsock.sock"),
+            fs_socket: run_dir.0.join("fs.sock"),
+            blk_socket: run_dir.0.join("blk.sock"),
+            rng_socket: run_dir.0.join("rng.sock"),
+            session_disk: session_disk.to_path_buf(),
+            root_disks,
+            extra_cmdline: extra_cmdline.clone(),
+            layout,
+        };
+        Ok((plan, run_dir))
     };
-    start(plan, run_dir, &accel_why, opts, userland, egress).await
+    // Snapshots need an agent that says its template point on the console.
+    let store = if image.template_console {
+        let (probe, _dir) = make_plan(Layout::Migratable {
+            ram_fd: -1,
+            qmp: PathBuf::new(),
+            incoming: false,
+        })?;
+        Store::new(&opts.snapshot, QEMU_STORE, || snapshot_key(&probe))
+    } else {
+        None
+    };
+    let Some(store) = store else {
+        let (plan, run_dir) = make_plan(Layout::Full)?;
+        return start(
+            plan,
+            run_dir,
+            &accel_why,
+            opts,
+            &userland,
+            egress,
+            Start::Cold,
+        )
+        .await;
+    };
+    let mem_bytes = memory_mib << 20;
+    if store.exists() {
+        let began = std::time::Instant::now();
+        let restored = match Prepared::open(&store, mem_bytes) {
+            Ok(prepared) => {
+                let ram_ms = began.elapsed().as_secs_f64() * 1e3;
+                let (plan, run_dir) = make_plan(Layout::Migratable {
+                    ram_fd: prepared.ram.as_raw_fd(),
+                    qmp: PathBuf::new(),
+                    incoming: true,
+                })?;
+                let restore = Start::Restore {
+                    prepared,
+                    ram_ms,
+                    began,
+                };
+                start(plan, run_dir, &accel_why, opts, &userland, egress, restore).await
+            }
+            Err(e) => Err(QemuError::Restore(e)),
+        };
+        match restored {
+            Ok(booted) => {
+                store.touch_and_prune();
+                return Ok(booted);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    dir = %store.dir().display(),
+                    error = %e,
+                    "the boot snapshot cannot be restored; removed, booting cold"
+                );
+                store.discard();
+            }
+        }
+    }
+    let ram = warm::guest_ram(mem_bytes).map_err(QemuError::Memory)?;
+    let (plan, run_dir) = make_plan(Layout::Migratable {
+        ram_fd: ram.as_raw_fd(),
+        qmp: PathBuf::new(),
+        incoming: false,
+    })?;
+    let take = Start::Take {
+        store,
+        ram,
+        mem_bytes,
+    };
+    start(plan, run_dir, &accel_why, opts, &userland, egress, take).await
+}
+
+/// The snapshot key of a machine planned as `plan` (its migratable layout).
+fn snapshot_key(plan: &QemuPlan) -> String {
+    let session_disk_bytes = std::fs::metadata(&plan.session_disk).map_or(0, |m| m.len());
+    let hotplugs = plan.hotplugs();
+    let mut devices: Vec<&str> = vec!["vhost-user-blk-pci"; 1 + plan.root_disks.len()];
+    devices.push(plan::BALLOON_DEVICE);
+    devices.extend(hotplugs.iter().map(|h| h.driver));
+    QemuIdentity {
+        qemu: &plan.qemu,
+        accel: plan.accel,
+        kernel: &plan.image.vmlinuz,
+        initrd: &plan.image.initramfs,
+        root_disks: plan
+            .root_disks
+            .iter()
+            .map(|r| r.disk.path.as_path())
+            .collect(),
+        cmdline: &plan.cmdline(),
+        mem_mib: plan.memory_mib,
+        cpus: plan.cpus,
+        devices,
+        session_disk_bytes,
+    }
+    .key()
+}
+
+/// How [`start`] starts the machine.
+enum Start {
+    /// Every device on the command line; no snapshot.
+    Cold,
+    /// The migratable layout, booted; the boot snapshot is taken into
+    /// `store` at the agent's template point (`ram` is the guest's RAM).
+    Take {
+        store: Store,
+        ram: std::fs::File,
+        mem_bytes: u64,
+    },
+    /// The migratable layout, restored from `prepared` (its RAM copied in
+    /// `ram_ms`; `began` when the restore began).
+    Restore {
+        prepared: Prepared,
+        ram_ms: f64,
+        began: std::time::Instant,
+    },
 }
 
 async fn start(
@@ -251,8 +399,9 @@ async fn start(
     run_dir: RunDir,
     accel_why: &str,
     opts: &BootOptions,
-    userland: UserlandPlan,
+    userland: &UserlandPlan,
     egress: &EgressProxy,
+    how: Start,
 ) -> Result<Booted, QemuError> {
     let host = VsockHost::new()?;
     let listener = host.listen(AGENT_PORT)?;
@@ -354,8 +503,13 @@ async fn start(
         .kill_on_drop(true)
         .process_group(0);
     let parent = std::process::id();
+    // QEMU opens the guest's RAM through /proc/self/fd (Layout::Migratable).
+    let ram_fd = match &plan.layout {
+        Layout::Migratable { ram_fd, .. } => Some(*ram_fd),
+        Layout::Full => None,
+    };
     // SAFETY: the closure only calls async-signal-safe functions (prctl,
-    // getppid, _exit) between fork and exec.
+    // getppid, fcntl, _exit) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
@@ -365,9 +519,19 @@ async fn start(
             if libc::getppid() as u32 != parent {
                 libc::_exit(1);
             }
+            // Inherited by QEMU only: the flag is cleared in the child.
+            if let Some(fd) = ram_fd {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
+    let console = Console::default();
+    // Registered before QEMU runs, so the mark cannot be missed.
+    let mark = matches!(how, Start::Take { .. })
+        .then(|| console.watch(guest_agent::proto::TEMPLATE_CONSOLE_MARK));
     let spawned = cmd.spawn();
     let mut child = match spawned {
         Ok(c) => c,
@@ -390,9 +554,12 @@ async fn start(
         accel_reason = accel_why,
         memory_mib = plan.memory_mib,
         cpus = plan.cpus,
+        start = match how {
+            Start::Restore { .. } => "warm",
+            Start::Cold | Start::Take { .. } => "cold",
+        },
         "qemu started"
     );
-    let console = Console::default();
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         pumps.push(tokio::spawn(pump_console(out, console.clone(), "serial")));
@@ -401,13 +568,17 @@ async fn start(
         pumps.push(tokio::spawn(pump_console(err, console.clone(), "qemu")));
     }
     let connected = Arc::new(AtomicBool::new(false));
-    let agent = agent_stream(listener, console.clone(), connected.clone());
-    let machine = QemuMachine {
+    let qmp_socket = match &plan.layout {
+        Layout::Migratable { qmp, .. } => qmp.clone(),
+        Layout::Full => PathBuf::new(),
+    };
+    let hotplugs = plan.hotplugs();
+    let mut machine = QemuMachine {
         child,
         pid,
-        console,
+        console: console.clone(),
         pumps,
-        connected,
+        connected: connected.clone(),
         vhost: Some(vhost),
         vhost_socket: plan.vsock_socket.clone(),
         vhost_fs: Some(vhost_fs),
@@ -425,11 +596,195 @@ async fn start(
         ended: None,
         _run_dir: run_dir,
     };
+    let agent = match how {
+        Start::Cold => agent_stream(listener, console, connected),
+        Start::Restore {
+            prepared,
+            ram_ms,
+            began,
+        } => {
+            let restored = restore(&qmp_socket, &prepared, &hotplugs).await;
+            let ram_mib = prepared.ram_data >> 20;
+            // QEMU has its own mapping of the RAM now.
+            drop(prepared);
+            match restored {
+                Ok(times) => tracing::info!(
+                    ram_mib,
+                    ram_ms,
+                    load_ms = times.load_ms,
+                    hotplug_ms = times.hotplug_ms,
+                    total_ms = began.elapsed().as_secs_f64() * 1e3,
+                    "qemu boot snapshot restored"
+                ),
+                Err(e) => {
+                    machine.kill_by(Instant::now()).await;
+                    return Err(QemuError::Restore(e));
+                }
+            }
+            agent_stream(listener, console, connected)
+        }
+        Start::Take {
+            store,
+            ram,
+            mem_bytes,
+        } => agent_after_snapshot(
+            listener,
+            console,
+            connected,
+            mark,
+            Snapshotter {
+                qmp: qmp_socket,
+                store,
+                ram,
+                mem_bytes,
+                hotplugs,
+            },
+        ),
+    };
     Ok(Booted {
         machine: BackendMachine::Qemu(machine),
         agent,
         host_paths: HostPaths::Shared(SharedFolders::new(fs)),
-        userland: Some(userland),
+        userland: Some(userland.clone()),
+    })
+}
+
+/// How long a restore's steps took (ms).
+struct RestoreTimes {
+    /// QEMU's QMP up to the device state loaded.
+    load_ms: f64,
+    /// The hot-plugs and `cont`.
+    hotplug_ms: f64,
+}
+
+/// Loads `prepared`'s device state into the QEMU listening on `qmp`
+/// (started paused, `-incoming defer`), hot-plugs `hotplugs` and runs the
+/// machine.
+async fn restore(
+    qmp: &Path,
+    prepared: &Prepared,
+    hotplugs: &[Hotplug],
+) -> Result<RestoreTimes, WarmError> {
+    let began = Instant::now();
+    let deadline = tokio::time::Instant::now() + warm::MIGRATION_LIMIT;
+    let mut qmp = Qmp::connect(qmp, deadline).await?;
+    warm::load(&mut qmp, &prepared.state).await?;
+    let loaded = Instant::now();
+    warm::hotplug(&mut qmp, hotplugs).await?;
+    qmp.cont().await?;
+    Ok(RestoreTimes {
+        load_ms: (loaded - began).as_secs_f64() * 1e3,
+        hotplug_ms: loaded.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// What the snapshot-taking machine's agent future needs to take the
+/// snapshot and give the machine its hot-plugged devices.
+struct Snapshotter {
+    /// QEMU's QMP socket.
+    qmp: PathBuf,
+    store: Store,
+    /// The guest's RAM (the helper's memfd).
+    ram: std::fs::File,
+    mem_bytes: u64,
+    hotplugs: Vec<Hotplug>,
+}
+
+impl Snapshotter {
+    /// Takes the snapshot of the machine `qmp` runs and lets it run on; a
+    /// failure is logged (the next start boots cold again), never fatal.
+    async fn take(&self, qmp: &mut Qmp) {
+        match warm::save(qmp, &self.ram, self.mem_bytes, &self.store).await {
+            Ok(pending) => {
+                let stopped_ms = pending.stopped.as_secs_f64() * 1e3;
+                if let Err(e) = qmp.cont().await {
+                    tracing::warn!(error = %e, "cannot continue the machine after its snapshot");
+                    pending.abandon();
+                    return;
+                }
+                let (ram_data, state_bytes) = (pending.ram_data, pending.state_bytes);
+                let store = self.store.clone();
+                // Synced and renamed while the machine runs on.
+                tokio::task::spawn_blocking(move || match pending.commit() {
+                    Ok(()) => {
+                        tracing::info!(
+                            dir = %store.dir().display(),
+                            memory_data_mib = ram_data >> 20,
+                            state_bytes,
+                            stopped_ms,
+                            "boot snapshot taken"
+                        );
+                        store.touch_and_prune();
+                    }
+                    Err(e) => tracing::warn!(
+                        dir = %store.dir().display(),
+                        error = %e,
+                        "cannot take the boot snapshot; the next start boots cold again"
+                    ),
+                });
+            }
+            Err(e) => {
+                tracing::warn!(
+                    dir = %self.store.dir().display(),
+                    error = %e,
+                    "cannot take the boot snapshot; the next start boots cold again"
+                );
+                if let Err(e) = qmp.cont().await {
+                    tracing::warn!(error = %e, "cannot continue the machine after its snapshot");
+                }
+            }
+        }
+    }
+}
+
+/// The agent's stream of a machine that takes the boot snapshot: once the
+/// agent prints its template point (`mark`), the machine is saved
+/// ([`Snapshotter::take`]); then (or at the deadline, without a snapshot)
+/// the vsock, virtio-fs and entropy devices are hot-plugged and the agent,
+/// polling for its vsock device, dials in.
+fn agent_after_snapshot(
+    mut listener: devices::vsock::Listener,
+    console: Console,
+    connected: Arc<AtomicBool>,
+    mark: Option<tokio::sync::oneshot::Receiver<String>>,
+    snapshotter: Snapshotter,
+) -> AgentStream {
+    Box::pin(async move {
+        let deadline = tokio::time::Instant::now() + AGENT_DIAL_TIMEOUT;
+        let hotplug_failed = |e: WarmError| AgentDialError::Hotplug {
+            source: Box::new(e),
+            console: console.quote(super::console::QUOTED_LINES),
+        };
+        let mut qmp = Qmp::connect(&snapshotter.qmp, deadline)
+            .await
+            .map_err(|e| hotplug_failed(e.into()))?;
+        let ready = warm::prepare_source(&mut qmp).await;
+        let marked = match mark {
+            Some(mark) => tokio::time::timeout_at(deadline, mark)
+                .await
+                .map(Result::ok),
+            None => Ok(None),
+        };
+        match (marked, ready) {
+            (Ok(Some(line)), Ok(())) => {
+                tracing::debug!(line = %line, "the guest is at its template point");
+                snapshotter.take(&mut qmp).await;
+            }
+            (Ok(Some(_)), Err(e)) => tracing::warn!(
+                error = %e,
+                "cannot take the boot snapshot; the next start boots cold again"
+            ),
+            (Ok(None), _) => tracing::warn!("the console closed before the template point"),
+            (Err(_), _) => tracing::warn!(
+                "the guest agent never said its template point on the console; no boot snapshot"
+            ),
+        }
+        drop(snapshotter.ram);
+        warm::hotplug(&mut qmp, &snapshotter.hotplugs)
+            .await
+            .map_err(hotplug_failed)?;
+        drop(qmp);
+        accept_agent(&mut listener, &console, &connected, deadline).await
     })
 }
 

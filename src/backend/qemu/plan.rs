@@ -120,6 +120,40 @@ pub struct QemuPlan {
     pub root_disks: Vec<RootDiskSocket>,
     /// Extra kernel command-line words (`COWORK_LOG=...`).
     pub extra_cmdline: Vec<String>,
+    /// Which devices are on the command line and where the RAM is.
+    pub layout: Layout,
+}
+
+/// How a machine is laid out for QEMU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Every device on the command line, the RAM in QEMU's own memfd: a
+    /// boot without snapshots.
+    Full,
+    /// The boot snapshot's layout (see `super::warm`): only what QEMU can
+    /// migrate is on the command line (the disks and the balloon; the
+    /// vsock, virtio-fs and entropy devices are hot-plugged,
+    /// [`QemuPlan::hotplugs`]), the RAM is the helper's memfd `ram_fd`
+    /// (inherited; the helper copies it into and out of the snapshot), QMP
+    /// listens on `qmp`, and the agent is asked to say its template point
+    /// on the console. With `incoming`, QEMU starts paused waiting for the
+    /// snapshot's device state (`-S -incoming defer`).
+    Migratable {
+        ram_fd: i32,
+        qmp: PathBuf,
+        incoming: bool,
+    },
+}
+
+/// A device the [`Layout::Migratable`] machine gets by hot-plug: its
+/// vhost-user socket (a `chardev-add` named `chardev`) and the
+/// `device_add` properties.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hotplug {
+    pub chardev: &'static str,
+    pub socket: PathBuf,
+    pub driver: &'static str,
+    pub props: Vec<(&'static str, serde_json::Value)>,
 }
 
 /// A read-only root disk and the vhost-user socket it is served on.
@@ -130,14 +164,65 @@ pub struct RootDiskSocket {
 }
 
 impl QemuPlan {
-    /// QEMU's arguments.
-    pub fn args(&self) -> Vec<OsString> {
-        let mem = self.memory_mib;
+    /// The kernel command line.
+    pub fn cmdline(&self) -> String {
         let mut cmdline = KERNEL_CMDLINE.to_string();
         for w in &self.extra_cmdline {
             cmdline.push(' ');
             cmdline.push_str(w);
         }
+        if matches!(self.layout, Layout::Migratable { .. }) {
+            cmdline.push_str(&format!(
+                " {}={}",
+                guest_agent::proto::TEMPLATE_SIGNAL_ENV,
+                guest_agent::proto::TEMPLATE_SIGNAL_CONSOLE
+            ));
+        }
+        cmdline
+    }
+
+    /// The devices a [`Layout::Migratable`] machine gets after its snapshot
+    /// (or restore), in `device_add` order: vsock last, so that the agent's
+    /// dial (the device it polls for) finds the share already there.
+    pub fn hotplugs(&self) -> Vec<Hotplug> {
+        use serde_json::json;
+        vec![
+            Hotplug {
+                chardev: "fs0",
+                socket: self.fs_socket.clone(),
+                driver: "vhost-user-fs-pci",
+                props: vec![
+                    ("tag", json!(guest_agent::proto::SESSIONS_FS_TAG)),
+                    ("queue-size", json!(FS_QUEUE_SIZE)),
+                ],
+            },
+            Hotplug {
+                chardev: "rng0",
+                socket: self.rng_socket.clone(),
+                driver: "vhost-user-rng-pci",
+                props: Vec::new(),
+            },
+            Hotplug {
+                chardev: "vsock",
+                socket: self.vsock_socket.clone(),
+                driver: "vhost-user-vsock-pci",
+                props: Vec::new(),
+            },
+        ]
+    }
+
+    /// QEMU's arguments.
+    pub fn args(&self) -> Vec<OsString> {
+        let mem = self.memory_mib;
+        let cmdline = self.cmdline();
+        let migratable = match &self.layout {
+            Layout::Full => None,
+            Layout::Migratable {
+                ram_fd,
+                qmp,
+                incoming,
+            } => Some((*ram_fd, qmp, *incoming)),
+        };
         let cpu = match self.accel {
             Accel::Kvm => "host",
             Accel::Tcg => "max",
@@ -159,36 +244,65 @@ impl QemuPlan {
         .iter()
         .map(OsString::from)
         .collect();
+        if matches!(migratable, Some((_, _, true))) {
+            a.push("-S".into());
+        }
         let mut push = |k: &str, v: String| {
             a.push(k.into());
             a.push(v.into());
         };
         push("-smp", self.cpus.to_string());
         push("-m", format!("{mem}M"));
-        push(
-            "-object",
-            format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
-        );
+        match migratable {
+            None => push(
+                "-object",
+                format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
+            ),
+            // The helper's memfd, reopened through procfs (QEMU takes RAM
+            // from a path, not a descriptor).
+            Some((fd, _, _)) => push(
+                "-object",
+                format!(
+                    "memory-backend-file,id=mem,size={mem}M,share=on,mem-path=/proc/self/fd/{fd}"
+                ),
+            ),
+        }
         push("-numa", "node,memdev=mem".into());
         push("-serial", "stdio".into());
-        push("-chardev", chardev("vsock", &self.vsock_socket));
-        push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
-        push("-chardev", chardev("fs0", &self.fs_socket));
-        push(
-            "-device",
-            format!(
-                "vhost-user-fs-pci,chardev=fs0,tag={},queue-size={FS_QUEUE_SIZE}",
-                guest_agent::proto::SESSIONS_FS_TAG
-            ),
-        );
+        if let Some((_, qmp, incoming)) = migratable {
+            push(
+                "-qmp",
+                format!(
+                    "unix:{},server=on,wait=off",
+                    qemu_opt_escape(&qmp.to_string_lossy())
+                ),
+            );
+            if incoming {
+                // Paused after the state is in: hot-plug, then `cont`.
+                push("-incoming", "defer".into());
+            }
+        } else {
+            push("-chardev", chardev("vsock", &self.vsock_socket));
+            push("-device", "vhost-user-vsock-pci,chardev=vsock".into());
+            push("-chardev", chardev("fs0", &self.fs_socket));
+            push(
+                "-device",
+                format!(
+                    "vhost-user-fs-pci,chardev=fs0,tag={},queue-size={FS_QUEUE_SIZE}",
+                    guest_agent::proto::SESSIONS_FS_TAG
+                ),
+            );
+        }
         push("-chardev", chardev("blk0", &self.blk_socket));
         // One request queue: the device model serves exactly one.
         push(
             "-device",
             "vhost-user-blk-pci,chardev=blk0,num-queues=1".into(),
         );
-        push("-chardev", chardev("rng0", &self.rng_socket));
-        push("-device", "vhost-user-rng-pci,chardev=rng0".into());
+        if migratable.is_none() {
+            push("-chardev", chardev("rng0", &self.rng_socket));
+            push("-device", "vhost-user-rng-pci,chardev=rng0".into());
+        }
         for (i, root) in self.root_disks.iter().enumerate() {
             push("-chardev", chardev(&format!("root{i}"), &root.socket));
             // Read-only comes from the backend (VIRTIO_BLK_F_RO), the serial

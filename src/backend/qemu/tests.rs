@@ -29,8 +29,9 @@ async fn start_plain(plan: QemuPlan, run_dir: RunDir) -> Result<Booted, QemuErro
         run_dir,
         "test",
         &BootOptions::default(),
-        no_userland(),
+        &no_userland(),
         &crate::egress::EgressProxy::direct(),
+        Start::Cold,
     )
     .await
 }
@@ -43,6 +44,7 @@ fn plan(accel: Accel, socket: &str) -> QemuPlan {
             vmlinuz: "/img/vmlinuz".into(),
             initramfs: "/img/initramfs".into(),
             rootfs: None,
+            template_console: true,
         },
         accel,
         memory_mib: 1024,
@@ -54,7 +56,71 @@ fn plan(accel: Accel, socket: &str) -> QemuPlan {
         session_disk: "/data/sessiondata.img".into(),
         root_disks: Vec::new(),
         extra_cmdline: vec!["COWORK_LOG=debug".into()],
+        layout: Layout::Full,
     }
+}
+
+/// The boot snapshot's layout: only what QEMU migrates is on the command
+/// line, the RAM is the helper's memfd by its procfs path, QMP listens,
+/// the agent is asked for its template point on the console; a restore
+/// starts paused and waits for the state.
+#[test]
+fn migratable_command_line() {
+    let mut p = plan(Accel::Tcg, "/run/x/vsock.sock");
+    p.layout = Layout::Migratable {
+        ram_fd: 17,
+        qmp: "/run/x,y/qmp.sock".into(),
+        incoming: false,
+    };
+    let a = p.args();
+    assert_eq!(
+        values(&a, "-object"),
+        ["memory-backend-file,id=mem,size=1024M,share=on,mem-path=/proc/self/fd/17"]
+    );
+    assert_eq!(
+        values(&a, "-qmp"),
+        ["unix:/run/x,,y/qmp.sock,server=on,wait=off"]
+    );
+    assert_eq!(
+        values(&a, "-device"),
+        [
+            "vhost-user-blk-pci,chardev=blk0,num-queues=1",
+            "virtio-balloon-pci,free-page-reporting=on"
+        ]
+    );
+    assert_eq!(
+        values(&a, "-chardev"),
+        ["socket,id=blk0,path=/run/x/blk.sock"]
+    );
+    assert!(!a.iter().any(|x| x == "-S" || x == "-incoming"));
+    assert_eq!(
+        values(&a, "-append"),
+        [format!("{KERNEL_CMDLINE} COWORK_LOG=debug COWORK_TEMPLATE_SIGNAL=console").as_str()]
+    );
+    // The hot-plugged rest, vsock last (the agent polls for it).
+    let plugs = p.hotplugs();
+    let drivers: Vec<&str> = plugs.iter().map(|h| h.driver).collect();
+    assert_eq!(
+        drivers,
+        [
+            "vhost-user-fs-pci",
+            "vhost-user-rng-pci",
+            "vhost-user-vsock-pci"
+        ]
+    );
+    assert_eq!(plugs[2].socket, Path::new("/run/x/vsock.sock"));
+    assert!(plugs[0]
+        .props
+        .contains(&("tag", serde_json::json!("cowork-sessions"))));
+
+    p.layout = Layout::Migratable {
+        ram_fd: 17,
+        qmp: "/q.sock".into(),
+        incoming: true,
+    };
+    let r = p.args();
+    assert!(r.iter().any(|x| x == "-S"));
+    assert_eq!(values(&r, "-incoming"), ["defer"]);
 }
 
 /// The value following `key` in `args`, for each occurrence.
@@ -113,6 +179,9 @@ fn qemu_command_line() {
         values(&a, "-append"),
         [format!("{KERNEL_CMDLINE} COWORK_LOG=debug").as_str()]
     );
+    assert!(!a
+        .iter()
+        .any(|x| x == "-qmp" || x == "-incoming" || x == "-S"));
     let k = plan(Accel::Kvm, "/s").args();
     assert_eq!(values(&k, "-accel"), ["kvm"]);
     assert_eq!(values(&k, "-cpu"), ["host"]);
