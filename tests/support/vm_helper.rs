@@ -57,6 +57,19 @@ const QEMU_LISTEN_LIMIT: Duration = Duration::from_secs(15);
 /// How long a stopping helper gets after SIGTERM before it is killed.
 const STOP_LIMIT: Duration = Duration::from_secs(30);
 
+/// The qemu backend's snapshot directory every QEMU suite's helper uses
+/// (`COWORK_SNAPSHOT_DIR`, unless set): `qemu-snapshots` beside the helper
+/// binary (`target/<profile>/`), so the first qemu start of a run boots cold and takes
+/// the boot snapshot and the suites after it run on restored machines
+/// (issue 24: the VM suites against warm starts too). A suite that must
+/// boot cold or own its snapshots passes `--snapshot off` or its own
+/// `--snapshot-dir` (flags win over the environment).
+pub fn shared_qemu_snapshot_dir(exe: &Path) -> PathBuf {
+    exe.parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join("qemu-snapshots")
+}
+
 /// A running helper.
 pub struct VmHelper {
     child: Option<Child>,
@@ -95,7 +108,11 @@ impl VmHelper {
         let log = dir.join(format!("{name}.log"));
         let out = File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
-        let child = Command::new(exe)
+        let mut cmd = Command::new(exe);
+        if backend == "qemu" && std::env::var_os("COWORK_SNAPSHOT_DIR").is_none() {
+            cmd.env("COWORK_SNAPSHOT_DIR", shared_qemu_snapshot_dir(exe));
+        }
+        let child = cmd
             .arg("--socket")
             .arg(&socket)
             .args(["--backend", backend, "--data-dir"])

@@ -7,7 +7,11 @@
 //! machine while it waits: a machine restored from that snapshot wakes up
 //! in the same wait, with its vsock connections reset (the transport reset
 //! the VMM sends closes them), so the agent dials again and says the
-//! template hello again ([`template_handshake`]). Either way the `Setup` it
+//! template hello again ([`template_handshake`]). A machine with no vsock
+//! device yet (the qemu backend hot-plugs it after its snapshot; the kernel
+//! command line then says [`proto::TEMPLATE_SIGNAL_ENV`]) gets the template
+//! point on the console instead, once the boot's background work is done,
+//! and the agent polls for the device before the same handshake. Either way the `Setup` it
 //! finally gets belongs to this boot, and [`apply`] makes the machine this
 //! boot's before anything else runs:
 //!

@@ -31,6 +31,18 @@
 //! the host's getrandom through our `vhost-user-rng` server (QEMU's own
 //! `virtio-rng-pci` is not used).
 //!
+//! Warm start (`--snapshot auto`, the default, with an image whose agent
+//! has `template-console`; [`warm`]): the first start of a machine shape
+//! boots in [`Layout::Migratable`] (no vsock, virtio-fs or rng device on
+//! the command line, RAM in the helper's memfd, QMP on a socket in the run
+//! directory), takes the boot snapshot when the agent prints its template
+//! point on the console, and hot-plugs the three devices; later starts
+//! restore that snapshot (QEMU `-S -incoming defer`, the state loaded,
+//! the devices hot-plugged, `cont`) and the agent, polling for its vsock
+//! device, dials in from its template point. A snapshot that cannot be
+//! restored is removed and the same start boots cold (and takes a new
+//! one). `--snapshot off` boots with every device on the command line.
+//!
 //! Host folders: each VM has one [`SessionFs`] served in-process by
 //! `devices::vhost_user::fs` as the virtio-fs tag
 //! [`guest_agent::proto::SESSIONS_FS_TAG`], which the agent mounts at boot.
@@ -58,8 +70,10 @@
 //! created with the helper's uid (`devices::fs::Credentials::Helper`).
 //!
 //! Modules: `plan` (binary, accelerator, command line), `machine` (the
-//! running QEMU and its end), `rundir` (the private socket directory);
-//! this file serves the devices and starts QEMU.
+//! running QEMU and its end), `rundir` (the private socket directory),
+//! `qmp` (the QMP client), [`warm`] (the boot snapshot's files, key,
+//! save, load and hot-plug); this file serves the devices and starts
+//! QEMU.
 
 mod machine;
 mod plan;
