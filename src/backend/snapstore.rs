@@ -46,9 +46,41 @@ pub struct SnapshotOptions {
     pub dir: Option<PathBuf>,
 }
 
+/// A snapshot key's text: one `name=value` line per property, starting
+/// with the backend's key format, this helper's build and this host.
+pub struct KeyText(String);
+
+impl KeyText {
+    /// The first lines: `key_format`, `helper`, `host`.
+    pub fn new(format: u32) -> KeyText {
+        let mut k = KeyText(String::new());
+        k.line("key_format", format)
+            .line("helper", helper_identity())
+            .line("host", host_identity());
+        k
+    }
+
+    /// Adds `name=value`.
+    pub fn line(&mut self, name: &str, value: impl std::fmt::Display) -> &mut KeyText {
+        use std::fmt::Write as _;
+        let _ = writeln!(self.0, "{name}={value}");
+        self
+    }
+
+    /// Adds `name=` and `path`'s identity.
+    pub fn file(&mut self, name: &str, path: &Path) -> &mut KeyText {
+        self.line(name, file_identity(path))
+    }
+
+    /// The text.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.0)
+    }
+}
+
 /// `path` as the key sees it: the path, its size, modification time (ns)
 /// and device and inode numbers.
-pub(crate) fn file_identity(path: &Path) -> String {
+fn file_identity(path: &Path) -> String {
     match fs::metadata(path) {
         Ok(m) => format!(
             "{} size {} mtime {}.{:09} dev {} ino {}",
@@ -64,7 +96,7 @@ pub(crate) fn file_identity(path: &Path) -> String {
 }
 
 /// This helper's build: its version and its executable's identity.
-pub(crate) fn helper_identity() -> String {
+fn helper_identity() -> String {
     let exe = std::env::current_exe()
         .map(|p| file_identity(&p))
         .unwrap_or_else(|_| "unknown".into());
@@ -74,7 +106,7 @@ pub(crate) fn helper_identity() -> String {
 /// This host: its CPU (vendor, family, model, stepping and a digest of the
 /// feature flags, from the first processor of `/proc/cpuinfo`) and its
 /// kernel release (KVM's behaviour comes with it).
-pub(crate) fn host_identity() -> String {
+fn host_identity() -> String {
     let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let mut cpu = Vec::new();
     for l in cpuinfo.lines().take_while(|l| !l.trim().is_empty()) {

@@ -21,7 +21,6 @@
 //!
 //! Limits: those of [`crate::backend::snapstore`].
 
-use std::fmt::Write as _;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -32,7 +31,7 @@ use tokio::io::Interest;
 use tokio::net::UnixStream;
 
 pub use crate::backend::snapstore::Store;
-use crate::backend::snapstore::{file_identity, helper_identity, host_identity, StoreKind};
+use crate::backend::snapstore::{KeyText, StoreKind};
 
 /// The kvm backend's stores: `kvm-<digest>`, committed by the VMM's state
 /// file.
@@ -71,24 +70,18 @@ impl MachineIdentity<'_> {
     /// module doc). A file that cannot be read gets `missing` (the boot
     /// itself then fails or differs, and the key with it).
     pub fn key(&self) -> String {
-        let mut k = String::new();
-        let mut line = |name: &str, value: &dyn std::fmt::Display| {
-            let _ = writeln!(k, "{name}={value}");
-        };
-        line("key_format", &KEY_FORMAT);
-        line("snapshot_format", &vmm::snapshot::FORMAT_VERSION);
-        line("helper", &helper_identity());
-        line("host", &host_identity());
-        line("kernel", &file_identity(self.kernel));
-        line("initrd", &file_identity(self.initrd));
+        let mut k = KeyText::new(KEY_FORMAT);
+        k.line("snapshot_format", vmm::snapshot::FORMAT_VERSION)
+            .file("kernel", self.kernel)
+            .file("initrd", self.initrd);
         for disk in &self.root_disks {
-            line("root_disk", &file_identity(disk));
+            k.file("root_disk", disk);
         }
-        line("cmdline", &self.cmdline);
-        line("mem_mib", &self.mem_mib);
-        line("vcpus", &self.vcpus);
-        line("devices", &self.devices.join(","));
-        k
+        k.line("cmdline", self.cmdline)
+            .line("mem_mib", self.mem_mib)
+            .line("vcpus", self.vcpus)
+            .line("devices", self.devices.join(","))
+            .finish()
     }
 }
 

@@ -40,7 +40,6 @@
 //! few hundred MiB) before QEMU starts. `x-ignore-shared` is an
 //! experimental QEMU capability (in QEMU since 4.0).
 
-use std::fmt::Write as _;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -51,7 +50,7 @@ use std::time::{Duration, Instant};
 
 use super::plan::{Accel, Hotplug};
 use super::qmp::{Qmp, QmpError};
-use crate::backend::snapstore::{file_identity, helper_identity, host_identity, Store, StoreKind};
+use crate::backend::snapstore::{KeyText, Store, StoreKind};
 
 /// The committing file of a qemu store: our header, then QEMU's stream.
 pub const STATE_FILE: &str = "qemu.state";
@@ -130,26 +129,20 @@ pub struct QemuIdentity<'a> {
 impl QemuIdentity<'_> {
     /// The snapshot key: one `name=value` line per property.
     pub fn key(&self) -> String {
-        let mut k = String::new();
-        let mut line = |name: &str, value: &dyn std::fmt::Display| {
-            let _ = writeln!(k, "{name}={value}");
-        };
-        line("key_format", &KEY_FORMAT);
-        line("helper", &helper_identity());
-        line("host", &host_identity());
-        line("qemu", &file_identity(self.qemu));
-        line("accel", &self.accel.as_str());
-        line("kernel", &file_identity(self.kernel));
-        line("initrd", &file_identity(self.initrd));
+        let mut k = KeyText::new(KEY_FORMAT);
+        k.file("qemu", self.qemu)
+            .line("accel", self.accel.as_str())
+            .file("kernel", self.kernel)
+            .file("initrd", self.initrd);
         for disk in &self.root_disks {
-            line("root_disk", &file_identity(disk));
+            k.file("root_disk", disk);
         }
-        line("cmdline", &self.cmdline);
-        line("mem_mib", &self.mem_mib);
-        line("cpus", &self.cpus);
-        line("devices", &self.devices.join(","));
-        line("session_disk_bytes", &self.session_disk_bytes);
-        k
+        k.line("cmdline", self.cmdline)
+            .line("mem_mib", self.mem_mib)
+            .line("cpus", self.cpus)
+            .line("devices", self.devices.join(","))
+            .line("session_disk_bytes", self.session_disk_bytes)
+            .finish()
     }
 }
 
@@ -330,7 +323,7 @@ pub async fn save(
             return Err(e);
         }
     };
-    let pending = Pending {
+    let mut pending = Pending {
         dir,
         state_tmp,
         state: state.try_clone().map_err(WarmError::Memory)?,
@@ -340,83 +333,60 @@ pub async fn save(
         state_bytes: 0,
         stopped: Duration::ZERO,
     };
-    match save_into(qmp, ram, mem_bytes, store.key(), &mut state, pending, began).await {
-        Ok(p) => Ok(p),
-        Err((e, p)) => {
-            p.abandon();
+    match save_into(qmp, ram, mem_bytes, store.key(), &mut state, &mut pending).await {
+        Ok(()) => {
+            tracing::debug!(
+                total_ms = began.elapsed().as_secs_f64() * 1e3,
+                "qemu snapshot written"
+            );
+            Ok(pending)
+        }
+        Err(e) => {
+            pending.abandon();
             Err(e)
         }
     }
 }
 
-/// [`save`]'s steps, giving the pending files back on failure.
+/// [`save`]'s steps, into `pending`'s files.
 async fn save_into(
     qmp: &mut Qmp,
     ram: &File,
     mem_bytes: u64,
     key: &str,
     state: &mut File,
-    mut pending: Pending,
-    began: Instant,
-) -> Result<Pending, (WarmError, Pending)> {
+    pending: &mut Pending,
+) -> Result<(), WarmError> {
+    let write_failed = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| WarmError::File {
+            what: "cannot write",
+            path,
+            source,
+        }
+    };
     let header = header(key);
-    if let Err(source) = state.write_all(&header) {
-        let path = pending.state_tmp.clone();
-        return Err((
-            WarmError::File {
-                what: "cannot write",
-                path,
-                source,
-            },
-            pending,
-        ));
-    }
+    state
+        .write_all(&header)
+        .map_err(write_failed(&pending.state_tmp))?;
     let stopped_at = Instant::now();
     let deadline = tokio::time::Instant::now() + MIGRATION_LIMIT;
-    let migrated = async {
-        qmp.stop().await?;
-        qmp.send_fd(STATE_FD_NAME, state.as_fd()).await?;
-        qmp.migrate(&format!("fd:{STATE_FD_NAME}")).await?;
-        qmp.wait_migration(deadline).await
-    }
-    .await;
-    if let Err(e) = migrated {
-        return Err((e.into(), pending));
-    }
+    qmp.stop().await?;
+    qmp.send_fd(STATE_FD_NAME, state.as_fd()).await?;
+    qmp.migrate(&format!("fd:{STATE_FD_NAME}")).await?;
+    qmp.wait_migration(deadline).await?;
     pending.state_bytes = state
         .metadata()
         .map(|m| m.len().saturating_sub(header.len() as u64))
         .unwrap_or(0);
-    let src = match ram.try_clone() {
-        Ok(f) => f,
-        Err(e) => return Err((WarmError::Memory(e), pending)),
-    };
-    let dst = match pending.ram.try_clone() {
-        Ok(f) => f,
-        Err(e) => return Err((WarmError::Memory(e), pending)),
-    };
-    let copied = tokio::task::spawn_blocking(move || copy_data(&src, &dst, mem_bytes)).await;
-    match copied {
-        Ok(Ok(n)) => pending.ram_data = n,
-        Ok(Err(source)) => {
-            let path = pending.ram_tmp.clone();
-            return Err((
-                WarmError::File {
-                    what: "cannot write",
-                    path,
-                    source,
-                },
-                pending,
-            ));
-        }
-        Err(e) => return Err((WarmError::Memory(io::Error::other(e.to_string())), pending)),
-    }
+    let src = ram.try_clone().map_err(WarmError::Memory)?;
+    let dst = pending.ram.try_clone().map_err(WarmError::Memory)?;
+    pending.ram_data = tokio::task::spawn_blocking(move || copy_data(&src, &dst, mem_bytes))
+        .await
+        .map_err(|e| WarmError::Memory(io::Error::other(e.to_string())))?
+        .map_err(write_failed(&pending.ram_tmp))?;
     pending.stopped = stopped_at.elapsed();
-    tracing::debug!(
-        total_ms = began.elapsed().as_secs_f64() * 1e3,
-        "qemu snapshot written"
-    );
-    Ok(pending)
+    Ok(())
 }
 
 /// The state file's header: [`STATE_MAGIC`], the key's length (8 bytes,
