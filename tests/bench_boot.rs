@@ -2,11 +2,17 @@
 //! image with its Debian userland through the real startVM path and reports
 //! the boot phases as JSON and as an SVG chart.
 //!
-//! - `bench_boot_qemu_json_and_chart`: `--backend qemu -n 1 --json --chart
-//!   F` here (QEMU TCG on this machine); every phase is present and
-//!   positive, the kvm-only sources are not invented, the chart is an SVG
-//!   naming the backend. Gate: QEMU and a guest image with `rootfs.img`
-//!   (`scripts/setup.sh`); with `COWORK_QEMU_TESTS=1` a missing one fails.
+//! - `bench_boot_qemu_json_and_chart`: `--backend qemu --start both -n 1
+//!   --json --chart F` here (QEMU TCG on this machine); the cold series has
+//!   every cold phase present and positive, adding up; the warm series (its
+//!   first, unmeasured boot takes the boot snapshot, the measured one
+//!   restores it: the bench fails a run whose log does not say
+//!   `start="warm"`) has qemu's restore steps and the warm phases, adding
+//!   up, none of the cold kernel and agent phases nor kvm's restore phases,
+//!   its snapshot and a warm/cold ratio; the chart is an SVG naming both
+//!   series. Gate: QEMU and a guest image with `rootfs.img` and an agent
+//!   with `template-console` (`scripts/setup.sh`); with
+//!   `COWORK_QEMU_TESTS=1` a missing one fails.
 //! - `bench_boot_kvm_nested`: `--backend kvm --start both` where this
 //!   host's KVM boots Linux, else re-run inside the nested-KVM harness
 //!   (`tests/support/nested.rs`); gated by `COWORK_NESTED_TESTS=1` like the
@@ -56,7 +62,8 @@ const COLD_TIMELINE: [&str; 6] = [
     "userland_to_hello",
     "hello_to_connected",
 ];
-/// The phase keys a warm run must measure, more than 0 ms.
+/// The phase keys a warm run of either backend must measure, more than
+/// 0 ms.
 const WARM_PHASES: [&str; 9] = [
     "helper_to_restore",
     "restore_total",
@@ -68,8 +75,8 @@ const WARM_PHASES: [&str; 9] = [
     "startvm_to_connected",
     "first_spawn_to_exit",
 ];
-/// A warm run's restore phases and the hand-over to the first `KVM_RUN`:
-/// measured, but each may round to 0 µs.
+/// A kvm warm run's restore phases and the hand-over to the first
+/// `KVM_RUN`: measured, but each may round to 0 µs.
 const WARM_SHORT_PHASES: [&str; 7] = [
     "restore_state",
     "restore_kvm",
@@ -79,7 +86,7 @@ const WARM_SHORT_PHASES: [&str; 7] = [
     "restore_devices",
     "restored_to_vm_run",
 ];
-/// The warm phases that follow each other from startVM to connected.
+/// The kvm warm phases that follow each other from startVM to connected.
 const WARM_TIMELINE: [&str; 11] = [
     "helper_to_restore",
     "restore_state",
@@ -89,6 +96,24 @@ const WARM_TIMELINE: [&str; 11] = [
     "restore_vm",
     "restore_devices",
     "restored_to_vm_run",
+    "vm_run_to_redial",
+    "redial_to_hello_read",
+    "hello_read_to_connected",
+];
+/// A qemu warm run's restore steps, more than 0 ms.
+const QEMU_RESTORE_PHASES: [&str; 4] = [
+    "restore_ram",
+    "restore_spawn",
+    "restore_load",
+    "restore_hotplug",
+];
+/// The qemu warm phases that follow each other from startVM to connected.
+const QEMU_WARM_TIMELINE: [&str; 8] = [
+    "helper_to_restore",
+    "restore_ram",
+    "restore_spawn",
+    "restore_load",
+    "restore_hotplug",
     "vm_run_to_redial",
     "redial_to_hello_read",
     "hello_read_to_connected",
@@ -119,8 +144,9 @@ const OK_MARKER: &str = "bench_boot: ok";
 const REPORT_PREFIX: &str = "bench_boot: ";
 /// Prints the inner run's whole output.
 const VERBOSE_ENV: &str = "COWORK_BENCH_BOOT_VERBOSE";
-/// Limit of one `bench boot` run of qemu (a TCG boot under load).
-const BENCH_LIMIT: Duration = Duration::from_secs(600);
+/// Limit of one `bench boot --start both` run of qemu: two cold TCG boots
+/// (one measured, one taking the snapshot) and a warm start, under load.
+const BENCH_LIMIT: Duration = Duration::from_secs(900);
 /// Limit of the nested `bench boot --start both` run: two cold boots (one
 /// measured, one taking the snapshot) and a warm start, at nested speed.
 const KVM_BENCH_LIMIT: Duration = Duration::from_secs(1200);
@@ -249,6 +275,19 @@ fn check_cold(s: &Value, v: &Value) -> Value {
     s["runs"][0].clone()
 }
 
+/// Why the helper's guest image cannot take a qemu boot snapshot (its
+/// agent lacks `template-console`); `None` when it can, or when there is
+/// no image (said by the userland gate).
+fn template_console_missing() -> Option<String> {
+    let img = vm_helper::image_for(&built_helper()).ok()?;
+    (!img.template_console).then(|| {
+        format!(
+            "the guest image {} has no AGENT_FEATURES=template-console (no qemu warm start); rebuild it with scripts/setup.sh",
+            img.dir.display()
+        )
+    })
+}
+
 #[test]
 fn bench_boot_qemu_json_and_chart() {
     if !qemu_gate(
@@ -257,21 +296,62 @@ fn bench_boot_qemu_json_and_chart() {
         [
             qemu_missing(),
             vm_helper::userland_image_missing(&built_helper()),
+            template_console_missing(),
         ],
     ) {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
     let chart = tmp.path().join("boot.svg");
-    let v = run_bench("qemu", "cold", tmp.path(), &chart, BENCH_LIMIT);
-    let series = check_document(&v, "qemu", &["cold"], &chart);
-    check_cold(&series[0], &v);
-    assert!(v["warm_cold_ratios"].is_null(), "{v:#}");
+    let v = run_bench("qemu", "both", tmp.path(), &chart, BENCH_LIMIT);
+    let series = check_document(&v, "qemu", &["cold", "warm"], &chart);
+    let cold = check_cold(&series[0], &v);
+    assert!(series[0]["snapshot"].is_null(), "{v:#}");
     let accel = v["backends"][0]["accel"].as_str().unwrap_or_default();
     assert!(accel == "tcg" || accel == "kvm", "{v:#}");
+    assert_eq!(v["backends"][1]["accel"], accel, "{v:#}");
+
+    let warm = &series[1];
+    check_measured(warm, &WARM_PHASES, false, &v);
+    check_measured(warm, &QEMU_RESTORE_PHASES, false, &v);
+    check_sum(warm, &QEMU_WARM_TIMELINE, &v);
+    for key in COLD_ONLY.iter().chain(&WARM_SHORT_PHASES) {
+        assert!(
+            warm["runs"][0][key].is_null(),
+            "a qemu warm run reported {key} (the snapshot's boot, or kvm's restore): {v:#}"
+        );
+    }
+    let snapshot = &warm["snapshot"];
+    assert!(
+        snapshot["stopped_ms"].as_f64().is_some_and(|ms| ms > 0.0),
+        "no snapshot taken by the warm-up boot: {v:#}"
+    );
+    for s in &series {
+        assert_eq!(s["rss_process"], "qemu", "{v:#}");
+        assert!(
+            s["rss_after_connected"][0]["anon_kib"]
+                .as_u64()
+                .is_some_and(|k| k > 0),
+            "no QEMU resident memory: {v:#}"
+        );
+    }
+    let ratio = v["warm_cold_ratios"]["qemu"]["startvm_to_connected"].as_f64();
+    assert!(
+        ratio.is_some_and(|r| r > 0.0 && r.is_finite()),
+        "no warm/cold ratio: {v:#}"
+    );
+    let svg = std::fs::read_to_string(&chart).expect("the chart file");
+    assert!(
+        svg.contains("restore: RAM copied into memfd"),
+        "no restore segment"
+    );
+    let w = &warm["runs"][0];
     eprintln!(
-        "bench_boot: qemu ({accel}) startVM → connected {} ms",
-        v["backends"][0]["runs"][0]["startvm_to_connected"]
+        "bench_boot: qemu ({accel}) cold startVM → connected {} ms; warm {} ms, restore {} ms (warm/cold {})",
+        cold["startvm_to_connected"],
+        w["startvm_to_connected"],
+        w["restore_total"],
+        ratio.unwrap_or_default()
     );
 }
 

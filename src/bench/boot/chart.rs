@@ -1,7 +1,8 @@
 //! `bench boot --chart FILE.svg`: a stacked timeline of the boot, one
 //! horizontal bar per series (backend and start kind), each segment the
-//! median of one phase of the series' timeline ([`Phase::COLD_TIMELINE`]
-//! or [`Phase::WARM_TIMELINE`]), then the first spawn. Where a bar lacks
+//! median of one phase of the series' timeline ([`Phase::COLD_TIMELINE`],
+//! [`Phase::KVM_WARM_TIMELINE`] or [`Phase::QEMU_WARM_TIMELINE`]), then the
+//! first spawn. Where a bar lacks
 //! the first phase of a pair of `FALLBACKS` (a VM that stayed on its
 //! initramfs, a warm start without the agent's redial mark), the pair's
 //! sum stands in its place.
@@ -31,9 +32,9 @@ const LEGEND_ENTRY_HEIGHT: u32 = 20;
 const LEGEND_PADDING: u32 = 30;
 /// Room right of the longest bar for its total, as a share of its length.
 const TOTAL_ROOM: f64 = 0.3;
-/// One colour per stacked segment, in [`segments`] order (Tableau 20:
-/// enough for every cold and warm segment and the first spawn).
-const COLOURS: [RGBColor; 20] = [
+/// One colour per stacked segment, in [`segments`] order (Tableau 20 and
+/// two more: enough for every cold and warm segment and the first spawn).
+const COLOURS: [RGBColor; 22] = [
     RGBColor(0x4e, 0x79, 0xa7),
     RGBColor(0xf2, 0x8e, 0x2b),
     RGBColor(0xe1, 0x57, 0x59),
@@ -54,6 +55,8 @@ const COLOURS: [RGBColor; 20] = [
     RGBColor(0xfa, 0xbf, 0xd2),
     RGBColor(0xd4, 0xa6, 0xc8),
     RGBColor(0x79, 0x70, 0x6e),
+    RGBColor(0x2f, 0x4b, 0x7c),
+    RGBColor(0xa0, 0x51, 0x95),
 ];
 
 /// (first, second, sum): a bar without `first` shows `sum` in its slot
@@ -80,11 +83,25 @@ pub enum ChartError {
     Draw { path: String, message: String },
 }
 
-/// The stacked segments in order: a cold boot's, a warm start's, the first
-/// spawn (each bar fills those of its start kind).
+/// The stacked segments in order: a cold boot's, a warm start's (kvm's,
+/// with qemu's restore steps where its timeline has them), the first spawn
+/// (each bar fills those of its backend and start kind).
 fn segments() -> Vec<Phase> {
     let mut s = Phase::COLD_TIMELINE.to_vec();
-    s.extend(Phase::WARM_TIMELINE);
+    s.extend(Phase::KVM_WARM_TIMELINE);
+    // Each qemu phase not there yet goes right after its predecessor in
+    // the qemu timeline.
+    let mut after = Phase::HelperToRestore;
+    for p in Phase::QEMU_WARM_TIMELINE {
+        if !s.contains(&p) {
+            let at = s
+                .iter()
+                .position(|x| *x == after)
+                .map_or(s.len(), |i| i + 1);
+            s.insert(at, p);
+        }
+        after = p;
+    }
     s.push(Phase::FirstSpawnToExit);
     s
 }
@@ -108,7 +125,7 @@ fn bars(report: &Report) -> Vec<Bar> {
         .filter(|b| !b.runs.is_empty())
         .map(|b| {
             let med = |p: Phase| stat(&b.runs, p).map(|s| s.median_ms);
-            let own = Phase::timeline(b.start);
+            let own = Phase::timeline(b.backend, b.start);
             let parts = segments()
                 .into_iter()
                 .map(|p| {
@@ -281,13 +298,21 @@ mod tests {
         initramfs.set(Phase::UserlandToHello, None);
         initramfs.set(Phase::AgentToHello, Some(700.0));
         let mut warm = Phases::default();
-        for (i, ph) in Phase::WARM_TIMELINE.iter().enumerate() {
+        for (i, ph) in Phase::KVM_WARM_TIMELINE.iter().enumerate() {
             warm.set(*ph, Some(10.0 * (i + 1) as f64));
         }
         // Phases of a cold boot in a warm series' runs are not drawn.
         warm.set(Phase::KernelToAgent, Some(5000.0));
         warm.set(Phase::StartVmToConnected, Some(660.0));
         warm.set(Phase::FirstSpawnToExit, Some(8.0));
+        let mut qemu_warm = Phases::default();
+        for (i, ph) in Phase::QEMU_WARM_TIMELINE.iter().enumerate() {
+            qemu_warm.set(*ph, Some(20.0 * (i + 1) as f64));
+        }
+        // Nor kvm's restore phases in a qemu bar.
+        qemu_warm.set(Phase::RestoreMemory, Some(3000.0));
+        qemu_warm.set(Phase::StartVmToConnected, Some(720.0));
+        qemu_warm.set(Phase::FirstSpawnToExit, Some(9.0));
         let report = Report {
             runs_requested: 1,
             warmup: 0,
@@ -300,12 +325,29 @@ mod tests {
                 series(Backend::Kvm, StartKind::Cold, "kvm", p),
                 series(Backend::Kvm, StartKind::Warm, "kvm", warm.clone()),
                 series(Backend::Qemu, StartKind::Cold, "tcg", initramfs),
+                series(Backend::Qemu, StartKind::Warm, "tcg", qemu_warm),
             ],
         };
         let b = bars(&report);
         let width = |bar: &Bar| bar.parts.iter().map(|p| p.1).sum::<f64>();
         assert_eq!(width(&b[0]), 2100.0 + 20.0);
         assert_eq!(width(&b[1]), 660.0 + 8.0);
+        assert_eq!(width(&b[3]), 720.0 + 9.0);
+        // Every timeline is in the segments in its order, each slot has
+        // its colour.
+        let segs = segments();
+        assert_eq!(segs.len(), COLOURS.len());
+        for tl in [
+            &Phase::COLD_TIMELINE[..],
+            &Phase::KVM_WARM_TIMELINE[..],
+            &Phase::QEMU_WARM_TIMELINE[..],
+        ] {
+            let at: Vec<usize> = tl
+                .iter()
+                .map(|p| segs.iter().position(|s| s == p).unwrap())
+                .collect();
+            assert!(at.windows(2).all(|w| w[0] < w[1]), "{tl:?}");
+        }
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("boot.svg");
         write_svg(&report, &out).unwrap();
@@ -322,6 +364,10 @@ mod tests {
             "agent → hello",
             "restore: guest memory",
             "redial → final hello",
+            "qemu warm (tcg)",
+            "connected 720 ms",
+            "restore: RAM copied into memfd",
+            "restore: hot-plug + cont",
         ] {
             assert!(svg.contains(text), "{text} missing");
         }

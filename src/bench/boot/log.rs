@@ -5,10 +5,11 @@
 //! `crate::logging`). The boot benchmark starts it with `COWORK_LOG=info`
 //! and reads back the events that carry boot timings: the VMM's build and
 //! first `KVM_RUN`, the boot-port marks, QEMU's start and its vhost-user
-//! connections, and the agent's hello; and, for the kvm backend's warm
-//! start, whether the VM started cold or warm, the VMM's restore phases,
-//! the boot snapshot a cold boot took and why a snapshot was not taken or
-//! not restored. [`HelperLog::parse`] turns the text into typed records
+//! connections, and the agent's hello; and, for the warm start of either
+//! backend, whether the VM started cold or warm, the restore's phases (the
+//! VMM's, or the qemu backend's), the agent's dial after it, the boot
+//! snapshot a cold boot took and why a snapshot was not taken or not
+//! restored. [`HelperLog::parse`] turns the text into typed records
 //! ([`BootEvents`]); nothing here derives a phase (that is
 //! [`super::phases`]).
 //!
@@ -26,8 +27,15 @@ pub const MSG_KVM_STARTED: &str = "kvm vm started";
 pub const MSG_KVM_ENDED: &str = "kvm vm ended";
 /// The VMM's boot-timing port, one line per guest write (`value`, `at_us`).
 pub const MSG_BOOT_MARK: &str = "guest boot milestone";
-/// The qemu backend's line once QEMU was spawned (`pid`, `accel`).
+/// The qemu backend's line once QEMU was spawned (`pid`, `accel`,
+/// `start`); a warm start whose restore failed logs a second one, cold.
 pub const MSG_QEMU_STARTED: &str = "qemu started";
+/// The qemu backend's line once a restored machine runs (`ram_mib`,
+/// `ram_ms`, `load_ms`, `hotplug_ms`, `total_ms`).
+pub const MSG_QEMU_RESTORED: &str = "qemu boot snapshot restored";
+/// The helper's line when the agent's vsock connection was accepted (the
+/// port follows in the message; `ms`).
+pub const MSG_AGENT_DIALLED: &str = "guest agent dialled vsock port";
 /// Suffix of each in-process vhost-user server's line when QEMU connects.
 pub const MSG_FRONTEND_CONNECTED: &str = ": frontend connected";
 /// The daemon's line once the agent's hello was read (its boot clock).
@@ -38,24 +46,30 @@ pub const MSG_START_VM: &str = "startVM";
 /// its phases `state_us`, `kvm_us`, `memory_us`, `vcpus_us`, `vm_us`,
 /// `devices_us`).
 pub const MSG_VM_RESTORED: &str = "VM restored from a snapshot";
-/// The kvm backend's line once a cold boot saved its boot snapshot
-/// (`snapshot_ms`, `memory_data_mib`, `memory_disk_mib`, `state_bytes`).
+/// The backends' line once a cold boot saved its boot snapshot (kvm:
+/// `snapshot_ms`, `memory_data_mib`, `memory_disk_mib`, `state_bytes`;
+/// qemu: `memory_data_mib`, `state_bytes`, `stopped_ms`).
 pub const MSG_SNAPSHOT_TAKEN: &str = "boot snapshot taken";
-/// The kvm backend's line when a snapshot could not be restored (`error`);
+/// The backends' line when a snapshot could not be restored (`error`);
 /// the same start then boots cold.
 pub const MSG_RESTORE_FAILED: &str = "the boot snapshot cannot be restored; removed, booting cold";
-/// The kvm backend's lines when a cold boot with snapshots on took no
+/// The backends' lines when a cold boot with snapshots on took no
 /// snapshot (some with `error`).
-pub const MSG_NO_SNAPSHOT: [&str; 5] = [
+pub const MSG_NO_SNAPSHOT: [&str; 8] = [
     "cannot take the boot snapshot; the next start boots cold again",
     "the guest agent has no template point; no boot snapshot",
     "no boot snapshot",
     "cannot create the snapshot directory; no snapshot this boot",
     "the VM ended before its snapshot was taken",
+    "the guest agent never said its template point on the console; no boot snapshot",
+    "the console closed before the template point",
+    "cannot continue the machine after its snapshot",
 ];
-/// The `start` value of [`MSG_KVM_STARTED`] for a VM that booted its kernel.
+/// The `start` value of [`MSG_KVM_STARTED`] and [`MSG_QEMU_STARTED`] for a
+/// VM that booted its kernel.
 pub const START_COLD: &str = "cold";
-/// The `start` value of [`MSG_KVM_STARTED`] for a VM restored from a snapshot.
+/// The `start` value of [`MSG_KVM_STARTED`] and [`MSG_QEMU_STARTED`] for a
+/// VM restored from a snapshot.
 pub const START_WARM: &str = "warm";
 
 /// One log line: its wall-clock time (µs since the Unix epoch), level,
@@ -207,19 +221,54 @@ pub struct Restore {
     pub devices_us: Option<f64>,
 }
 
+/// The qemu backend's restore of a VM from its boot snapshot
+/// ([`MSG_QEMU_RESTORED`]): when it was logged (once the machine runs,
+/// after `cont`), the whole restore and its measured steps, in ms (a step
+/// the line lacks is `None`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct QemuRestore {
+    /// Wall time of the line (µs since the epoch).
+    pub logged_at: i64,
+    /// The restore's beginning (before the RAM copy) → the machine runs
+    /// (`total_ms`).
+    pub total_ms: f64,
+    /// The snapshot's RAM data copied into a new memfd (`ram_ms`).
+    pub ram_ms: Option<f64>,
+    /// QEMU's QMP reached and the device state loaded (`load_ms`).
+    pub load_ms: Option<f64>,
+    /// The devices hot-plugged and `cont` (`hotplug_ms`).
+    pub hotplug_ms: Option<f64>,
+    /// RAM data copied (`ram_mib`).
+    pub ram_mib: Option<f64>,
+}
+
+/// QEMU spawned ([`MSG_QEMU_STARTED`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QemuStarted {
+    /// Wall time of the line (µs since the epoch).
+    pub at_us: i64,
+    /// Its accelerator (`accel`).
+    pub accel: String,
+    /// QEMU's process id (`pid`).
+    pub pid: Option<u32>,
+}
+
 /// A boot snapshot a cold boot took ([`MSG_SNAPSHOT_TAKEN`]; also read
 /// back from a `bench boot --json` document, where a missing field is
 /// `None`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Deserialize)]
 #[serde(default)]
 pub struct SnapshotTaken {
-    /// Pausing, saving and resuming the VM (`snapshot_ms`).
+    /// kvm: pausing, saving and resuming the VM (`snapshot_ms`).
     pub snapshot_ms: Option<f64>,
+    /// qemu: the machine stopped for the device state and the RAM copy
+    /// (`stopped_ms`; the files are synced while it runs on).
+    pub stopped_ms: Option<f64>,
     /// Guest memory holding data, saved (`memory_data_mib`).
     pub memory_data_mib: Option<f64>,
-    /// The memory file's blocks on disk (`memory_disk_mib`).
+    /// kvm: the memory file's blocks on disk (`memory_disk_mib`).
     pub memory_disk_mib: Option<f64>,
-    /// The state file (`state_bytes`).
+    /// The state file (`state_bytes`; qemu: QEMU's device state).
     pub state_bytes: Option<f64>,
 }
 
@@ -235,26 +284,34 @@ pub struct BootEvents {
     pub kvm_first_run_ms: Option<f64>,
     /// kvm: boot-port marks, in order.
     pub marks: Vec<Mark>,
-    /// qemu: QEMU was spawned, and its accelerator.
-    pub qemu_started: Option<(i64, String)>,
+    /// qemu: QEMU was spawned (the last line: after a failed restore, the
+    /// QEMU that booted cold).
+    pub qemu_started: Option<QemuStarted>,
     /// qemu: each vhost-user frontend connection (wall time), in order.
     pub frontend_connected: Vec<i64>,
     /// The agent's hello was read: wall time and its boot clock fields
     /// (`agent_start_us`, `init_done_us`, `userland_switched_us`,
     /// `connected_us`, guest `CLOCK_BOOTTIME`).
     pub agent_connected: Option<LogLine>,
-    /// kvm: the `start` field of [`MSG_KVM_STARTED`] ([`START_COLD`] or
-    /// [`START_WARM`]); `None` from a helper that predates warm start.
-    pub kvm_start: Option<String>,
+    /// The `start` field ([`START_COLD`] or [`START_WARM`]) of the last
+    /// [`MSG_KVM_STARTED`] or [`MSG_QEMU_STARTED`] line (a qemu warm start
+    /// whose restore failed logs `warm`, then `cold`); `None` from a helper
+    /// that predates the backend's warm start.
+    pub start: Option<String>,
     /// kvm: the VM was restored from a snapshot.
     pub restore: Option<Restore>,
-    /// kvm: a cold boot took the boot snapshot.
+    /// qemu: the machine was restored from its boot snapshot.
+    pub qemu_restore: Option<QemuRestore>,
+    /// The agent's connection was accepted ([`MSG_AGENT_DIALLED`], the
+    /// first).
+    pub agent_dialled: Option<i64>,
+    /// A cold boot took the boot snapshot.
     pub snapshot_taken: Option<SnapshotTaken>,
-    /// kvm: a snapshot could not be restored (the `error` field, or the
-    /// message when there is none); the start booted cold.
+    /// A snapshot could not be restored (the `error` field, or the message
+    /// when there is none); the start booted cold.
     pub restore_failed: Option<String>,
-    /// kvm: why a cold boot with snapshots on took no snapshot (the
-    /// message, with its `error` field when there is one).
+    /// Why a cold boot with snapshots on took no snapshot (the message,
+    /// with its `error` field when there is one).
     pub no_snapshot: Option<String>,
 }
 
@@ -290,9 +347,7 @@ impl HelperLog<'_> {
             if let Some(l) = parse_line(line, MSG_START_VM) {
                 ev.start_vm_at.get_or_insert(l.at_us);
             } else if let Some(l) = parse_line(line, MSG_KVM_STARTED) {
-                if ev.kvm_start.is_none() {
-                    ev.kvm_start = l.fields.get("start").cloned();
-                }
+                ev.start = l.fields.get("start").cloned();
                 if let Some(b) = l.num("build_ms") {
                     ev.kvm_started.get_or_insert((l.at_us, b));
                 }
@@ -309,9 +364,23 @@ impl HelperLog<'_> {
                         devices_us: l.num("devices_us"),
                     });
                 }
+            } else if let Some(l) = parse_line(line, MSG_QEMU_RESTORED) {
+                if let (None, Some(total_ms)) = (&ev.qemu_restore, l.num("total_ms")) {
+                    ev.qemu_restore = Some(QemuRestore {
+                        logged_at: l.at_us,
+                        total_ms,
+                        ram_ms: l.num("ram_ms"),
+                        load_ms: l.num("load_ms"),
+                        hotplug_ms: l.num("hotplug_ms"),
+                        ram_mib: l.num("ram_mib"),
+                    });
+                }
+            } else if let Some(l) = parse_line(line, MSG_AGENT_DIALLED) {
+                ev.agent_dialled.get_or_insert(l.at_us);
             } else if let Some(l) = parse_line(line, MSG_SNAPSHOT_TAKEN) {
                 ev.snapshot_taken.get_or_insert(SnapshotTaken {
                     snapshot_ms: l.num("snapshot_ms"),
+                    stopped_ms: l.num("stopped_ms"),
                     memory_data_mib: l.num("memory_data_mib"),
                     memory_disk_mib: l.num("memory_disk_mib"),
                     state_bytes: l.num("state_bytes"),
@@ -336,8 +405,12 @@ impl HelperLog<'_> {
                     });
                 }
             } else if let Some(l) = parse_line(line, MSG_QEMU_STARTED) {
-                let accel = l.fields.get("accel").cloned().unwrap_or_default();
-                ev.qemu_started.get_or_insert((l.at_us, accel));
+                ev.start = l.fields.get("start").cloned();
+                ev.qemu_started = Some(QemuStarted {
+                    at_us: l.at_us,
+                    accel: l.fields.get("accel").cloned().unwrap_or_default(),
+                    pid: l.fields.get("pid").and_then(|p| p.parse().ok()),
+                });
             } else if let Some(l) = parse_line(line, MSG_AGENT_CONNECTED) {
                 ev.agent_connected.get_or_insert(l);
             } else if let Some((ts, rest)) = line.split_once(' ') {
@@ -385,6 +458,40 @@ pub(super) const SNAPSHOT_LOG: &str = r#"2026-12-06T01:59:50.000000Z  INFO start
 2026-12-06T01:59:53.600000Z  INFO VM snapshot taken dir=/tmp/cowork-bench-7-data-kvm-warm/snapshots/kvm-0123456789abcdef state_bytes=48213 memory_data_mib=301 memory_disk_mib=305 state_ms=3.2 total_ms=880.4
 2026-12-06T01:59:53.600200Z  INFO boot snapshot taken dir=/tmp/cowork-bench-7-data-kvm-warm/snapshots/kvm-0123456789abcdef memory_data_mib=301 memory_disk_mib=305 state_bytes=48213 snapshot_ms=884.75
 2026-12-06T01:59:53.700000Z  INFO guest agent connected backend="kvm" agent="0.1.0" boot_ms=3700.1 agent_start_us=1200000 connected_us=2650000
+"#;
+
+/// A qemu warm start's helper log (trimmed as [`WARM_LOG`]; the real
+/// `qemu started` line also has `qemu`, `image` and `accel_reason`):
+/// startVM at 03:00:00, the restore beginning 0.5 ms later (the RAM copy
+/// first, so QEMU is spawned at 118 ms) and the machine running at 182 ms,
+/// the blk frontends connecting as QEMU starts and the hot-plugged ones
+/// before `cont`, the agent's dial accepted at 647.4 ms and its final hello
+/// read at 729 ms; the hello's boot times are the snapshot's own boot.
+#[cfg(test)]
+pub(super) const QEMU_WARM_LOG: &str = r#"2026-12-06T03:00:00.000000Z  INFO startVM profile=bench-boot backend="qemu"
+2026-12-06T03:00:00.118000Z  INFO qemu started pid=4486 accel="tcg" memory_mib=1024 cpus=2 start="warm"
+2026-12-06T03:00:00.135000Z  INFO vhost-user-blk: frontend connected socket=/r/root0.sock
+2026-12-06T03:00:00.135400Z  INFO vhost-user-blk: frontend connected socket=/r/blk.sock
+2026-12-06T03:00:00.170000Z  INFO vhost-user-fs: frontend connected socket=/r/fs.sock
+2026-12-06T03:00:00.174000Z  INFO vhost-user-rng: frontend connected socket=/r/rng.sock
+2026-12-06T03:00:00.177000Z  INFO vhost-user-vsock: frontend connected socket=/r/vsock.sock
+2026-12-06T03:00:00.182000Z  INFO qemu boot snapshot restored ram_mib=120 ram_ms=115.4 load_ms=49.7 hotplug_ms=14.6 total_ms=181.5
+2026-12-06T03:00:00.647400Z  INFO guest agent dialled vsock port 51234 ms=465
+2026-12-06T03:00:00.729000Z  INFO guest agent connected backend="qemu" agent="0.1.0" kernel="6.1.0-57-cloud-amd64" boot_ms=729.09 agent_start_us=1307030 init_done_us=2005816 userland_switched_us=1953684 connected_us=2612472
+2026-12-06T03:00:00.870000Z  INFO vhost-user-vsock: frontend disconnected socket=/r/vsock.sock
+"#;
+
+/// The helper log of a qemu cold boot that took the boot snapshot: the
+/// devices hot-plugged after the snapshot connect before its files are
+/// synced and it is logged taken.
+#[cfg(test)]
+pub(super) const QEMU_SNAPSHOT_LOG: &str = r#"2026-12-06T02:59:50.000000Z  INFO startVM profile=bench-boot backend="qemu"
+2026-12-06T02:59:50.003000Z  INFO qemu started pid=4432 accel="tcg" memory_mib=1024 cpus=2 start="cold"
+2026-12-06T02:59:50.023000Z  INFO vhost-user-blk: frontend connected socket=/r/root0.sock
+2026-12-06T02:59:52.700000Z  INFO vhost-user-vsock: frontend connected socket=/r/vsock.sock
+2026-12-06T02:59:52.800000Z  INFO boot snapshot taken dir=/tmp/cowork-bench-7-data-qemu-warm/snapshots/qemu-e10577e775a4d2be memory_data_mib=120 state_bytes=467573 stopped_ms=159.64516
+2026-12-06T02:59:53.150000Z  INFO guest agent dialled vsock port 51234 ms=446
+2026-12-06T02:59:53.400000Z  INFO guest agent connected backend="qemu" agent="0.1.0" boot_ms=3400.2 agent_start_us=1307030 connected_us=2781698
 "#;
 
 #[cfg(test)]
@@ -447,7 +554,16 @@ some guest console line
         let ev = HelperLog(log).parse();
         let base = parse_timestamp("2026-12-03T05:00:00Z").unwrap();
         assert_eq!(ev.start_vm_at, Some(base));
-        assert_eq!(ev.qemu_started, Some((base + 10_000, "tcg".to_string())));
+        assert_eq!(
+            ev.qemu_started,
+            Some(QemuStarted {
+                at_us: base + 10_000,
+                accel: "tcg".into(),
+                pid: Some(7),
+            })
+        );
+        // A qemu helper from before its warm start: no start field.
+        assert_eq!(ev.start, None);
         assert_eq!(ev.frontend_connected, vec![base + 100_000, base + 120_000]);
         assert_eq!(
             ev.marks,
@@ -461,13 +577,80 @@ some guest console line
         assert_eq!(hello.at_us, base + 3_000_000);
         assert_eq!(hello.num("connected_us"), Some(2_500_000.0));
         assert!(ev.kvm_started.is_none() && ev.kvm_first_run_ms.is_none());
+        assert!(ev.qemu_restore.is_none() && ev.agent_dialled.is_none());
+    }
+
+    #[test]
+    fn a_qemu_warm_start_gives_its_restore_steps_and_dial() {
+        let ev = HelperLog(QEMU_WARM_LOG).parse();
+        let base = parse_timestamp("2026-12-06T03:00:00Z").unwrap();
+        assert_eq!(ev.start.as_deref(), Some(START_WARM));
+        assert_eq!(
+            ev.qemu_started,
+            Some(QemuStarted {
+                at_us: base + 118_000,
+                accel: "tcg".into(),
+                pid: Some(4486),
+            })
+        );
+        assert_eq!(
+            ev.qemu_restore,
+            Some(QemuRestore {
+                logged_at: base + 182_000,
+                total_ms: 181.5,
+                ram_ms: Some(115.4),
+                load_ms: Some(49.7),
+                hotplug_ms: Some(14.6),
+                ram_mib: Some(120.0),
+            })
+        );
+        assert_eq!(ev.agent_dialled, Some(base + 647_400));
+        assert_eq!(ev.frontend_connected.len(), 5);
+        assert_eq!(ev.agent_connected.map(|h| h.at_us), Some(base + 729_000));
+        assert!(ev.restore.is_none() && ev.kvm_started.is_none());
+        assert!(ev.snapshot_taken.is_none() && ev.restore_failed.is_none());
+
+        // The snapshot-taking boot: cold, its snapshot as qemu logs it.
+        let ev = HelperLog(QEMU_SNAPSHOT_LOG).parse();
+        assert_eq!(ev.start.as_deref(), Some(START_COLD));
+        assert!(ev.qemu_restore.is_none());
+        assert_eq!(
+            ev.snapshot_taken,
+            Some(SnapshotTaken {
+                snapshot_ms: None,
+                stopped_ms: Some(159.64516),
+                memory_data_mib: Some(120.0),
+                memory_disk_mib: None,
+                state_bytes: Some(467_573.0),
+            })
+        );
+
+        // A restore that failed once QEMU ran: a warm line, the failure,
+        // then the QEMU that booted cold (the last line counts).
+        let log = r#"2026-12-06T03:00:00.000000Z  INFO startVM profile=bench-boot backend="qemu"
+2026-12-06T03:00:00.118000Z  INFO qemu started pid=10 accel="tcg" memory_mib=1024 cpus=2 start="warm"
+2026-12-06T03:00:00.300000Z  WARN the boot snapshot cannot be restored; removed, booting cold dir=/s/qemu-e10577e775a4d2be error=QMP: the connection closed
+2026-12-06T03:00:00.310000Z  INFO qemu started pid=11 accel="tcg" memory_mib=1024 cpus=2 start="cold"
+2026-12-06T03:00:03.000000Z  WARN the guest agent never said its template point on the console; no boot snapshot
+"#;
+        let ev = HelperLog(log).parse();
+        assert_eq!(ev.start.as_deref(), Some(START_COLD));
+        assert_eq!(ev.qemu_started.map(|q| q.pid), Some(Some(11)));
+        assert_eq!(
+            ev.restore_failed.as_deref(),
+            Some("QMP: the connection closed")
+        );
+        assert_eq!(
+            ev.no_snapshot.as_deref(),
+            Some("the guest agent never said its template point on the console; no boot snapshot")
+        );
     }
 
     #[test]
     fn a_warm_start_gives_its_kind_and_restore_phases() {
         let ev = HelperLog(WARM_LOG).parse();
         let base = parse_timestamp("2026-12-06T02:00:00Z").unwrap();
-        assert_eq!(ev.kvm_start.as_deref(), Some(START_WARM));
+        assert_eq!(ev.start.as_deref(), Some(START_WARM));
         assert_eq!(ev.kvm_started, Some((base + 41_500, 33.1)));
         assert_eq!(ev.kvm_first_run_ms, Some(32.5));
         assert_eq!(
@@ -493,13 +676,14 @@ some guest console line
     #[test]
     fn a_cold_boot_gives_its_snapshot_or_why_there_is_none() {
         let ev = HelperLog(SNAPSHOT_LOG).parse();
-        assert_eq!(ev.kvm_start.as_deref(), Some(START_COLD));
+        assert_eq!(ev.start.as_deref(), Some(START_COLD));
         assert!(ev.restore.is_none());
         // The VMM's own "VM snapshot taken" line is not the backend's.
         assert_eq!(
             ev.snapshot_taken,
             Some(SnapshotTaken {
                 snapshot_ms: Some(884.75),
+                stopped_ms: None,
                 memory_data_mib: Some(301.0),
                 memory_disk_mib: Some(305.0),
                 state_bytes: Some(48_213.0),
@@ -514,7 +698,7 @@ some guest console line
 2026-12-06T02:00:03.000000Z  WARN cannot take the boot snapshot; the next start boots cold again dir=/s/kvm-0123456789abcdef error=writing the memory file: No space left on device (os error 28)
 "#;
         let ev = HelperLog(log).parse();
-        assert_eq!(ev.kvm_start.as_deref(), Some(START_COLD));
+        assert_eq!(ev.start.as_deref(), Some(START_COLD));
         assert_eq!(
             ev.restore_failed.as_deref(),
             Some("snapshot state: the key differs (another helper build)")
@@ -538,7 +722,7 @@ some guest console line
             "2026-12-06T02:00:00Z  INFO kvm vm started image=/i kernel=/i/vmlinux memory_mib=1024 cpus=2 build_ms=28.0\n",
         )
         .parse();
-        assert_eq!(ev.kvm_start, None);
+        assert_eq!(ev.start, None);
         assert_eq!(ev.kvm_started.map(|s| s.1), Some(28.0));
     }
 }

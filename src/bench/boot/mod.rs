@@ -15,19 +15,21 @@
 //! derives the phases ([`phases`]).
 //!
 //! A series is one backend and one start kind (`--start cold|warm|both`,
-//! default `cold`): a cold kvm series runs its helpers with `--snapshot
-//! off`, so every VM boots its kernel; a warm kvm series runs them with
+//! default `cold`), the same for both backends: a cold series runs its
+//! helpers with `--snapshot off`, so every VM boots its kernel (qemu: with
+//! every device on its command line); a warm series runs them with
 //! `--snapshot auto` and a snapshot directory of its own, shared by its
 //! boots, and its first warm-up boot (always there, even with `--warmup
 //! 0`) boots cold and takes the boot snapshot that every later boot of the
-//! series restores. Every run's log must say it started as asked (`kvm vm
-//! started start="cold"|"warm"`); one that did not is a failed run. The
-//! qemu backend always boots cold: a warm qemu series is not run, the
-//! report says so in a note, and `--start warm` with qemu alone is
-//! refused. Each round runs every series once, in the order kvm cold, kvm
-//! warm, qemu cold; the report gives kvm/qemu ratios of the cold series and
-//! warm/cold ratios per backend ([`report`]). Progress goes to stderr, one
-//! line per boot.
+//! series restores (qemu: QEMU's device state and the RAM's data, the
+//! vsock, virtio-fs and rng devices hot-plugged after the restore). Every
+//! run's log must say it started as asked (`kvm vm started` or `qemu
+//! started` with `start="cold"|"warm"`; a qemu restore that failed logs a
+//! second, cold, `qemu started` line, and the last one counts); one that
+//! did not is a failed run. Each round runs every series once, in the
+//! order kvm cold, kvm warm, qemu cold, qemu warm; the report gives
+//! kvm/qemu ratios of the cold series and warm/cold ratios per backend
+//! ([`report`]). Progress goes to stderr, one line per boot.
 //!
 //! Limits: one boot at a time (the numbers are for an otherwise idle
 //! machine; other load shows up in them); the guest image must exist
@@ -38,7 +40,13 @@
 //! end of its helper log and counted, and makes the exit status 1; the
 //! other runs are still reported. A warm series whose first warm-up boot
 //! took no snapshot runs nothing more: each of its runs is counted as
-//! failed, with the reason.
+//! failed, with the reason (the qemu backend syncs its snapshot's files
+//! while the machine runs on and logs it taken after: that boot's log is
+//! read again for up to [`SNAPSHOT_LINE_WAIT`] for the line). The qemu
+//! backend takes snapshots only with an image whose agent has
+//! `template-console` (`scripts/mkguestimage.sh`). Resident memory once
+//! connected is the helper's for kvm (the VMM and its guest memory are
+//! in-process) and the QEMU process's for qemu.
 
 pub mod chart;
 pub mod log;
@@ -71,6 +79,11 @@ const FIRST_SPAWN: &str = "/bin/true";
 /// How long the helper may take to bind its socket (a debug build inside
 /// the nested harness runs at TCG speed).
 const BIND_LIMIT: Duration = Duration::from_secs(60);
+/// How long a snapshot-taking boot's log is read again for the snapshot's
+/// line (or why there is none) once its run ended without one.
+pub const SNAPSHOT_LINE_WAIT: Duration = Duration::from_secs(30);
+/// Pause between those reads.
+const SNAPSHOT_LINE_POLL: Duration = Duration::from_millis(100);
 
 /// Which backends to boot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,13 +117,13 @@ impl Backends {
 /// Which start kinds to measure.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Starts {
-    /// Every VM boots its kernel (the kvm backend's snapshots off).
+    /// Every VM boots its kernel (the helpers' snapshots off).
     #[default]
     Cold,
-    /// The kvm backend restores a boot snapshot its first warm-up boot
-    /// took.
+    /// Every measured VM restores the boot snapshot the series' first
+    /// warm-up boot took.
     Warm,
-    /// A cold and a warm series per backend that has both.
+    /// A cold and a warm series per backend.
     Both,
 }
 
@@ -125,45 +138,12 @@ impl Starts {
     }
 }
 
-/// Where the helper's warm start is described (for what is not measured).
-const WARM_START_DOC: &str = "docs/boot.md#warm-start";
-
-/// What [`plan`] decided to run.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Plan {
-    /// The series, in round order (backend by backend, cold first).
-    pub series: Vec<(Backend, StartKind)>,
-    /// One line per backend with a start kind asked for that it cannot
-    /// run.
-    pub notes: Vec<String>,
-}
-
-/// The series to run and a note for each one asked for that cannot be
-/// run; no series at all is an error saying why.
-pub fn plan(backends: &[Backend], starts: Starts) -> Result<Plan, BootBenchError> {
-    let mut series = Vec::new();
-    let mut notes = Vec::new();
-    for &b in backends {
-        let mut skipped = Vec::new();
-        for kind in starts.list() {
-            if b.starts(kind) {
-                series.push((b, kind));
-            } else {
-                skipped.push(kind.as_str());
-            }
-        }
-        if !skipped.is_empty() {
-            notes.push(format!(
-                "{b}: cold only, no {b} {} series: the {b} backend has no warm start (it always boots cold, see {WARM_START_DOC})",
-                skipped.join(", "),
-                b = b.as_str(),
-            ));
-        }
-    }
-    if series.is_empty() {
-        return Err(BootBenchError::NothingToRun(notes.join("; ")));
-    }
-    Ok(Plan { series, notes })
+/// The series to run, in round order: backend by backend, cold first.
+pub fn plan(backends: &[Backend], starts: Starts) -> Vec<(Backend, StartKind)> {
+    backends
+        .iter()
+        .flat_map(|&b| starts.list().into_iter().map(move |kind| (b, kind)))
+        .collect()
 }
 
 /// Options of `bench boot` (parsed by `crate::cli`).
@@ -228,30 +208,24 @@ pub enum BootBenchError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Chart(#[from] chart::ChartError),
-    #[error("nothing to measure: {0}; use --start cold, or --backend kvm where this host's KVM runs Linux")]
-    NothingToRun(String),
     #[error("asked for a warm start, but the helper booted cold: {0}")]
     NotWarm(String),
     #[error("asked for a cold boot, but the helper restored a boot snapshot (its log says start=\"warm\"; was --snapshot off ignored?)")]
     NotCold,
-    #[error("cannot tell whether the VM started cold or warm: the helper logged no `kvm vm started` line with a start field (a helper built before warm start?)")]
-    StartUnknown,
+    #[error("cannot tell whether the VM started cold or warm: the helper logged no `{0}` line with a start field (a helper built before warm start?)")]
+    StartUnknown(&'static str),
     #[error("the first warm-up boot took no boot snapshot: {0}")]
     NoSnapshot(String),
 }
 
-/// Checks that the helper started the VM as asked: a kvm run by the
-/// `start` field of its `kvm vm started` line (a qemu run always boots
-/// cold).
+/// Checks that the helper started the VM as asked, by the `start` field
+/// of its last `kvm vm started` or `qemu started` line.
 pub fn check_start(
     backend: Backend,
     asked: StartKind,
     ev: &log::BootEvents,
 ) -> Result<(), BootBenchError> {
-    if backend == Backend::Qemu {
-        return Ok(());
-    }
-    match (asked, ev.kvm_start.as_deref()) {
+    match (asked, ev.start.as_deref()) {
         (StartKind::Cold, Some(log::START_COLD)) | (StartKind::Warm, Some(log::START_WARM)) => {
             Ok(())
         }
@@ -262,7 +236,12 @@ pub fn check_start(
                 None => "there was no boot snapshot of this machine shape".to_string(),
             }))
         }
-        _ => Err(BootBenchError::StartUnknown),
+        // A qemu helper from before its warm start always booted cold.
+        (StartKind::Cold, None) if backend == Backend::Qemu => Ok(()),
+        _ => Err(BootBenchError::StartUnknown(match backend {
+            Backend::Kvm => log::MSG_KVM_STARTED,
+            Backend::Qemu => log::MSG_QEMU_STARTED,
+        })),
     }
 }
 
@@ -320,18 +299,7 @@ pub fn main(opts: Options) -> i32 {
                 }
             }
         }
-        None => match plan(&opts.backends.list(), opts.start) {
-            Ok(plan) => {
-                for n in &plan.notes {
-                    eprintln!("bench boot: note: {n}");
-                }
-                rt.block_on(run_all(&opts, plan))
-            }
-            Err(e) => {
-                eprintln!("bench boot: {e}");
-                return 2;
-            }
-        },
+        None => rt.block_on(run_all(&opts, plan(&opts.backends.list(), opts.start))),
     };
     if opts.json {
         match serde_json::to_string_pretty(&report.to_json()) {
@@ -444,8 +412,7 @@ fn progress(p: &phases::Phases, kind: StartKind) -> String {
 
 /// Boots every series `opts.runs` times, round by round, after the
 /// warm-up.
-async fn run_all(opts: &Options, plan: Plan) -> Report {
-    let Plan { series, notes } = plan;
+async fn run_all(opts: &Options, series: Vec<(Backend, StartKind)>) -> Report {
     let data = DataDirs::new(&series, opts.keep_logs);
     let mut backends: Vec<BackendRuns> = series
         .iter()
@@ -542,7 +509,7 @@ async fn run_all(opts: &Options, plan: Plan) -> Report {
                 Ok(rec) => {
                     let accel = match b.backend {
                         Backend::Kvm => Some("kvm".to_string()),
-                        Backend::Qemu => rec.events.qemu_started.as_ref().map(|q| q.1.clone()),
+                        Backend::Qemu => rec.events.qemu_started.as_ref().map(|q| q.accel.clone()),
                     };
                     if accel.is_some() {
                         b.accel = accel;
@@ -576,7 +543,7 @@ async fn run_all(opts: &Options, plan: Plan) -> Report {
         host_kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
-        notes,
+        notes: Vec::new(),
         backends,
     }
 }
@@ -601,14 +568,10 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
         "--userland",
         opts.userland.as_str(),
     ];
-    if backend == Backend::Kvm {
-        match (boot.series, snapshot_dir.as_deref()) {
-            (StartKind::Warm, Some(dir)) => {
-                args.extend(["--snapshot", "auto", "--snapshot-dir", dir])
-            }
-            (StartKind::Warm, None) => args.extend(["--snapshot", "auto"]),
-            (StartKind::Cold, _) => args.extend(["--snapshot", "off"]),
-        }
+    match (boot.series, snapshot_dir.as_deref()) {
+        (StartKind::Warm, Some(dir)) => args.extend(["--snapshot", "auto", "--snapshot-dir", dir]),
+        (StartKind::Warm, None) => args.extend(["--snapshot", "auto"]),
+        (StartKind::Cold, _) => args.extend(["--snapshot", "off"]),
     }
     let mut helper = launch_helper(&HelperSpec {
         exe: opts.helper.as_deref(),
@@ -625,13 +588,35 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
     let profile_root = boot
         .data_dir
         .map_or_else(|| helper.dir.join("profile"), |d| d.join("profile-root"));
-    // The kvm backend's guest memory is the helper's own; QEMU's is not.
-    let pid = (backend == Backend::Kvm).then(|| helper.child.id());
-    let measured = drive(opts, &helper.socket, &helper.dir, &profile_root, pid).await;
-    let log = std::fs::read_to_string(&helper.log).map_err(|source| BootBenchError::Log {
-        path: helper.log.clone(),
-        source,
-    });
+    // The kvm backend's guest memory is the helper's own; QEMU's is in
+    // the QEMU process.
+    let rss_of = match backend {
+        Backend::Kvm => RssOf::Pid(helper.child.id()),
+        Backend::Qemu => RssOf::QemuOf(&helper.log),
+    };
+    let measured = drive(opts, &helper.socket, &helper.dir, &profile_root, rss_of).await;
+    let read_log = || {
+        std::fs::read_to_string(&helper.log).map_err(|source| BootBenchError::Log {
+            path: helper.log.clone(),
+            source,
+        })
+    };
+    let mut log = read_log();
+    // The snapshot-taking boot: the qemu backend logs its snapshot taken
+    // once the files are synced, while the machine runs on.
+    let takes_snapshot = boot.series == StartKind::Warm && boot.expect == StartKind::Cold;
+    if takes_snapshot && measured.is_ok() {
+        let deadline = Instant::now() + SNAPSHOT_LINE_WAIT;
+        while let Ok(text) = &log {
+            let ev = log::HelperLog(text).parse();
+            if ev.snapshot_taken.is_some() || ev.no_snapshot.is_some() || Instant::now() >= deadline
+            {
+                break;
+            }
+            tokio::time::sleep(SNAPSHOT_LINE_POLL).await;
+            log = read_log();
+        }
+    }
     let failed = |helper: &mut super::Helper, e: &dyn std::fmt::Display| {
         // Stopped first, so the tail has how its VM ended (a guest that
         // died under the spawn shows only as a closed link until then).
@@ -662,6 +647,29 @@ async fn one_boot(opts: &Options, boot: &Boot<'_>) -> Result<RunRecord, String> 
     }
 }
 
+/// Whose resident memory [`drive`] reads once startVM answered.
+enum RssOf<'a> {
+    /// This process (the kvm helper).
+    Pid(u32),
+    /// The QEMU process the helper logging to this file started (the pid
+    /// of its last `qemu started` line).
+    QemuOf(&'a std::path::Path),
+}
+
+impl RssOf<'_> {
+    fn read(&self) -> Option<phases::Rss> {
+        let pid = match self {
+            RssOf::Pid(pid) => *pid,
+            RssOf::QemuOf(log) => {
+                let text = std::fs::read_to_string(log).ok()?;
+                log::HelperLog(&text).parse().qemu_started?.pid?
+            }
+        };
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        phases::Rss::of_status(&status)
+    }
+}
+
 /// Drives one helper: startVM, the first spawn, stopVM. Returns the wall
 /// time startVM was sent (µs), startVM's duration and spawn → exit (ms),
 /// and the resident memory of process `rss_of` once startVM answered.
@@ -670,7 +678,7 @@ async fn drive(
     socket: &std::path::Path,
     dir: &std::path::Path,
     profile_root: &std::path::Path,
-    rss_of: Option<u32>,
+    rss_of: RssOf<'_>,
 ) -> Result<(i64, f64, f64, Option<phases::Rss>), BootBenchError> {
     let root_s = profile_root.to_string_lossy().into_owned();
     let pipe = Pipe::connect_with_timeout(socket, opts.timeout)
@@ -707,11 +715,7 @@ async fn drive(
     if r.get("connected") != Some(&Value::Bool(true)) {
         return Err(BootBenchError::NotConnected(r));
     }
-    let rss = rss_of.and_then(|pid| {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| phases::Rss::of_status(&s))
-    });
+    let rss = rss_of.read();
     let id = "bench-boot-first-spawn";
     let t = Instant::now();
     pipe.call(
@@ -739,36 +743,36 @@ async fn drive(
 
 #[cfg(test)]
 mod tests {
-    use super::log::{HelperLog, SNAPSHOT_LOG, WARM_LOG};
+    use super::log::{HelperLog, QEMU_SNAPSHOT_LOG, QEMU_WARM_LOG, SNAPSHOT_LOG, WARM_LOG};
     use super::*;
 
     #[test]
-    fn series_are_planned_with_a_note_for_qemu_warm() {
-        let Plan { series, notes } = plan(&[Backend::Kvm, Backend::Qemu], Starts::Both).unwrap();
+    fn series_are_planned_backend_by_backend_cold_first() {
         assert_eq!(
-            series,
+            plan(&[Backend::Kvm, Backend::Qemu], Starts::Both),
             vec![
                 (Backend::Kvm, StartKind::Cold),
                 (Backend::Kvm, StartKind::Warm),
                 (Backend::Qemu, StartKind::Cold),
+                (Backend::Qemu, StartKind::Warm),
             ]
         );
-        assert_eq!(notes.len(), 1, "{notes:?}");
-        assert!(notes[0].starts_with("qemu: cold only"), "{notes:?}");
-        assert!(notes[0].contains(WARM_START_DOC), "{notes:?}");
-        let Plan { series, notes } = plan(&[Backend::Kvm], Starts::Cold).unwrap();
-        assert_eq!(series, vec![(Backend::Kvm, StartKind::Cold)]);
-        assert!(notes.is_empty());
-        let Plan { series, notes } = plan(&[Backend::Kvm, Backend::Qemu], Starts::Warm).unwrap();
-        assert_eq!(series, vec![(Backend::Kvm, StartKind::Warm)]);
-        assert_eq!(notes.len(), 1);
-        // qemu alone, warm: nothing to measure, and why.
-        let e = plan(&[Backend::Qemu], Starts::Warm)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("qemu backend has no warm start"), "{e}");
-        assert!(e.contains("docs/boot.md"), "{e}");
-        assert!(e.contains("--start cold"), "{e}");
+        assert_eq!(
+            plan(&[Backend::Kvm], Starts::Cold),
+            vec![(Backend::Kvm, StartKind::Cold)]
+        );
+        assert_eq!(
+            plan(&[Backend::Kvm, Backend::Qemu], Starts::Warm),
+            vec![
+                (Backend::Kvm, StartKind::Warm),
+                (Backend::Qemu, StartKind::Warm)
+            ]
+        );
+        // qemu alone, warm: measured like kvm.
+        assert_eq!(
+            plan(&[Backend::Qemu], Starts::Warm),
+            vec![(Backend::Qemu, StartKind::Warm)]
+        );
     }
 
     #[test]
@@ -794,9 +798,33 @@ mod tests {
         );
         let old = log::BootEvents::default();
         let e = check_start(Backend::Kvm, StartKind::Cold, &old).unwrap_err();
-        assert!(matches!(e, BootBenchError::StartUnknown), "{e}");
-        // qemu always boots cold; its log has no start field.
+        assert!(matches!(e, BootBenchError::StartUnknown(_)), "{e}");
+        assert!(e.to_string().contains("`kvm vm started`"), "{e}");
+        // qemu: by its `qemu started` lines, the same way.
+        let warm = HelperLog(QEMU_WARM_LOG).parse();
+        let cold = HelperLog(QEMU_SNAPSHOT_LOG).parse();
+        check_start(Backend::Qemu, StartKind::Warm, &warm).unwrap();
+        check_start(Backend::Qemu, StartKind::Cold, &cold).unwrap();
+        let e = check_start(Backend::Qemu, StartKind::Cold, &warm).unwrap_err();
+        assert!(matches!(e, BootBenchError::NotCold), "{e}");
+        // A restore that failed: its warm line, then the cold one.
+        let fell_back = HelperLog(concat!(
+            "2026-12-06T03:00:00.1Z  INFO qemu started pid=10 accel=\"tcg\" start=\"warm\"\n",
+            "2026-12-06T03:00:00.3Z  WARN the boot snapshot cannot be restored; removed, booting cold dir=/s error=QMP: closed\n",
+            "2026-12-06T03:00:00.4Z  INFO qemu started pid=11 accel=\"tcg\" start=\"cold\"\n",
+        ))
+        .parse();
+        let e = check_start(Backend::Qemu, StartKind::Warm, &fell_back).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("its boot snapshot could not be restored (QMP: closed)"),
+            "{e}"
+        );
+        // A qemu helper from before its warm start booted cold, without
+        // saying so; a warm run of it cannot be told.
         check_start(Backend::Qemu, StartKind::Cold, &old).unwrap();
+        let e = check_start(Backend::Qemu, StartKind::Warm, &old).unwrap_err();
+        assert!(e.to_string().contains("`qemu started`"), "{e}");
         // The snapshot boot's reason, or that there was none.
         assert!(no_snapshot_reason(&cold).contains("boot snapshot taken"));
         let mut why = cold;

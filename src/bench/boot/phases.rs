@@ -25,19 +25,28 @@
 //! the first guest instruction is QEMU's machine reset). A phase whose
 //! source is missing is `None` (absent, `null` in JSON), never guessed.
 //!
-//! A warm start ([`StartKind::Warm`], kvm only) restores the boot snapshot
-//! instead of booting, so the guest's boot clock and the hello's boot
-//! marks are those of the snapshot's own boot and say nothing about this
-//! start: none of the kernel and agent phases is derived for it. Its
-//! phases are host-side: the VMM's restore phases (from its
-//! `VM restored from a snapshot` line; "VMM ready" is the first `KVM_RUN`
-//! after the restore), the agent's connection after the restore (the
-//! boot-port mark it writes when it dials again, by the VMM's clock: only
-//! its host time is used), the helper reading the agent's final hello,
-//! and `startVM`'s answer ([`Phase::WARM_TIMELINE`]). The phases both
-//! kinds measure the same way (helper → VMM ready, VMM ready → final hello
-//! read, final hello read → answered, startVM → connected, first spawn →
-//! exit) give the warm/cold ratios.
+//! A warm start ([`StartKind::Warm`]) restores the boot snapshot instead
+//! of booting, so the guest's boot clock and the hello's boot marks are
+//! those of the snapshot's own boot and say nothing about this start: none
+//! of the kernel and agent phases is derived for it. Its phases are
+//! host-side, each backend's own restore then the guest's reconnection:
+//! - kvm ([`Phase::KVM_WARM_TIMELINE`]): the VMM's restore phases (from
+//!   its `VM restored from a snapshot` line; "VMM ready" is the first
+//!   `KVM_RUN` after the restore), the agent's connection after the
+//!   restore (the boot-port mark it writes when it dials again, by the
+//!   VMM's clock: only its host time is used);
+//! - qemu ([`Phase::QEMU_WARM_TIMELINE`]): the backend's restore phases
+//!   (from its `qemu boot snapshot restored` line: the RAM copied into a
+//!   new memfd, the helper's device servers set up and QEMU spawned, QEMU
+//!   up and the device state loaded, the hot-plugs and `cont`; the line is
+//!   logged as the machine runs, which is "VMM ready"), the agent's
+//!   connection after the restore (the helper's `guest agent dialled`
+//!   line, which lags the dial by up to its 20 ms accept poll);
+//!
+//! then the helper reading the agent's final hello, and `startVM`'s
+//! answer. The phases both kinds measure the same way (helper → VMM ready,
+//! VMM ready → final hello read, final hello read → answered, startVM →
+//! connected, first spawn → exit) give the warm/cold ratios.
 
 use guest_agent::milestone::{self, Milestone};
 
@@ -66,12 +75,6 @@ impl Backend {
             Backend::Qemu => "qemu",
         }
     }
-
-    /// Whether the backend can start a VM this way (the qemu backend
-    /// always boots cold).
-    pub fn starts(self, kind: StartKind) -> bool {
-        kind == StartKind::Cold || self == Backend::Kvm
-    }
 }
 
 /// How a run's VM started.
@@ -90,11 +93,12 @@ impl Backend {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum StartKind {
-    /// The kernel booted (kvm with `--snapshot off`; every qemu boot; every
-    /// run of a document from before warm starts were measured).
+    /// The kernel booted (the helper ran with `--snapshot off`, or took
+    /// the boot snapshot; every run of a document from before warm starts
+    /// were measured).
     #[default]
     Cold,
-    /// The kvm backend restored its boot snapshot.
+    /// The backend restored its boot snapshot.
     Warm,
 }
 
@@ -133,8 +137,8 @@ pub enum Phase {
     /// Agent connected (guest) → `startVM` answered (host): reading the
     /// hello, checking it, wiring the link, the reply.
     HelloToConnected,
-    /// Warm: `startVM` sent → the VMM begins the restore (the request,
-    /// the session disk check, the devices, the VM thread).
+    /// Warm: `startVM` sent → the restore begins (the request, the
+    /// session disk check; kvm: the devices, the VM thread).
     HelperToRestore,
     /// Warm, restore: the state file read and checked against this
     /// machine.
@@ -149,13 +153,25 @@ pub enum Phase {
     RestoreVm,
     /// Warm, restore: platform and virtio devices restored and attached.
     RestoreDevices,
-    /// Warm: the whole restore (the six phases above).
+    /// Warm, qemu restore: the snapshot's RAM data copied into a new memfd.
+    RestoreRam,
+    /// Warm, qemu restore: the helper's vhost-user servers set up and QEMU
+    /// spawned (the restore's total minus its three measured steps).
+    RestoreSpawn,
+    /// Warm, qemu restore: QEMU up (its QMP socket) and the device state
+    /// loaded (`-incoming defer`).
+    RestoreLoad,
+    /// Warm, qemu restore: vsock, virtio-fs and rng hot-plugged, `cont`.
+    RestoreHotplug,
+    /// Warm: the whole restore (kvm: the VMM's six phases; qemu: from the
+    /// RAM copy to the machine running).
     RestoreTotal,
-    /// Warm: restore done → the first `KVM_RUN` (the VM thread hands the
-    /// machine over and resumes the devices and vCPUs).
+    /// Warm, kvm: restore done → the first `KVM_RUN` (the VM thread hands
+    /// the machine over and resumes the devices and vCPUs).
     RestoredToVmRun,
-    /// Warm: first `KVM_RUN` → the agent dialled the host again (its link
-    /// was reset by the restore).
+    /// Warm: the VM runs (kvm: first `KVM_RUN`; qemu: `cont`) → the agent
+    /// dialled the host again (kvm: its link was reset by the restore;
+    /// qemu: it found its hot-plugged vsock device).
     VmRunToRedial,
     /// Warm: the agent dialled → the helper read its final hello (template
     /// hello, this boot's Setup, the session disk and share mounted, final
@@ -174,7 +190,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 23] = [
+    pub const ALL: [Phase; 27] = [
         Phase::HelperToVmmReady,
         Phase::VmmReadyToKernel,
         Phase::KernelToAgent,
@@ -190,6 +206,10 @@ impl Phase {
         Phase::RestoreVcpus,
         Phase::RestoreVm,
         Phase::RestoreDevices,
+        Phase::RestoreRam,
+        Phase::RestoreSpawn,
+        Phase::RestoreLoad,
+        Phase::RestoreHotplug,
         Phase::RestoreTotal,
         Phase::RestoredToVmRun,
         Phase::VmRunToRedial,
@@ -213,8 +233,8 @@ impl Phase {
     ];
 
     /// The phases that follow each other from `startVM` to connected in a
-    /// warm start.
-    pub const WARM_TIMELINE: [Phase; 11] = [
+    /// kvm warm start.
+    pub const KVM_WARM_TIMELINE: [Phase; 11] = [
         Phase::HelperToRestore,
         Phase::RestoreState,
         Phase::RestoreKvm,
@@ -228,17 +248,32 @@ impl Phase {
         Phase::HelloReadToConnected,
     ];
 
-    /// The stacked phases of a start of this kind.
-    pub fn timeline(kind: StartKind) -> &'static [Phase] {
-        match kind {
-            StartKind::Cold => &Phase::COLD_TIMELINE,
-            StartKind::Warm => &Phase::WARM_TIMELINE,
+    /// The phases that follow each other from `startVM` to connected in a
+    /// qemu warm start.
+    pub const QEMU_WARM_TIMELINE: [Phase; 8] = [
+        Phase::HelperToRestore,
+        Phase::RestoreRam,
+        Phase::RestoreSpawn,
+        Phase::RestoreLoad,
+        Phase::RestoreHotplug,
+        Phase::VmRunToRedial,
+        Phase::RedialToHelloRead,
+        Phase::HelloReadToConnected,
+    ];
+
+    /// The stacked phases of a start of this backend and kind.
+    pub fn timeline(backend: Backend, kind: StartKind) -> &'static [Phase] {
+        match (backend, kind) {
+            (_, StartKind::Cold) => &Phase::COLD_TIMELINE,
+            (Backend::Kvm, StartKind::Warm) => &Phase::KVM_WARM_TIMELINE,
+            (Backend::Qemu, StartKind::Warm) => &Phase::QEMU_WARM_TIMELINE,
         }
     }
 
-    /// Whether a start of this kind measures the phase (the others are
-    /// always absent for it).
-    pub fn measured_in(self, kind: StartKind) -> bool {
+    /// Whether a start of this backend and kind measures the phase (the
+    /// others are always absent for it).
+    pub fn measured_in(self, backend: Backend, kind: StartKind) -> bool {
+        let warm = kind == StartKind::Warm;
         match self {
             Phase::HelperToVmmReady
             | Phase::VmmReadyToHelloRead
@@ -253,16 +288,20 @@ impl Phase {
             | Phase::KernelToHello
             | Phase::HelloToConnected => kind == StartKind::Cold,
             Phase::HelperToRestore
-            | Phase::RestoreState
+            | Phase::RestoreTotal
+            | Phase::VmRunToRedial
+            | Phase::RedialToHelloRead => warm,
+            Phase::RestoreState
             | Phase::RestoreKvm
             | Phase::RestoreMemory
             | Phase::RestoreVcpus
             | Phase::RestoreVm
             | Phase::RestoreDevices
-            | Phase::RestoreTotal
-            | Phase::RestoredToVmRun
-            | Phase::VmRunToRedial
-            | Phase::RedialToHelloRead => kind == StartKind::Warm,
+            | Phase::RestoredToVmRun => warm && backend == Backend::Kvm,
+            Phase::RestoreRam
+            | Phase::RestoreSpawn
+            | Phase::RestoreLoad
+            | Phase::RestoreHotplug => warm && backend == Backend::Qemu,
         }
     }
 
@@ -284,6 +323,10 @@ impl Phase {
             Phase::RestoreVcpus => "restore_vcpus",
             Phase::RestoreVm => "restore_vm",
             Phase::RestoreDevices => "restore_devices",
+            Phase::RestoreRam => "restore_ram",
+            Phase::RestoreSpawn => "restore_spawn",
+            Phase::RestoreLoad => "restore_load",
+            Phase::RestoreHotplug => "restore_hotplug",
             Phase::RestoreTotal => "restore_total",
             Phase::RestoredToVmRun => "restored_to_vm_run",
             Phase::VmRunToRedial => "vm_run_to_redial",
@@ -313,9 +356,13 @@ impl Phase {
             Phase::RestoreVcpus => "restore: vCPU state",
             Phase::RestoreVm => "restore: VM clock, PIT, irqchip",
             Phase::RestoreDevices => "restore: devices",
-            Phase::RestoreTotal => "restore (VMM, total)",
+            Phase::RestoreRam => "restore: RAM copied into memfd",
+            Phase::RestoreSpawn => "restore: servers set up, QEMU spawned",
+            Phase::RestoreLoad => "restore: QEMU start + device state loaded",
+            Phase::RestoreHotplug => "restore: hot-plug + cont",
+            Phase::RestoreTotal => "restore (total)",
             Phase::RestoredToVmRun => "restored → first KVM_RUN",
-            Phase::VmRunToRedial => "VM runs → agent redialled",
+            Phase::VmRunToRedial => "VM runs → agent (re)dialled",
             Phase::RedialToHelloRead => "redial → final hello (Setup, disks)",
             Phase::VmmReadyToHelloRead => "VMM ready → final hello read",
             Phase::HelloReadToConnected => "final hello read → answered",
@@ -359,8 +406,9 @@ pub struct RunRecord {
     pub start_vm_ms: f64,
     /// First spawn → its exit event, at the client (ms).
     pub spawn_exit_ms: Option<f64>,
-    /// The kvm helper's resident memory once `startVM` answered (its guest
-    /// memory is its own; `None` for QEMU, whose is not).
+    /// Resident memory once `startVM` answered of the process that holds
+    /// the guest's memory: the kvm helper (the VMM is in-process), the
+    /// QEMU process (its `pid` from the `qemu started` line).
     pub rss: Option<Rss>,
     pub events: BootEvents,
 }
@@ -469,9 +517,11 @@ fn kernel_clock_start(rec: &RunRecord, g: &GuestClock) -> Option<f64> {
 
 /// Wall time (µs) the VMM was ready (see the module documentation).
 fn vmm_ready(rec: &RunRecord) -> Option<f64> {
-    match rec.backend {
-        Backend::Kvm => Some(vmm_origin(rec)? + rec.events.kvm_first_run_ms? * US_PER_MS),
-        Backend::Qemu => {
+    match (rec.backend, rec.start) {
+        (Backend::Kvm, _) => Some(vmm_origin(rec)? + rec.events.kvm_first_run_ms? * US_PER_MS),
+        // The restore's line is logged once `cont` returned.
+        (Backend::Qemu, StartKind::Warm) => rec.events.qemu_restore.map(|r| r.logged_at as f64),
+        (Backend::Qemu, StartKind::Cold) => {
             let hello_at = rec.events.agent_connected.as_ref().map(|h| h.at_us);
             rec.events
                 .frontend_connected
@@ -496,9 +546,10 @@ pub fn phases(rec: &RunRecord) -> Phases {
     let answered = Some(rec.start_vm_sent_at as f64 + rec.start_vm_ms * US_PER_MS);
     let hello_read = rec.events.agent_connected.as_ref().map(|h| h.at_us as f64);
     let mut p = Phases::default();
-    match rec.start {
-        StartKind::Cold => cold_phases(rec, ready, answered, &mut p),
-        StartKind::Warm => warm_phases(rec, t0, ready, hello_read, &mut p),
+    match (rec.start, rec.backend) {
+        (StartKind::Cold, _) => cold_phases(rec, ready, answered, &mut p),
+        (StartKind::Warm, Backend::Kvm) => kvm_warm_phases(rec, t0, ready, hello_read, &mut p),
+        (StartKind::Warm, Backend::Qemu) => qemu_warm_phases(rec, t0, ready, hello_read, &mut p),
     }
     p.set(Phase::HelperToVmmReady, diff_ms(ready, t0));
     p.set(Phase::VmmReadyToHelloRead, diff_ms(hello_read, ready));
@@ -528,11 +579,11 @@ fn cold_phases(rec: &RunRecord, ready: Option<f64>, answered: Option<f64>, p: &m
     p.set(Phase::HelloToConnected, diff_ms(answered, hello_at));
 }
 
-/// A warm start's phases, from the host's clocks only: the VMM's restore
-/// phases, its first `KVM_RUN`, the agent's redial (the first "connected"
-/// boot-port mark, at the VMM's time of the write) and the helper reading
-/// the final hello.
-fn warm_phases(
+/// A kvm warm start's phases, from the host's clocks only: the VMM's
+/// restore phases, its first `KVM_RUN`, the agent's redial (the first
+/// "connected" boot-port mark, at the VMM's time of the write) and the
+/// helper reading the final hello.
+fn kvm_warm_phases(
     rec: &RunRecord,
     t0: Option<f64>,
     ready: Option<f64>,
@@ -561,6 +612,37 @@ fn warm_phases(
     let redial = redial.map(|(o, at)| o + at);
     p.set(Phase::VmRunToRedial, diff_ms(redial, ready));
     p.set(Phase::RedialToHelloRead, diff_ms(hello_read, redial));
+}
+
+/// A qemu warm start's phases, from the host's clock only: the backend's
+/// restore steps (its line is logged as the machine runs, `ready`; the
+/// restore began `total_ms` before), the agent's dial (the helper's
+/// accept) and the helper reading the final hello.
+fn qemu_warm_phases(
+    rec: &RunRecord,
+    t0: Option<f64>,
+    ready: Option<f64>,
+    hello_read: Option<f64>,
+    p: &mut Phases,
+) {
+    let ev = &rec.events;
+    if let Some(r) = ev.qemu_restore {
+        let began = r.logged_at as f64 - r.total_ms * US_PER_MS;
+        p.set(Phase::HelperToRestore, diff_ms(Some(began), t0));
+        p.set(Phase::RestoreRam, r.ram_ms);
+        p.set(Phase::RestoreLoad, r.load_ms);
+        p.set(Phase::RestoreHotplug, r.hotplug_ms);
+        let steps = r
+            .ram_ms
+            .zip(r.load_ms)
+            .zip(r.hotplug_ms)
+            .map(|((a, b), c)| a + b + c);
+        p.set(Phase::RestoreSpawn, steps.map(|s| r.total_ms - s));
+        p.set(Phase::RestoreTotal, Some(r.total_ms));
+    }
+    let dialled = ev.agent_dialled.map(|at| at as f64);
+    p.set(Phase::VmRunToRedial, diff_ms(dialled, ready));
+    p.set(Phase::RedialToHelloRead, diff_ms(hello_read, dialled));
 }
 
 /// Median, 90th percentile and count of one phase over the runs that
@@ -687,7 +769,7 @@ mod tests {
         close(Phase::FirstSpawnToExit, 4.5);
         // A cold boot measures no warm phase.
         for ph in Phase::ALL {
-            if !ph.measured_in(StartKind::Cold) {
+            if !ph.measured_in(Backend::Kvm, StartKind::Cold) {
                 assert_eq!(p.get(ph), None, "{ph:?}");
             }
         }
@@ -696,7 +778,11 @@ mod tests {
     #[test]
     fn qemu_phases_use_the_hello_and_absent_sources_stay_absent() {
         let ev = BootEvents {
-            qemu_started: Some((T0 + 5_000, "tcg".into())),
+            qemu_started: Some(super::super::log::QemuStarted {
+                at_us: T0 + 5_000,
+                accel: "tcg".into(),
+                pid: Some(7),
+            }),
             frontend_connected: vec![T0 + 90_000, T0 + 120_000, T0 + 9_000_000],
             agent_connected: Some(hello(
                 T0 + 3_120_000,
@@ -778,7 +864,7 @@ mod tests {
         close(Phase::StartVmToConnected, 190.2);
         close(Phase::FirstSpawnToExit, 6.0);
         // The stacked phases add up to startVM → connected.
-        let sum: f64 = Phase::WARM_TIMELINE
+        let sum: f64 = Phase::KVM_WARM_TIMELINE
             .iter()
             .filter_map(|ph| p.get(*ph))
             .sum();
@@ -786,7 +872,7 @@ mod tests {
         // The hello's boot times and the mark's guest clock are the
         // snapshot's boot: no kernel or agent phase is made of them.
         for ph in Phase::ALL {
-            if !ph.measured_in(StartKind::Warm) {
+            if !ph.measured_in(Backend::Kvm, StartKind::Warm) {
                 assert_eq!(p.get(ph), None, "{ph:?}");
             }
         }
@@ -812,6 +898,78 @@ mod tests {
         assert_eq!(p.get(Phase::VmRunToRedial), None);
         assert_eq!(p.get(Phase::RedialToHelloRead), None);
         assert!((p.get(Phase::VmmReadyToHelloRead).unwrap() - 136.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn qemu_warm_phases_are_its_restore_steps_and_the_host_side() {
+        use super::super::log::{parse_timestamp, HelperLog, QEMU_WARM_LOG};
+        let base = parse_timestamp("2026-12-06T03:00:00Z").unwrap();
+        // startVM sent 0.2 ms before the daemon logged it; answered at
+        // 03:00:00.7292.
+        let rec = RunRecord {
+            backend: Backend::Qemu,
+            start: StartKind::Warm,
+            start_vm_sent_at: base - 200,
+            start_vm_ms: 729.4,
+            spawn_exit_ms: Some(97.0),
+            rss: None,
+            events: HelperLog(QEMU_WARM_LOG).parse(),
+        };
+        let p = phases(&rec);
+        let close = |ph: Phase, want: f64| {
+            let got = p.get(ph).unwrap_or_else(|| panic!("{ph:?} absent"));
+            assert!((got - want).abs() < 1e-6, "{ph:?}: {got} != {want}");
+        };
+        // The restore line at 182 ms, 181.5 ms long: it began at 0.5 ms.
+        close(Phase::HelperToRestore, 0.7);
+        close(Phase::RestoreRam, 115.4);
+        close(Phase::RestoreSpawn, 1.8);
+        close(Phase::RestoreLoad, 49.7);
+        close(Phase::RestoreHotplug, 14.6);
+        close(Phase::RestoreTotal, 181.5);
+        // The machine runs at 182 ms (not at its last frontend, 177 ms).
+        close(Phase::HelperToVmmReady, 182.2);
+        close(Phase::VmRunToRedial, 465.4);
+        close(Phase::RedialToHelloRead, 81.6);
+        close(Phase::VmmReadyToHelloRead, 547.0);
+        close(Phase::HelloReadToConnected, 0.2);
+        close(Phase::StartVmToConnected, 729.4);
+        close(Phase::FirstSpawnToExit, 97.0);
+        let sum: f64 = Phase::QEMU_WARM_TIMELINE
+            .iter()
+            .filter_map(|ph| p.get(*ph))
+            .sum();
+        assert!((sum - 729.4).abs() < 1e-6, "{sum}");
+        // Neither the snapshot's boot nor kvm's restore phases.
+        for ph in Phase::ALL {
+            if !ph.measured_in(Backend::Qemu, StartKind::Warm) {
+                assert_eq!(p.get(ph), None, "{ph:?}");
+            }
+        }
+        for ph in [Phase::RestoreMemory, Phase::RestoredToVmRun] {
+            assert!(!ph.measured_in(Backend::Qemu, StartKind::Warm), "{ph:?}");
+            assert!(ph.measured_in(Backend::Kvm, StartKind::Warm), "{ph:?}");
+        }
+        assert!(!Phase::RestoreRam.measured_in(Backend::Kvm, StartKind::Warm));
+        assert!(!Phase::RestoreRam.measured_in(Backend::Qemu, StartKind::Cold));
+
+        // Without the restore line: its phases and the VM's start are
+        // absent, the redial → hello read stays.
+        let mut bare = rec;
+        bare.events.qemu_restore = None;
+        let p = phases(&bare);
+        for ph in [
+            Phase::HelperToRestore,
+            Phase::RestoreRam,
+            Phase::RestoreSpawn,
+            Phase::RestoreTotal,
+            Phase::HelperToVmmReady,
+            Phase::VmRunToRedial,
+            Phase::VmmReadyToHelloRead,
+        ] {
+            assert_eq!(p.get(ph), None, "{ph:?}");
+        }
+        assert!((p.get(Phase::RedialToHelloRead).unwrap() - 81.6).abs() < 1e-6);
     }
 
     #[test]

@@ -3,28 +3,36 @@
 //! back for `--replay` ([`Report::from_json`]).
 //!
 //! The runs are grouped in series, one per backend and start kind ("kvm
-//! cold", "kvm warm", "qemu cold"). JSON shape ([`SCHEMA`]):
+//! cold", "kvm warm", "qemu cold", "qemu warm"). JSON shape ([`SCHEMA`]):
 //! ```text
 //! { "schema": "...", "runs": N, "warmup": W, "userland": "default",
 //!   "memory_gb": 1.0, "cpus": 2,
 //!   "host": { "cpus": 2, "kernel": "6.1.0-..." },
-//!   "notes": ["qemu: cold only ..."],
-//!   "backends": [ { "backend": "kvm", "start": "cold" | "warm",
+//!   "notes": ["..."],
+//!   "backends": [ { "backend": "kvm" | "qemu", "start": "cold" | "warm",
 //!                   "accel": "kvm" | "tcg" | null,
 //!                   "failures": ["..."],
-//!                   "snapshot": { "snapshot_ms", "memory_data_mib",
+//!                   "snapshot": { "snapshot_ms", "stopped_ms", "memory_data_mib",
 //!                                 "memory_disk_mib", "state_bytes" } | null,
+//!                   "rss_process": "helper" | "qemu",
+//!                   "rss_after_connected": [ { "anon_kib", "file_kib" } ],
 //!                   "runs": [ { "start": "cold" | "warm", "<phase>": ms | null, ... } ],
 //!                   "summary": { "<phase>": {"median_ms", "p90_ms", "n"} | null } } ],
 //!   "ratios": { "<phase>": kvm cold median / qemu cold median | null } | null,
-//!   "warm_cold_ratios": { "kvm": { "<phase>": warm median / cold median | null } } | null }
+//!   "warm_cold_ratios": { "kvm" | "qemu": { "<phase>": warm median / cold median | null } } | null }
 //! ```
 //! Every phase key of [`Phase::ALL`] is always present; a phase a series
 //! cannot measure (a cold boot's restore, a warm start's kernel phases) or
-//! did not measure is `null`, never a made-up number. `ratios` is `null`
-//! unless both backends ran cold, `warm_cold_ratios` unless a backend ran
-//! both kinds; `snapshot` is the boot snapshot a warm series' first,
-//! unmeasured boot took.
+//! did not measure is `null`, never a made-up number (a warm series has
+//! its own backend's restore phases only). `ratios` is `null` unless both
+//! backends ran cold, `warm_cold_ratios` unless a backend ran both kinds;
+//! `snapshot` is the boot snapshot a warm series' first, unmeasured boot
+//! took (its fields as the backend logs them, the others `null`);
+//! `rss_after_connected` is, per run, the resident memory once startVM
+//! answered of the process holding the guest's memory (`rss_process`: the
+//! kvm helper, or QEMU, whose guest RAM is a shared memfd, counted as
+//! file-backed). `notes` are for what was asked and not measured (none
+//! now; older documents have them).
 //!
 //! Limits: `--replay` reads back the runs' phases, the settings, the notes,
 //! the snapshots and the failures, and recomputes summaries and ratios; a
@@ -69,7 +77,8 @@ pub struct BackendRuns {
     pub failures: Vec<String>,
     /// Warm: the boot snapshot the series' first, unmeasured boot took.
     pub snapshot: Option<SnapshotTaken>,
-    /// kvm: the helper's resident memory once each run's startVM answered.
+    /// The resident memory once each run's startVM answered of the helper
+    /// (kvm) or of QEMU (qemu), see [`rss_process`].
     pub rss: Vec<Rss>,
 }
 
@@ -103,7 +112,8 @@ pub struct Report {
     pub memory_gb: f64,
     pub cpus: u32,
     pub host_kernel: String,
-    /// What was asked and not measured, and why (`qemu: cold only ...`).
+    /// What was asked and not measured, and why (read back from older
+    /// documents; a run now measures all it is asked for).
     pub notes: Vec<String>,
     pub backends: Vec<BackendRuns>,
 }
@@ -144,10 +154,19 @@ fn ratios_json(ratio: impl Fn(Phase) -> Option<f64>) -> Value {
     Value::Object(m)
 }
 
+/// The process whose resident memory a backend's series records.
+pub fn rss_process(b: Backend) -> &'static str {
+    match b {
+        Backend::Kvm => "helper",
+        Backend::Qemu => "qemu",
+    }
+}
+
 fn snapshot_json(s: Option<SnapshotTaken>) -> Value {
     match s {
         Some(s) => json!({
             "snapshot_ms": s.snapshot_ms,
+            "stopped_ms": s.stopped_ms,
             "memory_data_mib": s.memory_data_mib,
             "memory_disk_mib": s.memory_disk_mib,
             "state_bytes": s.state_bytes,
@@ -271,6 +290,7 @@ impl Report {
                     "accel": b.accel,
                     "failures": b.failures,
                     "snapshot": snapshot_json(b.snapshot),
+                    "rss_process": rss_process(b.backend),
                     "rss_after_connected": b.rss,
                     "runs": b.runs.iter().map(|r| phases_json(r, b.start)).collect::<Vec<_>>(),
                     "summary": summary,
@@ -376,15 +396,17 @@ impl Report {
             head.push(format!("{} warm/cold", b.as_str()));
         }
         let mut rows = vec![head];
-        let shown = Phase::ALL
-            .into_iter()
-            .filter(|ph| self.backends.iter().any(|b| ph.measured_in(b.start)));
+        let shown = Phase::ALL.into_iter().filter(|ph| {
+            self.backends
+                .iter()
+                .any(|b| ph.measured_in(b.backend, b.start))
+        });
         for ph in shown {
             let mut row = vec![ph.label().to_string()];
             for b in &self.backends {
                 row.push(match stat(&b.runs, ph) {
                     Some(s) => format!("{:.1} / {:.1}", s.median_ms, s.p90_ms),
-                    None if !ph.measured_in(b.start) => "-".into(),
+                    None if !ph.measured_in(b.backend, b.start) => "-".into(),
                     None => "absent".into(),
                 });
             }
@@ -434,8 +456,15 @@ impl Report {
                 out += &format!("  {}\n", snapshot_words(&s));
             }
             if let Some(r) = rss_median(&b.rss) {
+                let (who, file) = match b.backend {
+                    Backend::Kvm => ("helper", "file-backed"),
+                    Backend::Qemu => (
+                        "QEMU process",
+                        "file-backed and shared (the guest's RAM is a memfd)",
+                    ),
+                };
                 out += &format!(
-                    "  helper resident once connected (median of {}): {:.1} MiB anonymous, {:.1} MiB file-backed\n",
+                    "  {who} resident once connected (median of {}): {:.1} MiB anonymous, {:.1} MiB {file}\n",
                     b.rss.len(),
                     r.anon_kib as f64 / KIB,
                     r.file_kib as f64 / KIB
@@ -469,11 +498,18 @@ fn snapshot_words(s: &SnapshotTaken) -> String {
     let num = |v: Option<f64>, unit: &str, scale: f64| {
         v.map_or_else(|| "?".into(), |v| format!("{:.1} {unit}", v / scale))
     };
+    let took = match (s.snapshot_ms, s.stopped_ms) {
+        (None, Some(stopped)) => format!("the machine stopped {stopped:.1} ms"),
+        (ms, _) => num(ms, "ms", 1.0),
+    };
+    let on_disk = match s.memory_disk_mib {
+        Some(_) => format!(" ({} on disk)", num(s.memory_disk_mib, "MiB", 1.0)),
+        None if s.stopped_ms.is_some() => String::new(),
+        None => " (? on disk)".into(),
+    };
     format!(
-        "snapshot taken by the first warm-up boot: {}, memory {} with data ({} on disk), state {}",
-        num(s.snapshot_ms, "ms", 1.0),
+        "snapshot taken by the first warm-up boot: {took}, memory {} with data{on_disk}, state {}",
         num(s.memory_data_mib, "MiB", 1.0),
-        num(s.memory_disk_mib, "MiB", 1.0),
         num(s.state_bytes, "KiB", KIB),
     )
 }
@@ -558,6 +594,7 @@ mod tests {
         );
         warm.snapshot = Some(SnapshotTaken {
             snapshot_ms: Some(884.75),
+            stopped_ms: None,
             memory_data_mib: Some(301.0),
             memory_disk_mib: Some(305.0),
             state_bytes: Some(48_213.0),
@@ -577,7 +614,41 @@ mod tests {
             },
         ];
         r.backends.insert(1, warm);
-        r.notes = vec!["qemu: cold only".into()];
+        r.notes = vec!["an older document's note".into()];
+        r
+    }
+
+    /// [`warm_report`] with a qemu warm series, as `--backend both --start
+    /// both` gives them.
+    fn both_warm_report() -> Report {
+        let mut r = warm_report();
+        let mut warm = series(
+            Backend::Qemu,
+            StartKind::Warm,
+            "tcg",
+            runs(
+                &[
+                    (Phase::StartVmToConnected, 800.0),
+                    (Phase::HelperToVmmReady, 180.0),
+                    (Phase::RestoreRam, 115.0),
+                    (Phase::RestoreLoad, 50.0),
+                    (Phase::RestoreTotal, 180.0),
+                    (Phase::FirstSpawnToExit, 90.0),
+                ],
+                3,
+            ),
+        );
+        warm.snapshot = Some(SnapshotTaken {
+            stopped_ms: Some(159.64),
+            memory_data_mib: Some(120.0),
+            state_bytes: Some(467_573.0),
+            ..SnapshotTaken::default()
+        });
+        warm.rss = vec![Rss {
+            anon_kib: 56 * 1024,
+            file_kib: 49 * 1024,
+        }];
+        r.backends.push(warm);
         r
     }
 
@@ -675,8 +746,10 @@ mod tests {
         // 251 / 1001 (medians).
         assert_eq!(wc["startvm_to_connected"], round3(251.0 / 1001.0));
         assert!(wc["restore_total"].is_null(), "no cold restore: {wc}");
+        // No qemu warm series here: no qemu warm/cold ratio.
         assert!(v["warm_cold_ratios"]["qemu"].is_null());
-        assert_eq!(v["notes"][0], "qemu: cold only");
+        assert_eq!(v["notes"][0], "an older document's note");
+        assert_eq!(warm["rss_process"], "helper");
 
         let t = r.table();
         for want in [
@@ -685,10 +758,10 @@ mod tests {
             "qemu cold (tcg) median / p90",
             "kvm warm/cold",
             "restore: guest memory",
-            "restore (VMM, total)",
+            "restore (total)",
             "0.25×",
             "snapshot taken by the first warm-up boot: 884.8 ms, memory 301.0 MiB with data (305.0 MiB on disk), state 47.1 KiB",
-            "note: qemu: cold only",
+            "note: an older document's note",
             "(a warm series has at least one, which takes its boot snapshot)",
             // Medians of each field: 30 of 20/30/40, 85 of 80/85/90.
             "helper resident once connected (median of 3): 30.0 MiB anonymous, 85.0 MiB file-backed",
@@ -714,6 +787,70 @@ mod tests {
         // Round trip with the warm series, its snapshot and the notes.
         let back = Report::from_json(&v).unwrap();
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn a_qemu_warm_series_gets_its_restore_rows_ratio_and_snapshot() {
+        let r = both_warm_report();
+        let v = r.to_json();
+        let qw = &v["backends"][3];
+        assert_eq!(
+            (&qw["backend"], &qw["start"]),
+            (&json!("qemu"), &json!("warm"))
+        );
+        assert_eq!(qw["runs"][0]["restore_ram"], 115.0);
+        assert!(qw["runs"][0]["restore_memory"].is_null());
+        assert_eq!(qw["snapshot"]["stopped_ms"], 159.64);
+        assert!(qw["snapshot"]["snapshot_ms"].is_null());
+        assert_eq!(qw["rss_process"], "qemu");
+        // qemu's warm/cold ratio beside kvm's: 801 / 4001 (medians).
+        let wc = &v["warm_cold_ratios"]["qemu"];
+        assert_eq!(wc["startvm_to_connected"], round3(801.0 / 4001.0));
+        assert!(v["warm_cold_ratios"]["kvm"]["startvm_to_connected"].is_number());
+        // kvm/qemu still compares the cold series.
+        assert_eq!(v["ratios"]["startvm_to_connected"], 0.25);
+
+        let t = r.table();
+        for want in [
+            "qemu warm (tcg) median / p90",
+            "kvm warm/cold",
+            "qemu warm/cold",
+            "restore: RAM copied into memfd",
+            "snapshot taken by the first warm-up boot: the machine stopped 159.6 ms, memory 120.0 MiB with data, state 456.6 KiB",
+            "QEMU process resident once connected (median of 1): 56.0 MiB anonymous, 49.0 MiB file-backed and shared",
+        ] {
+            assert!(t.contains(want), "{want} missing:\n{t}");
+        }
+        let row = |label: &str| {
+            cells(
+                t.lines()
+                    .find(|l| l.starts_with(label))
+                    .unwrap_or_else(|| panic!("no row {label}:\n{t}")),
+            )
+        };
+        // Columns: phase, kvm cold, kvm warm, qemu cold, qemu warm,
+        // kvm/qemu, kvm warm/cold, qemu warm/cold. Each warm series has
+        // its own backend's restore steps ("-" for the other's), both the
+        // total.
+        assert_eq!(
+            row("restore: RAM copied into memfd")[1..],
+            ["-", "-", "-", "116.0 / 116.8", "-", "-", "-"]
+        );
+        assert_eq!(
+            row("restore: servers set up, QEMU spawned")[1..],
+            ["-", "-", "-", "absent", "-", "-", "-"]
+        );
+        assert_eq!(
+            row("restore: guest memory")[1..],
+            ["-", "6.0 / 6.8", "-", "-", "-", "-", "-"]
+        );
+        assert_eq!(
+            row("restore (total)")[1..],
+            ["-", "31.0 / 31.8", "-", "181.0 / 181.8", "-", "-", "-"]
+        );
+        let total = row("startVM → connected");
+        assert_eq!(total[5..], ["0.25×", "0.25×", "0.20×"]);
+        assert_eq!(Report::from_json(&v).unwrap(), r);
     }
 
     /// A table row's cells (columns are at least two spaces apart).
