@@ -345,14 +345,12 @@ pub enum BenchBackend {
 /// `bench boot`'s start kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BenchStart {
-    /// Every VM boots its kernel (the kvm backend's helpers run with
-    /// --snapshot off).
+    /// Every VM boots its kernel (the helpers run with --snapshot off).
     Cold,
-    /// kvm only: every measured VM restores the boot snapshot an unmeasured
-    /// first boot took (qemu always boots cold: refused alone, skipped with
-    /// a note beside kvm).
+    /// Every measured VM restores the boot snapshot an unmeasured first
+    /// boot took (each series has its own snapshot directory).
     Warm,
-    /// A cold and, for kvm, a warm series, with warm/cold ratios.
+    /// A cold and a warm series per backend, with warm/cold ratios.
     Both,
 }
 
@@ -362,8 +360,8 @@ pub struct BenchBootArgs {
     /// Which backend(s) to boot.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: BenchBackend,
-    /// Cold boots, warm starts (kvm: restored from a boot snapshot), or both
-    /// as separate series.
+    /// Cold boots, warm starts (restored from a boot snapshot), or both as
+    /// separate series.
     #[arg(long, value_enum, default_value = "cold")]
     pub start: BenchStart,
     /// Measured boots per series (backend and start kind).

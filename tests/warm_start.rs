@@ -12,7 +12,8 @@
 //! snapshot, the second and third restore it (the log says which start
 //! was which), and a fourth start after the snapshot's state file was
 //! truncated boots cold again, says so in one log line and takes a new
-//! snapshot; the checks are the same for every start.
+//! snapshot; the checks are the same for every start. Under qemu each
+//! restore also shows the guest a new VM generation ID (`vmgenid`).
 //!
 //! Gate: QEMU and the guest image with its userland (`COWORK_QEMU_TESTS=1`
 //! makes them mandatory); the nested harness for kvm (`COWORK_NESTED_TESTS`).
@@ -128,6 +129,22 @@ async fn three_starts(backend: &str) {
         &["cold", "warm", "warm", "warm", "cold"]
     };
     check_starts(backend, &log, after_truncation, 2);
+    if backend == "qemu" {
+        // Each restore shows the guest a new VM generation ID.
+        let ids: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("qemu boot snapshot restored"))
+            .filter_map(|l| l.split("generation_id=").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next())
+            .collect();
+        assert_eq!(ids.len(), 2, "two restores:\n{log}");
+        assert_ne!(ids[0], ids[1], "a generation ID repeated:\n{log}");
+        assert!(
+            ids.iter()
+                .all(|id| id.len() == 36 && id.matches('-').count() == 4),
+            "{ids:?}"
+        );
+    }
     assert_eq!(
         log.matches("the boot snapshot cannot be restored").count(),
         1,

@@ -368,6 +368,7 @@ fn snapshot_key(plan: &QemuPlan) -> String {
     let hotplugs = plan.hotplugs();
     let mut devices: Vec<&str> = vec!["vhost-user-blk-pci"; 1 + plan.root_disks.len()];
     devices.push(plan::BALLOON_DEVICE);
+    devices.push(plan::VMGENID_DEVICE);
     devices.extend(hotplugs.iter().map(|h| h.driver));
     QemuIdentity {
         qemu: &plan.qemu,
@@ -623,6 +624,7 @@ async fn start(
             drop(prepared);
             match restored {
                 Ok(times) => tracing::info!(
+                    generation_id = %times.generation_id,
                     ram_mib,
                     ram_ms,
                     load_ms = times.load_ms,
@@ -663,8 +665,11 @@ async fn start(
     })
 }
 
-/// How long a restore's steps took (ms).
+/// How long a restore's steps took (ms), and the machine's generation ID.
 struct RestoreTimes {
+    /// The VM generation ID the restored guest sees (QEMU's
+    /// `query-vm-generation-id`; new in every restore).
+    generation_id: String,
     /// QEMU's QMP up to the device state loaded.
     load_ms: f64,
     /// The hot-plugs and `cont`.
@@ -686,7 +691,9 @@ async fn restore(
     let loaded = Instant::now();
     warm::hotplug(&mut qmp, hotplugs).await?;
     qmp.cont().await?;
+    let generation_id = warm::generation_id(&mut qmp).await;
     Ok(RestoreTimes {
+        generation_id,
         load_ms: (loaded - began).as_secs_f64() * 1e3,
         hotplug_ms: loaded.elapsed().as_secs_f64() * 1e3,
     })

@@ -40,6 +40,13 @@ pub const KERNEL_CMDLINE: &str = concat!(
 /// QEMU punches them out of the memfd, so QEMU's RSS falls again after the
 /// guest frees memory; the balloon is never inflated.
 pub const BALLOON_DEVICE: &str = "virtio-balloon-pci,free-page-reporting=on";
+/// The VM generation ID device of the snapshot layout ([`Layout::Migratable`]):
+/// QEMU makes a new random GUID in every process (`auto`), so each restore
+/// of one snapshot shows the guest a new one and notifies it (ACPI), and a
+/// kernel with the `vmgenid` driver reseeds its RNG at once. Debian's cloud
+/// kernel has no such driver (the agent's `Setup` reseeds it instead); the
+/// device costs nothing there.
+pub const VMGENID_DEVICE: &str = "vmgenid,guid=auto";
 /// Queue size of the virtio-fs device (QEMU's largest; deep queues let
 /// the guest keep readahead and writeback requests in flight).
 pub const FS_QUEUE_SIZE: u16 = 1024;
@@ -313,6 +320,9 @@ impl QemuPlan {
             );
         }
         push("-device", BALLOON_DEVICE.into());
+        if migratable.is_some() {
+            push("-device", VMGENID_DEVICE.into());
+        }
         a.push("-kernel".into());
         a.push(self.image.vmlinuz.clone().into());
         a.push("-initrd".into());

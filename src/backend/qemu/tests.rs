@@ -85,7 +85,8 @@ fn migratable_command_line() {
         values(&a, "-device"),
         [
             "vhost-user-blk-pci,chardev=blk0,num-queues=1",
-            "virtio-balloon-pci,free-page-reporting=on"
+            "virtio-balloon-pci,free-page-reporting=on",
+            "vmgenid,guid=auto"
         ]
     );
     assert_eq!(

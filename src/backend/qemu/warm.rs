@@ -501,6 +501,18 @@ pub async fn hotplug(qmp: &mut Qmp, plugs: &[Hotplug]) -> Result<(), WarmError> 
     Ok(())
 }
 
+/// The VM generation ID QEMU shows the guest (`query-vm-generation-id`),
+/// or why it cannot be had (a log field, never fatal).
+pub async fn generation_id(qmp: &mut Qmp) -> String {
+    match qmp.execute("query-vm-generation-id", None).await {
+        Ok(v) => v
+            .get("guid")
+            .and_then(|g| g.as_str())
+            .map_or_else(|| format!("unexpected answer {v}"), str::to_string),
+        Err(e) => format!("unknown ({e})"),
+    }
+}
+
 /// Sets the capability a snapshot-taking machine needs before it is
 /// saved.
 pub async fn prepare_source(qmp: &mut Qmp) -> Result<(), WarmError> {
