@@ -250,16 +250,15 @@ pub async fn boot(
         opts.guest_log.as_deref(),
         opts.guest_root_session.as_deref(),
     );
-    // One per attempt: a failed restore's sockets are not reused.
-    let make_plan = |layout: Layout| -> Result<(QemuPlan, RunDir), QemuError> {
-        let run_dir = RunDir::create(&opts.host)?;
+    // The plan of a machine whose sockets live in `dir`.
+    let plan_in = |dir: &Path, layout: Layout| -> QemuPlan {
         let root_disks = userland
             .disks
             .iter()
             .enumerate()
             .map(|(i, disk)| RootDiskSocket {
                 disk: disk.clone(),
-                socket: run_dir.0.join(format!("root{i}.sock")),
+                socket: dir.join(format!("root{i}.sock")),
             })
             .collect();
         let layout = match layout {
@@ -267,35 +266,43 @@ pub async fn boot(
                 ram_fd, incoming, ..
             } => Layout::Migratable {
                 ram_fd,
-                qmp: run_dir.0.join("qmp.sock"),
+                qmp: dir.join("qmp.sock"),
                 incoming,
             },
             Layout::Full => Layout::Full,
         };
-        let plan = QemuPlan {
+        QemuPlan {
             qemu: qemu.clone(),
             image: image.clone(),
             accel,
             memory_mib,
             cpus,
-            vsock_socket: run_dir.0.join("vsock.sock"),
-            fs_socket: run_dir.0.join("fs.sock"),
-            blk_socket: run_dir.0.join("blk.sock"),
-            rng_socket: run_dir.0.join("rng.sock"),
+            vsock_socket: dir.join("vsock.sock"),
+            fs_socket: dir.join("fs.sock"),
+            blk_socket: dir.join("blk.sock"),
+            rng_socket: dir.join("rng.sock"),
             session_disk: session_disk.to_path_buf(),
             root_disks,
             extra_cmdline: extra_cmdline.clone(),
             layout,
-        };
-        Ok((plan, run_dir))
+        }
+    };
+    // A run directory per attempt: a failed restore's sockets are not reused.
+    let make_plan = |layout: Layout| -> Result<(QemuPlan, RunDir), QemuError> {
+        let run_dir = RunDir::create(&opts.host)?;
+        Ok((plan_in(&run_dir.0, layout), run_dir))
     };
     // Snapshots need an agent that says its template point on the console.
     let store = if image.template_console {
-        let (probe, _dir) = make_plan(Layout::Migratable {
-            ram_fd: -1,
-            qmp: PathBuf::new(),
-            incoming: false,
-        })?;
+        // The key names no socket or descriptor: any directory will do.
+        let probe = plan_in(
+            Path::new(""),
+            Layout::Migratable {
+                ram_fd: -1,
+                qmp: PathBuf::new(),
+                incoming: false,
+            },
+        );
         Store::new(&opts.snapshot, QEMU_STORE, || snapshot_key(&probe))
     } else {
         None
@@ -338,6 +345,9 @@ pub async fn boot(
                 store.touch_and_prune();
                 return Ok(booted);
             }
+            // Not the snapshot's fault (QEMU missing, the session disk
+            // locked, ...): a cold boot would fail the same way.
+            Err(e) if !matches!(e, QemuError::Restore(_)) => return Err(e),
             Err(e) => {
                 tracing::warn!(
                     dir = %store.dir().display(),
