@@ -21,7 +21,8 @@
 //!   never touched, and those the balloon's free page reporting punched
 //!   out, are not stored). The machine runs on as soon as the copy is done;
 //!   the files are synced and renamed into place after, the state file
-//!   last, so a crash leaves no snapshot a later start would use.
+//!   last, so a crash leaves no snapshot a later start would use (its
+//!   temporary files go at the next snapshot taken in that store).
 //! - **Restoring** ([`Prepared::open`], then [`load`]): the header's key
 //!   must be this machine's, the RAM file the machine's size; its data is
 //!   copied into a new memfd (QEMU writes to its RAM and the snapshot must
@@ -264,6 +265,31 @@ impl Pending {
     }
 }
 
+/// Removes the temporary files (`.<file>.<pid>.<seq>.tmp`) that helpers
+/// which are gone left in `dir` (killed while taking a snapshot); those of
+/// live helpers are theirs.
+fn sweep_dead_temporaries(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .and_then(|n| n.rsplit('.').nth(1))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::debug!(file = %e.path().display(), "removing a dead helper's snapshot file");
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
 /// A new 0600 file at `path`, truncated.
 fn create_private(path: &Path) -> Result<File, WarmError> {
     OpenOptions::new()
@@ -308,6 +334,7 @@ pub async fn save(
             path: dir.clone(),
             source,
         })?;
+    sweep_dead_temporaries(&dir);
     let tag = format!(
         "{}.{}",
         std::process::id(),
@@ -557,6 +584,27 @@ mod tests {
         back.read_exact_at(&mut b, (40 << 20) + PAGE as u64)
             .unwrap();
         assert_eq!(&b, b"second");
+    }
+
+    #[test]
+    fn temporaries_of_dead_helpers_are_swept() {
+        let d = tempfile::tempdir().unwrap();
+        let me = std::process::id();
+        // A pid that is not running: above the kernel's pid_max limit.
+        let dead = 4_194_304 + 17;
+        let files = [
+            format!(".{STATE_FILE}.{dead}.0.tmp"),
+            format!(".{RAM_FILE}.{dead}.3.tmp"),
+            format!(".{STATE_FILE}.{me}.1.tmp"),
+            STATE_FILE.to_string(),
+            "notes".to_string(),
+        ];
+        for f in &files {
+            fs::write(d.path().join(f), b"x").unwrap();
+        }
+        sweep_dead_temporaries(d.path());
+        let left: Vec<bool> = files.iter().map(|f| d.path().join(f).exists()).collect();
+        assert_eq!(left, [false, false, true, true, true]);
     }
 
     fn store(d: &Path, key: &str) -> Store {
