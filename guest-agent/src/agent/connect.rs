@@ -44,7 +44,7 @@ pub struct Pacing {
 }
 
 impl Pacing {
-    /// From [`FIRST_RETRY`] up to [`MAX_RETRY`]: the host's listener is
+    /// From `FIRST_RETRY` up to `MAX_RETRY`: the host's listener is
     /// usually there, or soon.
     pub const GROWING: Pacing = Pacing {
         first: FIRST_RETRY,
