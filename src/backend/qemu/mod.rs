@@ -695,7 +695,7 @@ async fn restore(
     hotplugs: &[Hotplug],
 ) -> Result<RestoreTimes, WarmError> {
     let began = Instant::now();
-    let deadline = tokio::time::Instant::now() + warm::MIGRATION_LIMIT;
+    let deadline = tokio::time::Instant::now() + warm::LOAD_LIMIT;
     let mut qmp = Qmp::connect(qmp, deadline).await?;
     warm::load(&mut qmp, &prepared.state).await?;
     let loaded = Instant::now();

@@ -74,6 +74,10 @@ const STATE_FD_NAME: &str = "cowork-snapshot";
 /// How long QEMU gets to write or read the device state (a few hundred
 /// KiB: milliseconds, but TCG hosts are slow and loaded).
 pub const MIGRATION_LIMIT: Duration = Duration::from_secs(60);
+/// How long a restore gets from QEMU's start to the state loaded (tens of
+/// ms here); past it the start boots cold instead, which still fits the
+/// client's minute.
+pub const LOAD_LIMIT: Duration = Duration::from_secs(15);
 /// Pause between `query-status` polls while the state loads.
 const LOAD_POLL: Duration = Duration::from_millis(2);
 /// Copy granule: a page.
@@ -107,7 +111,7 @@ pub enum WarmError {
     RamSize { path: PathBuf, got: u64, want: u64 },
     #[error("QEMU is {0:?} after loading the snapshot, not paused")]
     NotLoaded(String),
-    #[error("the snapshot's device state did not load within {}s", MIGRATION_LIMIT.as_secs())]
+    #[error("the snapshot's device state did not load within {}s", LOAD_LIMIT.as_secs())]
     LoadTimeout,
 }
 
@@ -498,7 +502,7 @@ pub async fn load(qmp: &mut Qmp, state: &File) -> Result<(), WarmError> {
     qmp.set_capabilities(&[(IGNORE_SHARED, true)]).await?;
     qmp.send_fd(STATE_FD_NAME, state.as_fd()).await?;
     qmp.migrate_incoming(&format!("fd:{STATE_FD_NAME}")).await?;
-    let deadline = Instant::now() + MIGRATION_LIMIT;
+    let deadline = Instant::now() + LOAD_LIMIT;
     loop {
         let status = qmp.status().await?;
         match status.as_str() {
