@@ -365,7 +365,9 @@ pub fn finish_machine_init() -> Vec<PathBuf> {
         // A panic in the share's thread is the share not mounted.
         (disk_ms, share.join().unwrap_or_default())
     });
-    tracing::info!(
+    // Debug: on every (warm) start's path, where each console byte is a
+    // port I/O exit; `--guest-log debug` shows it.
+    tracing::debug!(
         session_disk_ms = disk_ms,
         share_ms,
         total_ms = since(began),

@@ -197,7 +197,9 @@ where
         let mut conn = dial().await.map_err(SetupError::Redial)?;
         match exchange(&mut conn, hello, &quiet).await? {
             Some(setup) => return Ok((conn, setup)),
-            None => tracing::info!(
+            // Debug: every console byte is a port I/O exit on a warm
+            // start's path, and the host logs the redial it accepts.
+            None => tracing::debug!(
                 attempt,
                 "the host link was reset at the template point (a snapshot, or a restore); dialling again"
             ),
@@ -214,7 +216,8 @@ pub fn apply(setup: &Setup) -> Result<(), SetupError> {
     let entropy = add_entropy_and_reseed(&setup.entropy);
     let clock = set_wall_clock(setup.wall_clock_ns);
     match (&entropy, &clock) {
-        (Ok(()), Ok(())) => tracing::info!("setup applied: RNG reseeded, clock set"),
+        // Debug: the final hello says as much (failures are warnings).
+        (Ok(()), Ok(())) => tracing::debug!("setup applied: RNG reseeded, clock set"),
         _ => tracing::warn!(
             entropy = ?entropy.as_ref().err().map(ToString::to_string),
             clock = ?clock.as_ref().err().map(ToString::to_string),
