@@ -72,6 +72,21 @@ impl KeyText {
         self.line(name, file_identity(path))
     }
 
+    /// Adds the files a machine boots: `kernel=`, `initrd=` and a
+    /// `root_disk=` per root disk, each with its identity.
+    pub fn boot_files(
+        &mut self,
+        kernel: &Path,
+        initrd: &Path,
+        root_disks: &[&Path],
+    ) -> &mut KeyText {
+        self.file("kernel", kernel).file("initrd", initrd);
+        for disk in root_disks {
+            self.file("root_disk", disk);
+        }
+        self
+    }
+
     /// The text.
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.0)

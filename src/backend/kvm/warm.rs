@@ -72,12 +72,8 @@ impl MachineIdentity<'_> {
     pub fn key(&self) -> String {
         let mut k = KeyText::new(KEY_FORMAT);
         k.line("snapshot_format", vmm::snapshot::FORMAT_VERSION)
-            .file("kernel", self.kernel)
-            .file("initrd", self.initrd);
-        for disk in &self.root_disks {
-            k.file("root_disk", disk);
-        }
-        k.line("cmdline", self.cmdline)
+            .boot_files(self.kernel, self.initrd, &self.root_disks)
+            .line("cmdline", self.cmdline)
             .line("mem_mib", self.mem_mib)
             .line("vcpus", self.vcpus)
             .line("devices", self.devices.join(","))

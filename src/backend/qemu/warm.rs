@@ -137,12 +137,8 @@ impl QemuIdentity<'_> {
         let mut k = KeyText::new(KEY_FORMAT);
         k.file("qemu", self.qemu)
             .line("accel", self.accel.as_str())
-            .file("kernel", self.kernel)
-            .file("initrd", self.initrd);
-        for disk in &self.root_disks {
-            k.file("root_disk", disk);
-        }
-        k.line("cmdline", self.cmdline)
+            .boot_files(self.kernel, self.initrd, &self.root_disks)
+            .line("cmdline", self.cmdline)
             .line("mem_mib", self.mem_mib)
             .line("cpus", self.cpus)
             .line("devices", self.devices.join(","))
