@@ -207,11 +207,26 @@ pub fn copy_data(src: &File, dst: &File, len: u64) -> io::Result<u64> {
             if got == 0 {
                 break;
             }
-            for (i, page) in buf[..got].chunks(PAGE).enumerate() {
-                if page.iter().any(|&b| b != 0) {
-                    dst.write_all_at(page, at + (i * PAGE) as u64)?;
-                    written += page.len() as u64;
+            // One write per run of pages that are not all zeros.
+            let data = &buf[..got];
+            let mut page = 0;
+            while page * PAGE < got {
+                let zero = |p: usize| {
+                    data[p * PAGE..((p + 1) * PAGE).min(got)]
+                        .iter()
+                        .all(|&b| b == 0)
+                };
+                if zero(page) {
+                    page += 1;
+                    continue;
                 }
+                let first = page;
+                while page * PAGE < got && !zero(page) {
+                    page += 1;
+                }
+                let run = &data[first * PAGE..(page * PAGE).min(got)];
+                dst.write_all_at(run, at + (first * PAGE) as u64)?;
+                written += run.len() as u64;
             }
             at += got as u64;
         }
@@ -562,13 +577,22 @@ mod tests {
         src.write_all_at(&[0u8; PAGE], 8 << 20).unwrap();
         src.write_all_at(b"second", (40 << 20) + PAGE as u64)
             .unwrap();
+        // A run of four pages with a zero page second, at 16 MiB.
+        src.write_all_at(&[7u8; 4 * PAGE], 16 << 20).unwrap();
+        src.write_all_at(&[0u8; PAGE], (16 << 20) + PAGE as u64)
+            .unwrap();
         let dst = create_private(&d.path().join("ram")).unwrap();
         let n = copy_data(&src, &dst, 64 << 20).unwrap();
         assert_eq!(
             n,
-            2 * PAGE as u64,
-            "two pages of data, the zero page skipped"
+            5 * PAGE as u64,
+            "five pages of data, the zero pages skipped"
         );
+        let mut run = vec![0u8; 4 * PAGE];
+        dst.read_exact_at(&mut run, 16 << 20).unwrap();
+        assert!(run[..PAGE].iter().all(|&b| b == 7));
+        assert!(run[PAGE..2 * PAGE].iter().all(|&b| b == 0));
+        assert!(run[2 * PAGE..].iter().all(|&b| b == 7));
         assert_eq!(dst.metadata().unwrap().len(), 64 << 20);
         let mut b = [0u8; 6];
         dst.read_exact_at(&mut b[..5], 0).unwrap();
