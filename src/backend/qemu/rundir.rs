@@ -58,22 +58,42 @@ impl RunDir {
 /// Removes runtime directories of helpers that are gone (killed before
 /// they could clean up), recognised by the pid in their name.
 pub(super) fn sweep_stale_run_dirs(base: &Path) {
-    let Ok(entries) = std::fs::read_dir(base) else {
+    sweep_dead_helpers(
+        base,
+        |n| {
+            n.strip_prefix("cowork-qemu-")
+                .and_then(|rest| rest.split_once('-'))
+                .map(|(pid, _)| pid)
+        },
+        "runtime directory",
+    );
+}
+
+/// Removes the entries of `dir` (files or directories) whose name holds
+/// the pid of a helper that is gone; `pid_of` finds the pid's text in a
+/// name (none: not such an entry, left alone). `what` names the entries
+/// in the log.
+pub(super) fn sweep_dead_helpers(dir: &Path, pid_of: impl Fn(&str) -> Option<&str>, what: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(pid) = name
             .to_str()
-            .and_then(|n| n.strip_prefix("cowork-qemu-"))
-            .and_then(|rest| rest.split_once('-'))
-            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+            .and_then(&pid_of)
+            .and_then(|pid| pid.parse::<u32>().ok())
         else {
             continue;
         };
         if !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::debug!(dir = %e.path().display(), "removing a dead helper's runtime directory");
-            let _ = std::fs::remove_dir_all(e.path());
+            tracing::debug!(path = %e.path().display(), "removing a dead helper's {what}");
+            let path = e.path();
+            let _ = if e.file_type().is_ok_and(|t| t.is_dir()) {
+                std::fs::remove_dir_all(path)
+            } else {
+                std::fs::remove_file(path)
+            };
         }
     }
 }

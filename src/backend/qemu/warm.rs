@@ -284,25 +284,15 @@ impl Pending {
 /// which are gone left in `dir` (killed while taking a snapshot); those of
 /// live helpers are theirs.
 fn sweep_dead_temporaries(dir: &Path) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix('.'))
-            .and_then(|n| n.strip_suffix(".tmp"))
-            .and_then(|n| n.rsplit('.').nth(1))
-            .and_then(|pid| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::debug!(file = %e.path().display(), "removing a dead helper's snapshot file");
-            let _ = fs::remove_file(e.path());
-        }
-    }
+    super::rundir::sweep_dead_helpers(
+        dir,
+        |n| {
+            n.strip_prefix('.')
+                .and_then(|n| n.strip_suffix(".tmp"))
+                .and_then(|n| n.rsplit('.').nth(1))
+        },
+        "snapshot file",
+    );
 }
 
 /// A new 0600 file at `path`, truncated.
